@@ -1,0 +1,28 @@
+# The two commands a fresh machine needs (see README): `make demo` and `make test`.
+# Both create .venv and install from this repository's own files. On machines without an NVIDIA
+# GPU, torch==2.13.0 (CPU wheel, on local disk here) is installed first, so that no dependency
+# range can pull multi-GB CUDA wheels.
+PYTHON ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+
+.PHONY: install install-dev demo test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+install: $(BIN)/python
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e .
+
+install-dev: $(BIN)/python
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e ".[dev]"
+
+demo: install
+	$(BIN)/zcpo demo
+
+# Exit code 5 means "no tests collected": not a failure of the suite.
+test: install-dev
+	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc

@@ -1,0 +1,1 @@
+"""Pure math: advantages, ZCPO calibration, surrogates, KL estimators and comparison methods (no process groups)."""

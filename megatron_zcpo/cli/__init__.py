@@ -1,0 +1,1 @@
+"""Command line: zcpo train | demo | eval | plan | report."""

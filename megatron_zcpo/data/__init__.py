@@ -1,0 +1,1 @@
+"""Datasets: prompt files (JSONL/Parquet), procedural tasks, resumable iteration."""

@@ -1,0 +1,1 @@
+"""KL failure-mode diagnostics F1-F7 and run reports."""

@@ -1,0 +1,1 @@
+"""Megatron-core integration: platform layer, setup, model building, experience pass, train step, checkpoints."""

@@ -1,0 +1,149 @@
+"""One entry point that brings up torch.distributed, megatron-core's parallel state and RNG."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This process's place in the (TP, PP, CP, DP) grid once :func:`setup_megatron` ran."""
+
+    world_size: int
+    rank: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    context_parallel: int
+    data_parallel: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_rank: int
+
+
+def free_port() -> int:
+    """An unused TCP port on localhost (for single-process or test rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init_process_group(timeout_minutes: float) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    # torchrun / srun (through our launcher) set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+        os.environ.setdefault("LOCAL_RANK", "0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        backend=backend,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and, when present, CUDA) generators."""
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+
+
+def setup_megatron(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
+    seed: int = 1234,
+    *,
+    timeout_minutes: float = 30.0,
+) -> ParallelLayout:
+    """Set up everything megatron-core needs in this process and return its place in the grid.
+
+    torch.distributed comes from torchrun's (or srun-derived) environment, or a single local
+    process when none is set; backend NCCL on GPUs, gloo otherwise. Then the CPU platform layer
+    (no-op with CUDA), megatron-core's ``parallel_state`` at (TP, PP, CP) with DP = world / (TP*PP*CP),
+    and the model-parallel RNG trackers seeded from ``seed``. Calling it again with the same layout
+    is a no-op; with a different layout it tears the old one down first.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel as mp_tensor_parallel
+
+    from megatron_zcpo.megatron import platform
+
+    _init_process_group(timeout_minutes)
+    platform.activate()
+    world = dist.get_world_size()
+    model_parallel = tensor_parallel * pipeline_parallel * context_parallel
+    if world % model_parallel:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_parallel*pipeline_parallel*context_parallel"
+            f" = {tensor_parallel}*{pipeline_parallel}*{context_parallel}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        same = (
+            parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
+            and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel
+            and parallel_state.get_context_parallel_world_size() == context_parallel
+        )
+        if not same:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+            context_parallel_size=context_parallel,
+            distributed_timeout_minutes=int(max(timeout_minutes, 1)),
+        )
+    seed_everything(seed)
+    mp_tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return current_layout()
+
+
+def current_layout() -> ParallelLayout:
+    """The :class:`ParallelLayout` of this process (after :func:`setup_megatron`)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tensor_parallel=ps.get_tensor_model_parallel_world_size(),
+        pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel=ps.get_context_parallel_world_size(),
+        data_parallel=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def teardown_megatron() -> None:
+    """Destroy megatron-core's parallel state and the default process group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

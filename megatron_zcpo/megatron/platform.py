@@ -1,0 +1,295 @@
+"""CPU platform layer: lets unmodified megatron-core run over gloo on a machine without CUDA.
+
+megatron-core assumes a CUDA device in a handful of places (SPEC section 4): the RNG tracker reads
+and writes CUDA generator state, `torch.cuda.current_device()` is used as a device, some schedules,
+grad-clipping and optimizer code allocate with a hard-coded ``device="cuda"``, p2p calls
+``torch.cuda.synchronize``, tied embeddings under PP call ``.cuda()``, and the optimizers compare
+``param.type()`` with ``'torch.cuda.FloatTensor'``. Everything that handles those assumptions lives
+in this one module, and :func:`activate` does nothing when CUDA is available, so on a GPU machine
+megatron-core runs exactly as shipped.
+
+How it works, in one place each:
+- every loaded ``megatron.core`` module sees a proxy in place of its global ``torch`` whose
+  ``cuda`` namespace is CPU-backed and whose tensor factories map ``device="cuda"`` to the CPU;
+- the model-parallel RNG tracker forks the CPU generator instead of a CUDA one;
+- ``Tensor.cuda()`` is the identity (it could only raise on such a machine);
+- the optimizer constructors that check ``param.type()`` see CUDA type names while they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+
+_ACTIVE = False
+
+# megatron-core modules to import before patching, so the proxy reaches them; anything else
+# under megatron.core that is already imported gets it too.
+_MEGATRON_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.module",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.validation",
+    "megatron.core.rerun_state_machine",
+)
+
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "eye",
+)
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")``, an int) to CPU."""
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _on_cpu(factory: Callable) -> Callable:
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``: work on the CPU is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return _NullEvent()
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu_cuda_namespace() -> types.SimpleNamespace:
+    """A ``torch.cuda`` look-alike backed by the CPU; unknown names fall through to torch.cuda."""
+    null = lambda *args, **kwargs: None  # noqa: E731
+    shim = {
+        "current_device": lambda: torch.device("cpu"),
+        "device_count": lambda: 0,
+        "synchronize": null,
+        "empty_cache": null,
+        "set_device": null,
+        "get_rng_state": lambda device=None: torch.get_rng_state(),
+        "set_rng_state": lambda state, device=None: torch.set_rng_state(state),
+        "manual_seed": lambda seed: torch.manual_seed(seed),
+        "Stream": _NullStream,
+        "Event": _NullEvent,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "current_stream": lambda device=None: _NullStream(),
+        "default_stream": lambda device=None: _NullStream(),
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "nvtx": types.SimpleNamespace(range_push=null, range_pop=null, range=lambda *a, **k: contextlib.nullcontext()),
+    }
+
+    class _Namespace(types.SimpleNamespace):
+        def __getattr__(self, name):
+            return getattr(torch.cuda, name)
+
+    return _Namespace(**shim)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """Proxy for the ``torch`` module as seen by megatron-core modules on a CUDA-less machine."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _cpu_cuda_namespace()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        setattr(self, name, value)  # cache: later lookups are plain attribute hits
+        return value
+
+
+class _CpuRNGStatesTracker:
+    """Model-parallel RNG tracker over the CPU generator (megatron's tracks CUDA generators)."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """While active, ``Tensor.type()`` with no argument reports CUDA names (``torch.cuda.FloatTensor``)."""
+    original = torch.Tensor.type
+
+    def cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = cuda_named_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patch_type_checks() -> None:
+    """Wrap the megatron functions that assert ``param.type() == 'torch.cuda.*'``."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    targets = [
+        (distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups", staticmethod),
+        (optimizer.Float16OptimizerWithFloat16Params, "__init__", None),
+    ]
+    for owner, name, kind in targets:
+        wrapped = _with_cuda_type_names(getattr(owner, name))
+        setattr(owner, name, kind(wrapped) if kind else wrapped)
+    # Imported by name elsewhere (optimizer.py): replace every reference to the same function.
+    original = clip_grads.clip_grad_by_total_norm_fp32
+    wrapped = _with_cuda_type_names(original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "clip_grad_by_total_norm_fp32", None) is original:
+            module.clip_grad_by_total_norm_fp32 = wrapped
+
+
+def is_active() -> bool:
+    """True once :func:`activate` has installed the CPU patches in this process."""
+    return _ACTIVE
+
+
+def activate() -> bool:
+    """Install the CPU platform patches if (and only if) CUDA is unavailable.
+
+    Idempotent. Returns True when the patches are (now) active, False on a CUDA machine, where
+    nothing is touched.
+    """
+    global _ACTIVE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available():
+        return False
+    for name in _MEGATRON_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # optional parts of megatron-core absent in this version
+            pass
+    proxy = _TorchOnCpu()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = proxy
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.CudaRNGStatesTracker = _CpuRNGStatesTracker
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _patch_type_checks()
+    _ACTIVE = True
+    return True

@@ -1,0 +1,166 @@
+"""Move whole (unsharded) Megatron-layout weights into and out of this rank's TP/PP shard.
+
+The *global* state dict uses megatron-core's local-spec parameter names with global layer indices
+(``decoder.layers.{i}.self_attention.linear_qkv.weight``, ``embedding.word_embeddings.weight``,
+...) and TP=1 shapes (padded vocabulary included). How a tensor is split across tensor-parallel
+ranks is read from the attributes megatron-core sets on every parameter (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``), so the same code serves every layer type; the stride
+covers SwiGLU's fused [gate; up] fc1, whose rank r holds [gate_r; up_r]. Vocabulary tensors hold the
+true vocabulary in the global dict: they are zero-padded to Megatron's padded size (which depends on
+TP) on load and trimmed on gather, so one global dict fits every layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+
+# Transformer Engine fuses the pre-norms into the following linear; the global names are local-spec.
+_TE_TO_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+TIED_OUTPUT = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+VOCAB_TENSORS = (EMBEDDING, TIED_OUTPUT)
+
+
+def _layer_offset(model) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config)
+
+
+def global_name(local_name: str, layer_offset: int) -> str:
+    """Global parameter name of a local one: global layer index, local-spec norm names."""
+    match = _LAYER.match(local_name)
+    if not match:
+        return local_name
+    index, rest = int(match.group(1)), match.group(2)
+    rest = _TE_TO_LOCAL.get(rest, rest)
+    return f"decoder.layers.{index + layer_offset}.{rest}"
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def named_global_parameters(model) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """Yield ``(global_name, local_parameter)`` for this rank's stage of a GPTModel (DDP-wrapped ok).
+
+    With tied embeddings, the last pipeline stage's copy of the embedding (``output_layer.weight``)
+    is reported under the embedding's global name.
+    """
+    model = _unwrap(model)
+    offset = _layer_offset(model)
+    for name, param in model.named_parameters():
+        name = global_name(name, offset)
+        if name == TIED_OUTPUT and getattr(model, "share_embeddings_and_output_weights", False):
+            name = EMBEDDING
+        yield name, param
+
+
+def _tp_split(global_tensor: torch.Tensor, param, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return global_tensor
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    size = global_tensor.shape[dim]
+    if size % (stride * tp_size):
+        raise ValueError(f"dimension {dim} of size {size} does not split into {stride}x{tp_size} parts")
+    blocks = global_tensor.chunk(stride, dim=dim)  # [gate; up] for SwiGLU, the whole tensor else
+    return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim)
+
+
+def _tp_merge(shards, param) -> torch.Tensor:
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([torch.cat([p[s] for p in pieces], dim=dim) for s in range(stride)], dim=dim)
+
+
+def _true_vocab_size(model) -> Optional[int]:
+    config = getattr(_unwrap(model), "zcpo_model_config", None)
+    return None if config is None else config.vocab_size
+
+
+def _pad_vocab(tensor: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    if tensor.shape[0] >= padded_rows:
+        return tensor
+    pad = tensor.new_zeros((padded_rows - tensor.shape[0],) + tuple(tensor.shape[1:]))
+    return torch.cat([tensor, pad], dim=0)
+
+
+@torch.no_grad()
+def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Copy this rank's shard of every parameter from a global (TP=1, all layers) state dict.
+
+    Raises ``KeyError`` naming the parameter when ``strict`` and one is missing, and
+    ``ValueError`` naming it when a shape does not match.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    for name, param in named_global_parameters(model):
+        if name not in state_dict:
+            if strict:
+                raise KeyError(f"global state dict has no tensor {name!r}")
+            continue
+        tensor = state_dict[name]
+        if name in VOCAB_TENSORS:
+            sharded = getattr(param, "tensor_model_parallel", False)
+            tensor = _pad_vocab(tensor, param.shape[0] * (tp_size if sharded else 1))
+        shard = _tp_split(tensor, param, tp_rank, tp_size)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{name}: shard shape {tuple(shard.shape)} (global {tuple(state_dict[name].shape)}) "
+                f"does not match the parameter's {tuple(param.shape)}"
+            )
+        param.copy_(shard.to(param.dtype))
+
+
+@torch.no_grad()
+def gather_global_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    """This pipeline stage's parameters, gathered across tensor-parallel ranks, by global name.
+
+    Collective over the TP group (every TP rank must call it). Returns CPU tensors. To get the
+    whole model, merge the dicts of all pipeline stages (see :func:`gather_full_state_dict`).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    vocab_size = _true_vocab_size(model)
+    out = {}
+    for name, param in named_global_parameters(model):
+        tensor = param.detach()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+            dist.all_gather(shards, tensor.contiguous(), group=group)
+            tensor = _tp_merge(shards, param)
+        if name in VOCAB_TENSORS and vocab_size is not None:
+            tensor = tensor[:vocab_size]
+        out[name] = tensor.to(dtype or tensor.dtype).cpu().clone()
+    return out
+
+
+def gather_full_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    """The whole model's global state dict, on every rank of the model-parallel group (tests, export)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    local = gather_global_state_dict(model, dtype)
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    if pp_size == 1:
+        return local
+    parts = [None] * pp_size
+    dist.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
+    merged: Dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged

@@ -1,0 +1,1 @@
+"""Parallel ops: vocab-parallel token statistics over tensor-parallel process groups (no model)."""
