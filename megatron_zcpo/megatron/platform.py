@@ -13,7 +13,9 @@ How it works, in one place each:
   ``cuda`` namespace is CPU-backed and whose tensor factories map ``device="cuda"`` to the CPU;
 - the model-parallel RNG tracker forks the CPU generator instead of a CUDA one;
 - ``Tensor.cuda()`` is the identity (it could only raise on such a machine);
-- the optimizer constructors that check ``param.type()`` see CUDA type names while they run.
+- the optimizer constructors that check ``param.type()`` see CUDA type names while they run;
+- the distributed optimizer's fully-reshardable checkpoints load into torch's Adam (the fallback
+  without TE/apex keeps a per-parameter ``step`` that megatron's loader does not expect).
 """
 
 from __future__ import annotations
@@ -258,6 +260,30 @@ def _patch_type_checks() -> None:
             module.clip_grad_by_total_norm_fp32 = wrapped
 
 
+def _patch_distributed_optimizer_loading() -> None:
+    """Let a fully-reshardable distributed-optimizer checkpoint load into torch's Adam.
+
+    Without TE/apex megatron falls back to ``torch.optim.Adam``, whose per-parameter state has a
+    ``step`` entry. The fully-reshardable loader restores ``step`` separately and hands
+    ``_set_main_param_and_optimizer_states`` only the param and moment tensors, which then looks
+    up every state key and fails on ``step``. Copy the tensors that were handed over.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_present_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destinations = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            destinations[key].copy_(value)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_present_states
+
+
 def is_active() -> bool:
     """True once :func:`activate` has installed the CPU patches in this process."""
     return _ACTIVE
@@ -291,5 +317,6 @@ def activate() -> bool:
     mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     _patch_type_checks()
+    _patch_distributed_optimizer_loading()
     _ACTIVE = True
     return True

@@ -1,0 +1,122 @@
+"""Run policy (and reference) stages through megatron-core's pipeline schedules on micro-batches.
+
+Design: the fused vocab-parallel op needs the final hidden states and the output-layer weight,
+not logits, so the GPTModel's output layer is switched to hand its input through
+(:func:`install_hidden_state_head`). With pipeline parallelism the last stage must see the
+policy's AND the reference's hidden states of the same micro-batch for the exact KL; rather than
+running the reference pipeline first and parking its hidden states (a [tokens, hidden] tensor
+per micro-batch for the whole rollout), :class:`PolicyWithReference` runs both models' stages as
+ONE pipeline model: stage outputs are concatenated along the hidden dimension, so every p2p
+message carries both activations and the last stage receives both at once. Memory stays at one
+micro-batch in flight per stage; the cost is twice the p2p volume, which is small next to the
+forward compute of two models.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _hidden_state_forward(layer, input_, weight=None, runtime_gather_output=None):
+    # Same gradient semantics as ColumnParallelLinear on its input, without the GEMM: the fused
+    # op consumes the full-sequence hidden states and this rank's vocabulary shard.
+    from megatron.core.tensor_parallel import mappings
+
+    if layer.sequence_parallel:
+        input_ = mappings.gather_from_sequence_parallel_region(input_)
+    else:
+        input_ = mappings.copy_to_tensor_model_parallel_region(input_)
+    return input_, None
+
+
+def install_hidden_state_head(model) -> None:
+    """Make the last stage of ``model`` return final hidden states [b, s, h] instead of logits.
+
+    Idempotent; a no-op on stages without the output layer. Gradients w.r.t. those hidden states
+    are reduced across tensor-parallel ranks as the output layer would, so the loss may compute
+    partial (vocab-shard) gradients on every rank.
+    """
+    gpt = unwrap(model)
+    layer = getattr(gpt, "output_layer", None)
+    if layer is not None and not getattr(layer, "_zcpo_hidden_head", False):
+        layer.forward = types.MethodType(_hidden_state_forward, layer)
+        layer._zcpo_hidden_head = True
+
+
+def output_weight(model) -> torch.Tensor:
+    """This rank's vocabulary shard of the output-layer weight [V_local, h] (the embedding when tied)."""
+    gpt = unwrap(model)
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+class PolicyWithReference(torch.nn.Module):
+    """One pipeline stage of the policy and of the frozen reference, scheduled as one model.
+
+    ``forward`` returns ``cat([policy_out, reference_out], dim=-1)``: [s, b, 2h] between stages,
+    [b, s, 2h] hidden states on the last stage. The reference runs without autograd.
+    """
+
+    def __init__(self, policy, reference):
+        super().__init__()
+        self.policy = policy
+        self.reference = reference
+        self.config = unwrap(policy).config
+        self.hidden_size = self.config.hidden_size
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        if input_tensor is None:
+            policy_in = reference_in = None
+        else:
+            policy_in, reference_in = input_tensor.split(self.hidden_size, dim=-1)
+        unwrap(self.policy).set_input_tensor(policy_in)
+        unwrap(self.reference).set_input_tensor(reference_in)
+
+    def forward(self, input_ids, position_ids, attention_mask):
+        policy_out = self.policy(input_ids, position_ids, attention_mask)
+        with torch.no_grad():
+            reference_out = self.reference(input_ids, position_ids, attention_mask)
+        return torch.cat([policy_out, reference_out.detach()], dim=-1)
+
+
+def run_schedule(
+    model,
+    micro_batches: List,
+    forward_step: Callable,
+    *,
+    forward_only: bool,
+) -> List:
+    """Run ``forward_step`` over ``micro_batches`` with megatron-core's pipeline schedule.
+
+    ``forward_step(micro_batch, model) -> (output, loss_func)`` as megatron expects (the
+    micro-batch object is handed over instead of a data iterator). Returns the list of loss-func
+    reports (non-empty on the last pipeline stage only).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("run_schedule needs at least one micro-batch")
+    iterator = iter(micro_batches)
+    first = micro_batches[0]
+    return get_forward_backward_func()(
+        forward_step_func=lambda data_iterator, m: forward_step(next(data_iterator), m),
+        data_iterator=iterator,
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=first.tokens.shape[1],
+        micro_batch_size=first.tokens.shape[0],
+        forward_only=forward_only,
+    )

@@ -1,0 +1,154 @@
+"""Build nested config dataclasses from YAML and ``key=value`` overrides, naming any bad key."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the dotted key."""
+
+
+def _suggest(key: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{key}={value!r}: must be one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping of {annotation.__name__} fields, got {value!r}")
+        return from_dict(annotation, value, prefix=key)
+    if origin in (list, List, tuple, Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (dict, Dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(value)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)  # YAML reads 1e-6 (no dot) as a string
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if annotation is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(cls: Type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Instantiate dataclass ``cls`` from ``data``; unknown keys and bad types raise ConfigError."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ConfigError(f"unknown config key {dotted!r}{_suggest(key, names)}")
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{prefix or cls.__name__}: {error}") from None
+
+
+def to_dict(config: Any) -> Dict[str, Any]:
+    """Plain-dict form of a (nested) config dataclass, for YAML dumps and checkpoints."""
+    return dataclasses.asdict(config)
+
+
+def parse_override(text: str) -> tuple:
+    """``"train.lr=1e-6"`` -> ``(["train", "lr"], 1e-06)``; the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    return key.split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """Set dotted ``key=value`` overrides in a nested plain dict (creating sections as needed)."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            existing = node.get(part)
+            if existing is None:
+                existing = node[part] = {}
+            if not isinstance(existing, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = existing
+        node[path[-1]] = value
+    return data
+
+
+def load_yaml(path: str | Path) -> Dict[str, Any]:
+    """Read a YAML mapping from ``path`` (an empty file is an empty mapping)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
+
+
+def validate_tree(config: Any, prefix: str = "") -> None:
+    """Call ``validate()`` on ``config`` and every nested dataclass that defines it."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            validate_tree(value, f"{prefix}.{field.name}" if prefix else field.name)
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
