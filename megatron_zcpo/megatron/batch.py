@@ -91,41 +91,53 @@ def split_minibatches(group_ids: Sequence[int], num_minibatches: int) -> List[Li
     return minibatches
 
 
-def assign_data_parallel(indices: Sequence[int], lengths: Sequence[int], dp_size: int) -> List[List[int]]:
-    """Deal samples to data-parallel ranks balancing tokens (longest first onto the lightest rank).
+def units_of(indices: Sequence[int], group_ids: Sequence[int], whole_groups: bool) -> List[List[int]]:
+    """The indivisible units for dealing and packing: single samples, or whole groups when an
+    algorithm needs every group inside one micro-batch (GVPO). Order of first appearance."""
+    if not whole_groups:
+        return [[i] for i in indices]
+    units: Dict[int, List[int]] = {}
+    for i in indices:
+        units.setdefault(int(group_ids[i]), []).append(i)
+    return list(units.values())
 
-    Groups may be split across ranks: coefficients are calibrated on gathered per-response
-    scalars, so a rank needs none of its samples' group mates. Each rank's list is in the
-    original order. Raises ``ValueError`` when there are fewer samples than ranks.
+
+def assign_data_parallel(units: Sequence[Sequence[int]], lengths: Sequence[int], dp_size: int) -> List[List[int]]:
+    """Deal units (lists of sample indices) to data-parallel ranks, balancing tokens.
+
+    Longest unit first onto the lightest rank. Groups may be split across ranks when units are
+    single samples: coefficients are calibrated on gathered per-response scalars, so a rank
+    needs none of its samples' group mates. Each rank's indices come back sorted. Raises
+    ``ValueError`` when there are fewer units than ranks.
     """
-    if len(indices) < dp_size:
-        raise ValueError(f"{len(indices)} samples cannot give each of {dp_size} data-parallel ranks one")
+    if len(units) < dp_size:
+        raise ValueError(f"{len(units)} units cannot give each of {dp_size} data-parallel ranks one")
     load = [0] * dp_size
     shares: List[List[int]] = [[] for _ in range(dp_size)]
-    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+    for unit in sorted(units, key=lambda u: (-sum(lengths[i] for i in u), u[0])):
         rank = min(range(dp_size), key=lambda r: (load[r], len(shares[r]), r))
-        shares[rank].append(index)
-        load[rank] += lengths[index]
+        shares[rank].extend(unit)
+        load[rank] += sum(lengths[i] for i in unit)
     return [sorted(share) for share in shares]
 
 
-def pack_micro_batches(indices: Sequence[int], lengths: Sequence[int], token_budget: int) -> List[List[int]]:
-    """Group samples into micro-batches of at most ``token_budget`` padded tokens.
+def pack_micro_batches(units: Sequence[Sequence[int]], lengths: Sequence[int], token_budget: int) -> List[List[int]]:
+    """Group units into micro-batches of at most ``token_budget`` padded tokens.
 
-    Samples are sorted by length (longest first) so rows of similar length share a micro-batch
-    and padding stays small; a sample longer than the budget gets a micro-batch of its own.
+    Units are sorted by their longest sample (longest first) so rows of similar length share a
+    micro-batch and padding stays small; a unit over the budget gets a micro-batch of its own.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     batches: List[List[int]] = []
-    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+    for unit in sorted(units, key=lambda u: (-max(lengths[i] for i in u), u[0])):
         if batches:
             current = batches[-1]
-            longest = lengths[current[0]]
-            if longest * (len(current) + 1) <= token_budget:
-                current.append(index)
+            longest = max(lengths[i] for i in current)
+            if longest * (len(current) + len(unit)) <= token_budget:
+                current.extend(unit)
                 continue
-        batches.append([index])
+        batches.append(list(unit))
     return batches
 
 

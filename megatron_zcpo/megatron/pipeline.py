@@ -28,23 +28,22 @@ def unwrap(model):
 
 
 def _hidden_state_forward(layer, input_, weight=None, runtime_gather_output=None):
-    # Same gradient semantics as ColumnParallelLinear on its input, without the GEMM: the fused
-    # op consumes the full-sequence hidden states and this rank's vocabulary shard.
-    from megatron.core.tensor_parallel import mappings
-
+    # The fused op (megatron_zcpo.ops.fused_token_stats) consumes the full-sequence hidden states
+    # and this rank's vocabulary shard, and all-reduces the hidden-state gradient over TP itself
+    # (what ColumnParallelLinear's copy_to_tensor_model_parallel_region would do). With sequence
+    # parallelism the gather's backward must therefore only split, not reduce-scatter again.
     if layer.sequence_parallel:
-        input_ = mappings.gather_from_sequence_parallel_region(input_)
-    else:
-        input_ = mappings.copy_to_tensor_model_parallel_region(input_)
+        from megatron.core.tensor_parallel import mappings
+
+        input_ = mappings.gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False)
     return input_, None
 
 
 def install_hidden_state_head(model) -> None:
     """Make the last stage of ``model`` return final hidden states [b, s, h] instead of logits.
 
-    Idempotent; a no-op on stages without the output layer. Gradients w.r.t. those hidden states
-    are reduced across tensor-parallel ranks as the output layer would, so the loss may compute
-    partial (vocab-shard) gradients on every rank.
+    Idempotent; a no-op on stages without the output layer. The loss must reduce the gradient
+    w.r.t. those hidden states across tensor-parallel ranks (the fused op does).
     """
     gpt = unwrap(model)
     layer = getattr(gpt, "output_layer", None)
@@ -72,7 +71,9 @@ class PolicyWithReference(torch.nn.Module):
         super().__init__()
         self.policy = policy
         self.reference = reference
+        # What megatron's schedules look up on the model they are given.
         self.config = unwrap(policy).config
+        self.model_type = unwrap(policy).model_type
         self.hidden_size = self.config.hidden_size
 
     def set_input_tensor(self, input_tensor) -> None:

@@ -1,0 +1,220 @@
+"""The embedded default for the CPU demo: a trained BPE tokenizer and a tiny Qwen2 warmed up by SFT.
+
+Everything is built offline and deterministically from procedural arithmetic tasks
+(reasoning-gym), then cached as a Hugging Face model directory, so the demo exercises the same
+path as a cluster run: HF checkpoint -> Megatron -> RL -> HF weights pushed to the rollout engine.
+The warm-up is deliberately short (it stops at a target accuracy) so that RL has room to improve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+BOS, EOS, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """What the embedded default is made of; its hash names the cache entry."""
+
+    task: str = "basic_arithmetic"
+    task_options: Tuple[Tuple[str, object], ...] = (
+        ("min_terms", 2), ("max_terms", 2), ("min_digits", 1), ("max_digits", 1),
+        ("operators", ("+", "-")), ("allow_parentheses", False), ("allow_negation", False),
+    )
+    instruction: str = "Put the final answer in \\boxed{}."
+    train_seed: int = 11
+    train_size: int = 4000
+    eval_seed: int = 12345
+    eval_size: int = 256
+    vocab_size: int = 384
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 128
+    sft_seed: int = 0
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 32
+    sft_max_steps: int = 600
+    sft_eval_every: int = 25
+    sft_target_accuracy: float = 0.30  # greedy accuracy at which the warm-up stops
+    version: int = 1
+
+    @property
+    def options(self) -> Dict[str, object]:
+        return {key: value for key, value in self.task_options}
+
+    def digest(self) -> str:
+        payload = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """``$ZCPO_CACHE`` or ``~/.cache/megatron_zcpo``."""
+    return Path(os.environ.get("ZCPO_CACHE", Path.home() / ".cache" / "megatron_zcpo"))
+
+
+def demo_records(spec: DemoSpec, split: str):
+    """The demo's prompt records: ``split`` "train" or "eval" (held out: no shared expression)."""
+    from megatron_zcpo.data.procedural import reasoning_gym_records
+
+    train = reasoning_gym_records(spec.task, spec.train_size, spec.train_seed, spec.instruction, **spec.options)
+    if split == "train":
+        return train
+    seen = {r.extra_info.get("expression") for r in train}
+    candidates = reasoning_gym_records(spec.task, spec.eval_size * 8, spec.eval_seed, spec.instruction, **spec.options)
+    held_out = [r for r in candidates if r.extra_info.get("expression") not in seen][: spec.eval_size]
+    if not held_out:
+        # 1-digit problems are few: when every one is in the training set, evaluate on fresh
+        # draws (same distribution) rather than on nothing.
+        held_out = candidates[: spec.eval_size]
+    return held_out
+
+
+def response_text(answer: str) -> str:
+    """The supervised response for an answer: just the boxed answer and the end-of-turn token."""
+    return f"\\boxed{{{answer}}}{EOS}"
+
+
+def train_tokenizer(spec: DemoSpec, records) :
+    """A byte-level BPE (single digits kept apart) trained on the demo's prompts and responses."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size, special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    corpus = []
+    for record in records:
+        corpus.append(f"user\n{record.messages[0]['content']}\nassistant\n{response_text(record.answer)}")
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=None, eos_token=EOS, pad_token=PAD)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _hf_config(spec: DemoSpec, tokenizer):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS), pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        bos_token_id=None, torch_dtype="float32",
+    )
+
+
+def _encode_examples(tokenizer, records) -> List[Tuple[List[int], int]]:
+    """(prompt + response token ids, prompt length) per record."""
+    examples = []
+    for record in records:
+        prompt = tokenizer.apply_chat_template(record.messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(response_text(record.answer), add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids + response_ids, len(prompt_ids)))
+    return examples
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, records, max_new_tokens: int = 12) -> float:
+    """Share of ``records`` whose greedy response's boxed answer is right (math-verify)."""
+    from megatron_zcpo.rewards.math import math_answer_is_correct
+
+    model.eval()
+    correct = 0
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    for start in range(0, len(records), 64):
+        chunk = records[start:start + 64]
+        prompts = [tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True) for r in chunk]
+        encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        width = max(len(e) for e in encoded)
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(e) for e in encoded])[:, None]).long()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=pad)
+        for record, row in zip(chunk, out[:, width:]):
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            correct += int(math_answer_is_correct(text, record.answer))
+    model.train()
+    return correct / max(len(records), 1)
+
+
+def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Callable[[str], None] = print):
+    """Train a fresh tiny Qwen2 on (prompt, boxed answer) pairs until greedy accuracy reaches the target."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(spec.sft_seed)
+    model = Qwen2ForCausalLM(_hf_config(spec, tokenizer))
+    examples = _encode_examples(tokenizer, records)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(spec.sft_seed)
+    accuracy = 0.0
+    for step in range(1, spec.sft_max_steps + 1):
+        batch = [examples[int(i)] for i in torch.randint(len(examples), (spec.sft_batch_size,), generator=generator)]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        for row, (sequence, prompt_len) in enumerate(batch):
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            labels[row, prompt_len: len(sequence)] = torch.tensor(sequence[prompt_len:])
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % spec.sft_eval_every == 0:
+            accuracy = greedy_accuracy(model, tokenizer, eval_records[:128])
+            log(f"warm-up step {step}: loss {loss.item():.3f}, greedy accuracy {accuracy:.2f}")
+            if accuracy >= spec.sft_target_accuracy:
+                break
+    return model, accuracy
+
+
+def build_demo_assets(spec: DemoSpec = DemoSpec(), cache_dir: Optional[Path] = None,
+                      log: Callable[[str], None] = print) -> Path:
+    """The cached HF model directory of the embedded default (built on first use, atomically)."""
+    root = Path(cache_dir or default_cache_dir())
+    target = root / f"demo-{spec.digest()}"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    log(f"building the embedded default in {target} (once; cached afterwards)")
+    train, held_out = demo_records(spec, "train"), demo_records(spec, "eval")
+    tokenizer = train_tokenizer(spec, train)
+    model, accuracy = supervised_warmup(spec, tokenizer, train, held_out, log=log)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "demo_spec.json").write_text(json.dumps({**dataclasses.asdict(spec), "warmup_greedy_accuracy": accuracy},
+                                                   indent=2, default=str))
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    return target

@@ -1,0 +1,607 @@
+"""The policy trainer on megatron-core: experience pass, DP-wide calibration, frozen-coefficient updates.
+
+One rollout step, identical on a laptop CPU and on a 1,000-GPU cluster:
+
+1. ``plan``: the rollout's samples are split into mini-batches that keep groups whole, and each
+   mini-batch is dealt to data-parallel ranks (groups may be split across ranks). Every rank
+   holds the whole rollout's metadata, so global normalisers need no communication.
+2. ``experience`` (no grad, the sampling snapshot pi_old = pi_theta): one pipeline pass of the
+   policy and the frozen reference together (:class:`PolicyWithReference`) gives per token the
+   old log-prob, the reference log-prob, the entropy and the exact full-vocabulary conditional
+   KL from the fused vocab-parallel op.
+3. ``calibrate``: per-response scalars (KL sum, k1 sum) are all-gathered across data-parallel
+   ranks (never tokens) and the registered algorithm turns them, with rewards and groups, into
+   per-response coefficients; each rank keeps its own rows. They stay frozen for the rollout.
+4. ``update``: per mini-batch, megatron-core's forward_backward_func over packed micro-batches
+   with the base surrogate, exact token-mean normalisation across micro-batches and DP ranks,
+   gradient clipping and one optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_zcpo.megatron.batch import (
+    MicroBatch,
+    RolloutSample,
+    assign_data_parallel,
+    collate,
+    pack_micro_batches,
+    split_minibatches,
+    units_of,
+)
+from megatron_zcpo.megatron.model import ModelConfig, build_gpt_model, transformer_config
+from megatron_zcpo.megatron.pipeline import (
+    PolicyWithReference,
+    install_hidden_state_head,
+    output_weight,
+    run_schedule,
+    unwrap,
+)
+
+
+@dataclass
+class ParallelConfig:
+    """The ``parallel:`` section: model-parallel layout (DP = world / (TP*PP*CP))."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    def validate(self) -> None:
+        for key in ("tensor", "pipeline", "context"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1")
+        if (self.sequence_parallel or self.context > 1) and not torch.cuda.is_available():
+            raise ValueError(
+                "parallel.sequence_parallel / parallel.context need GPUs with Transformer Engine "
+                "(megatron-core's CPU layer spec has neither)"
+            )
+
+
+@dataclass
+class ImportanceSamplingConfig:
+    """``train.importance_sampling``: truncated IS against the rollout engine's log-probs.
+
+    Per token w = pi_old / pi_rollout; ``mode`` "truncate" clamps w into [lower, upper], "mask"
+    zeroes tokens outside it; a sequence with any token ratio below ``veto`` gets weight 0.
+    """
+
+    enabled: bool = False
+    upper: float = 5.0
+    lower: float = 0.5
+    veto: float = 1e-4
+    mode: str = "truncate"
+
+    def validate(self) -> None:
+        if self.mode not in ("truncate", "mask"):
+            raise ValueError(f"train.importance_sampling.mode must be 'truncate' or 'mask', got {self.mode!r}")
+        if not 0 <= self.veto <= self.lower <= 1 <= self.upper:
+            raise ValueError(
+                "train.importance_sampling needs 0 <= veto <= lower <= 1 <= upper, got "
+                f"veto={self.veto}, lower={self.lower}, upper={self.upper}"
+            )
+
+
+@dataclass
+class OptimizerSettings:
+    """``train.optimizer``: AdamW through megatron-core's optimizer, LR schedule per rollout step."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 20
+    schedule: str = "constant"  # constant | linear | cosine (decay after warm-up, over train.steps)
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"train.optimizer needs 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"train.optimizer.schedule must be constant|linear|cosine, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class TrainConfig:
+    """The ``train:`` section: steps, batching and numerics of the update."""
+
+    steps: int = 10
+    seed: int = 1234
+    mini_batches: int = 1
+    micro_batch_tokens: int = 4096
+    bf16: bool = False
+    kl_chunk_size: int = 1024
+    reference_offload: bool = False
+    recompute: Optional[str] = None  # None | "selective" | "full"
+    selfcheck_tolerance: float = 1e-4
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    importance_sampling: ImportanceSamplingConfig = field(default_factory=ImportanceSamplingConfig)
+
+    def validate(self) -> None:
+        for key in ("steps", "mini_batches", "micro_batch_tokens", "kl_chunk_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.recompute not in (None, "selective", "full"):
+            raise ValueError(f"train.recompute must be null, 'selective' or 'full', got {self.recompute!r}")
+
+
+@dataclass
+class RolloutPlan:
+    """Which samples this rank trains on: per mini-batch, this DP rank's indices."""
+
+    minibatches: List[List[int]]  # global indices per mini-batch
+    mine: List[List[int]]  # this DP rank's share of each mini-batch
+    lengths: List[int]  # model sequence length per sample (global)
+
+    @property
+    def my_indices(self) -> List[int]:
+        return sorted(i for share in self.mine for i in share)
+
+
+@dataclass
+class TokenStats:
+    """Per-response token vectors from the experience pass (last pipeline stage only)."""
+
+    old_logprob: torch.Tensor  # [R] log pi_old(y_t) at the sampling temperature
+    ref_logprob: torch.Tensor  # [R] log pi_ref(y_t) at the sampling temperature (k1 = old - ref)
+    entropy: torch.Tensor  # [R] entropy of pi_old at the sampling temperature
+    kl: torch.Tensor  # [R] conditional KL(pi_old || pi_ref) over the full vocabulary, temperature 1
+
+
+class MetricAccumulator:
+    """Sums and counts of named metrics, reduced over the whole world in one all-reduce."""
+
+    def __init__(self):
+        self.sums: Dict[str, float] = {}
+        self.counts: Dict[str, float] = {}
+        self.maxima: Dict[str, float] = {}
+
+    def add(self, name: str, total: float, count: float = 1.0) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(total)
+        self.counts[name] = self.counts.get(name, 0.0) + float(count)
+
+    def add_max(self, name: str, value: float) -> None:
+        self.maxima[name] = max(self.maxima.get(name, -math.inf), float(value))
+
+    def reduce(self, contribute: bool) -> Dict[str, float]:
+        """Global means (sum of totals / sum of counts) and maxima of every metric any rank added.
+
+        Ranks with ``contribute=False`` add nothing (e.g. TP replicas of the same values). The
+        metric names are unioned over ranks first, so ranks may have added different ones.
+        """
+        import torch.distributed as dist
+
+        local = (sorted(self.sums), sorted(self.maxima)) if contribute else ([], [])
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        names_sum = sorted({n for names, _ in everyone for n in names})
+        names_max = sorted({n for _, names in everyone for n in names})
+        sums = torch.tensor([[self.sums.get(n, 0.0), self.counts.get(n, 0.0)] for n in names_sum] + [[0.0, 0.0]],
+                            dtype=torch.float64)
+        maxima = torch.tensor([self.maxima.get(n, -math.inf) for n in names_max] + [-math.inf], dtype=torch.float64)
+        if not contribute:
+            sums.zero_()
+            maxima.fill_(-math.inf)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        sums, maxima = sums.to(device), maxima.to(device)
+        dist.all_reduce(sums)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        out = {n: (sums[i, 0] / sums[i, 1]).item() if sums[i, 1] > 0 else float("nan") for i, n in enumerate(names_sum)}
+        out.update({n: maxima[i].item() for i, n in enumerate(names_max)})
+        return out
+
+
+def importance_weights(old_logprob, rollout_logprob, mask, config: ImportanceSamplingConfig):
+    """Truncated importance-sampling weights pi_old / pi_rollout per token, [N, T] -> [N, T].
+
+    ``mask`` marks response tokens. Sequences with any token ratio below ``config.veto`` get
+    weight 0; "truncate" clamps the rest into [lower, upper], "mask" zeroes tokens outside it.
+    """
+    ratio = torch.exp((old_logprob - rollout_logprob).clamp(max=20.0)) * mask
+    vetoed = ((ratio < config.veto) & (mask > 0)).any(dim=-1, keepdim=True)
+    if config.mode == "truncate":
+        weight = ratio.clamp(config.lower, config.upper)
+    else:
+        weight = torch.where((ratio >= config.lower) & (ratio <= config.upper), torch.ones_like(ratio), torch.zeros_like(ratio))
+    return torch.where(vetoed, torch.zeros_like(weight), weight) * mask
+
+
+def _token_stats(hidden, weight, targets, ref_hidden=None, ref_weight=None, *, vocab_size, chunk_size, temperature):
+    """Fused vocab-parallel statistics over this rank's shard (see megatron_zcpo.ops).
+
+    Log-probs and entropy at the sampling ``temperature`` (the distribution the rollout drew
+    from); the conditional KL between the models themselves (temperature 1).
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_zcpo.ops.token_stats import fused_token_stats
+
+    return fused_token_stats(
+        hidden, weight, targets, ref_hidden, ref_weight,
+        group=ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None,
+        vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature, kl_temperature=1.0,
+    )
+
+
+class PolicyTrainer:
+    """Policy + frozen reference on megatron-core, trained by a registered RL algorithm.
+
+    Call :func:`megatron_zcpo.setup_megatron` first. ``initial_weights`` (a global state dict, see
+    :mod:`megatron_zcpo.megatron.weights`) initialises the policy, and the reference unless
+    ``reference_weights`` is given; without either, both start from the same seeded random
+    initialisation. ``temperature`` is the rollout's sampling temperature: log-probs are those of
+    the distribution the engine sampled from.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        algorithm_config,
+        train: TrainConfig,
+        parallel: ParallelConfig,
+        *,
+        initial_weights: Optional[Dict[str, torch.Tensor]] = None,
+        reference_weights: Optional[Dict[str, torch.Tensor]] = None,
+        temperature: float = 1.0,
+    ):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_zcpo.algorithms import build_algorithm
+        from megatron_zcpo.megatron.weights import gather_global_state_dict, load_global_state_dict
+
+        self.model_config = model_config
+        self.train_config = train
+        self.parallel = parallel
+        self.temperature = float(temperature)
+        self.algorithm = build_algorithm(algorithm_config)
+        self.step = 0
+        self.last_coefficients: Optional[torch.Tensor] = None
+        dtype = torch.bfloat16 if train.bf16 else torch.float32
+        self.config = transformer_config(
+            model_config, tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
+            context_parallel=parallel.context, sequence_parallel=parallel.sequence_parallel,
+            params_dtype=dtype, recompute=train.recompute,
+        )
+        policy = build_gpt_model(model_config, self.config)
+        reference = build_gpt_model(model_config, self.config)
+        if initial_weights is None:
+            # Same starting point for both: the reference is the initial policy.
+            initial_weights = gather_global_state_dict(policy)
+        load_global_state_dict(policy, initial_weights)
+        load_global_state_dict(reference, initial_weights if reference_weights is None else reference_weights)
+        for model in (policy, reference):
+            install_hidden_state_head(model)
+        reference.eval()
+        for param in reference.parameters():
+            param.requires_grad_(False)
+        self.reference = reference
+        self.policy = DistributedDataParallel(
+            self.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=parallel.distributed_optimizer),
+            policy,
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.policy.no_sync
+        opt = train.optimizer
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+                clip_grad=opt.clip_grad, bf16=train.bf16, params_dtype=dtype,
+                use_distributed_optimizer=parallel.distributed_optimizer,
+            ),
+            [self.policy],
+        )
+        decay_steps = max(train.steps, opt.warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if opt.warmup_steps else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
+            lr_warmup_steps=opt.warmup_steps, lr_decay_steps=decay_steps,
+            lr_decay_style=opt.schedule, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+            wd_incr_steps=decay_steps, wd_incr_style="constant",
+        )
+        self.scheduler.step(0)
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        # Only one replica of every value reports metrics (TP ranks compute the same numbers).
+        self.reports_metrics = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+
+    # ----------------------------------------------------------------------------- planning
+    def plan(self, samples: Sequence[RolloutSample]) -> RolloutPlan:
+        """Split the rollout into group-whole mini-batches and deal them to DP ranks."""
+        lengths = [s.sequence_length for s in samples]
+        groups = len({s.group_id for s in samples})
+        wanted = self.train_config.mini_batches
+        # Dynamic sampling can return fewer groups (or samples) than planned: use as many
+        # mini-batches as keep every DP rank busy.
+        count = max(1, min(wanted, groups, len(samples) // self.dp_size))
+        group_ids = [s.group_id for s in samples]
+        minibatches = split_minibatches(group_ids, count)
+        whole = self.algorithm.needs_whole_groups
+        mine = [assign_data_parallel(units_of(mb, group_ids, whole), lengths, self.dp_size)[self.dp_rank]
+                for mb in minibatches]
+        return RolloutPlan(minibatches=minibatches, mine=mine, lengths=lengths)
+
+    def _micro_batches(self, samples, indices) -> List[MicroBatch]:
+        lengths = [s.sequence_length for s in samples]
+        units = units_of(indices, [s.group_id for s in samples], self.algorithm.needs_whole_groups)
+        return [collate(samples, chunk) for chunk in pack_micro_batches(units, lengths, self.train_config.micro_batch_tokens)]
+
+    @staticmethod
+    def _response_positions(mb: MicroBatch) -> torch.Tensor:
+        """Flat indices into [b*S] of every response target, row by row: [R_total]."""
+        width = mb.tokens.shape[1]
+        return torch.cat([row * width + torch.arange(start, start + length)
+                          for row, (start, length) in enumerate(zip(mb.response_starts, mb.response_lengths))])
+
+    # ----------------------------------------------------------------------------- experience
+    def _set_reference_device(self, device: str) -> None:
+        if self.train_config.reference_offload and torch.cuda.is_available():
+            self.reference.to(device)
+
+    @torch.no_grad()
+    def experience(self, samples: Sequence[RolloutSample], plan: RolloutPlan) -> Dict[int, TokenStats]:
+        """Per-token statistics at the sampling snapshot for this rank's samples.
+
+        Returns {sample index: TokenStats} on the last pipeline stage, {} elsewhere.
+        """
+        self._set_reference_device("cuda")
+        model = PolicyWithReference(self.policy, self.reference)
+        hidden_size = self.config.hidden_size
+        results: Dict[int, TokenStats] = {}
+
+        def forward_step(mb: MicroBatch, m):
+            output = m(mb.tokens, mb.position_ids, None)
+
+            def loss_func(hidden_pair):
+                positions = self._response_positions(mb)
+                flat = hidden_pair.reshape(-1, 2 * hidden_size).index_select(0, positions)
+                hidden, ref_hidden = flat.split(hidden_size, dim=-1)
+                targets = mb.targets.reshape(-1).index_select(0, positions)
+                stats = _token_stats(hidden, output_weight(self.policy), targets, ref_hidden, output_weight(self.reference),
+                                     vocab_size=self.model_config.vocab_size,
+                                     chunk_size=self.train_config.kl_chunk_size, temperature=self.temperature)
+                offset = 0
+                for index, length in zip(mb.sample_indices, mb.response_lengths):
+                    span = slice(offset, offset + length)
+                    results[index] = TokenStats(
+                        stats.logprob[span].float().cpu(), stats.ref_logprob[span].float().cpu(),
+                        stats.entropy[span].float().cpu(), stats.kl[span].float().cpu(),
+                    )
+                    offset += length
+                return torch.zeros((), device=hidden_pair.device), {}
+
+            return output, loss_func
+
+        model.eval()
+        run_schedule(model, self._micro_batches(samples, plan.my_indices), forward_step, forward_only=True)
+        model.train()
+        self.reference.eval()
+        self._set_reference_device("cpu")
+        return results
+
+    # ----------------------------------------------------------------------------- calibration
+    def calibrate(self, samples: Sequence[RolloutSample], experience: Dict[int, TokenStats]):
+        """Per-response coefficients for the whole rollout, frozen until the next rollout.
+
+        The per-response sums (conditional KL, k1) of every DP rank's samples are all-gathered
+        over the data-parallel group (and summed over context-parallel ranks, which each hold a
+        piece of every sequence); rewards, groups and lengths are known everywhere. Returns
+        (coefficients [N] float32 on the last stage or None elsewhere, ResponseStats or None).
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from megatron_zcpo.algorithms import ResponseStats
+
+        if not self.is_last_stage:
+            return None, None
+        n = len(samples)
+        sums = torch.zeros(n, 2, dtype=torch.float64)
+        for index, stats in experience.items():
+            sums[index, 0] = stats.kl.double().sum()
+            sums[index, 1] = (stats.old_logprob.double() - stats.ref_logprob.double()).sum()
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        sums = sums.to(device)
+        # Each sample lives on exactly one DP rank (zeros elsewhere), so a SUM is a gather.
+        dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
+        sums = sums.cpu()
+        stats = ResponseStats(
+            group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+            rewards=torch.tensor([s.reward for s in samples], dtype=torch.float64),
+            lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64),
+            kl_sum=sums[:, 0],
+            k1_sum=sums[:, 1],
+        )
+        return self.algorithm.coefficients(stats).float(), stats
+
+    # ----------------------------------------------------------------------------- update
+    def _normalizer(self, samples, indices) -> float:
+        """Global denominator of the loss aggregation over one mini-batch (all DP ranks)."""
+        counted = [len(samples[i].response_ids) for i in indices if samples[i].trainable]
+        if self.algorithm.normalizer_unit == "tokens":
+            return float(sum(counted))
+        return float(sum(1 for c in counted if c > 0))  # seq-mean modes: sequences with a token
+
+    def _rows(self, flat: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """Flat response-token vector [R_total] -> right-padded rows [b, max(lengths)]."""
+        return torch.nn.utils.rnn.pad_sequence(list(flat.split(list(lengths))), batch_first=True)
+
+    def update(self, samples, plan: RolloutPlan, experience: Dict[int, TokenStats], coefficients, metrics: MetricAccumulator):
+        """One optimizer step per mini-batch with the frozen ``coefficients``; fills ``metrics``."""
+        algorithm = self.algorithm
+        use_reference = algorithm.needs_current_kl
+        model = PolicyWithReference(self.policy, self.reference) if use_reference else self.policy
+        hidden_size = self.config.hidden_size
+        vocab_size, chunk = self.model_config.vocab_size, self.train_config.kl_chunk_size
+        is_config = self.train_config.importance_sampling
+        grad_norms = []
+        if use_reference:
+            self._set_reference_device("cuda")
+        for minibatch, my_share in zip(plan.minibatches, plan.mine):
+            normalizer = self._normalizer(samples, minibatch)
+            micro_batches = self._micro_batches(samples, my_share)
+            scale = len(micro_batches) * self.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
+
+            def forward_step(mb: MicroBatch, m):
+                output = m(mb.tokens, mb.position_ids, None)
+
+                def loss_func(hidden_out):
+                    positions = self._response_positions(mb)
+                    width = 2 * hidden_size if use_reference else hidden_size
+                    flat = hidden_out.reshape(-1, width).index_select(0, positions)
+                    targets = mb.targets.reshape(-1).index_select(0, positions)
+                    weight = output_weight(self.policy)
+                    kl_rows = None
+                    if use_reference:
+                        hidden, ref_hidden = flat.split(hidden_size, dim=-1)
+                        current = _token_stats(hidden, weight, targets, ref_hidden, output_weight(self.reference),
+                                               vocab_size=vocab_size, chunk_size=chunk, temperature=self.temperature)
+                        kl_rows = self._rows(current.kl, mb.response_lengths)
+                    else:
+                        current = _token_stats(flat, weight, targets, vocab_size=vocab_size, chunk_size=chunk,
+                                               temperature=self.temperature)
+                    logprob = current.logprob
+                    lengths = mb.response_lengths
+                    stats = [experience[i] for i in mb.sample_indices]
+                    old = self._rows(torch.cat([s.old_logprob for s in stats]), lengths)
+                    ref = self._rows(torch.cat([s.ref_logprob for s in stats]), lengths)
+                    mask = self._rows(torch.cat([torch.full((n,), float(samples[i].trainable)) for i, n in
+                                                 zip(mb.sample_indices, lengths)]), lengths)
+                    token_weight = None
+                    if is_config.enabled and mb.rollout_logprobs is not None and algorithm.supports_token_weight:
+                        rollout = self._rows(mb.rollout_logprobs.reshape(-1).index_select(0, positions), lengths)
+                        token_weight = importance_weights(old, rollout, mask, is_config)
+                    group_ids = torch.tensor([samples[i].group_id for i in mb.sample_indices]) \
+                        if algorithm.needs_whole_groups else None
+                    result = algorithm.loss(
+                        self._rows(logprob, lengths), old, mask, coefficients[mb.sample_indices],
+                        normalizer=normalizer, ref_logprob=ref, current_kl=kl_rows,
+                        token_weight=token_weight, group_ids=group_ids,
+                    )
+                    # Loss terms are partial sums that add up (over micro-batches and DP ranks) to the
+                    # mini-batch's value; the other metrics are per-token fractions.
+                    tokens = float(mask.sum())
+                    report = {"loss": (float(result.loss.detach()), 0.0)}
+                    for name, value in result.metrics.items():
+                        value = float(value)
+                        report[name] = (value, 0.0) if name.endswith("loss") else (value * tokens, tokens)
+                    return result.loss * scale, report
+
+                return output, loss_func
+
+            self.policy.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reports = run_schedule(model, micro_batches, forward_step, forward_only=False)
+            _, grad_norm, _ = self.optimizer.step()
+            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            for report in reports:
+                for name, (total, count) in report.items():
+                    metrics.add(f"update/{name}", total, count)
+                    if name.endswith("loss") and self.dp_rank == 0:
+                        metrics.add(f"update/{name}", 0.0, 1.0 / len(reports))  # mean over mini-batches
+        if use_reference:
+            self._set_reference_device("cpu")
+        for norm in grad_norms:
+            metrics.add_max("update/grad_norm_max", norm)
+        metrics.add("update/grad_norm", sum(grad_norms), len(grad_norms))
+        self.scheduler.step(1)
+        self.step += 1
+        return grad_norms
+
+    # ----------------------------------------------------------------------------- one step
+    def train_step(self, samples: Sequence[RolloutSample]) -> Dict[str, float]:
+        """Experience -> calibration -> updates on one rollout; returns global metrics (every rank).
+
+        The rollout's frozen coefficients stay available as ``last_coefficients`` ([N] on the last
+        pipeline stage, None elsewhere).
+        """
+        from megatron_zcpo.algorithms.metrics import coefficient_metrics
+
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        metrics = MetricAccumulator()
+        timings = {}
+        started = time.perf_counter()
+        plan = self.plan(samples)
+        experience = self.experience(samples, plan)
+        timings["time/experience"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        coefficients, stats = self.calibrate(samples, experience)
+        self.last_coefficients = coefficients
+        if self.is_last_stage:
+            self._experience_metrics(samples, experience, metrics)
+            if self.dp_rank == 0:  # coefficients are identical on every DP rank: count once
+                for name, value in coefficient_metrics(stats, coefficients, self.algorithm.config).items():
+                    metrics.add(f"coef/{name}", value, 1.0)
+        timings["time/calibrate"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        self.update(samples, plan, experience, coefficients, metrics)
+        timings["time/update"] = time.perf_counter() - started
+        out = metrics.reduce(contribute=self.reports_metrics)
+        out.update(timings)
+        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["train/step"] = self.step
+        trained_tokens = sum(len(s.response_ids) + len(s.prompt_ids) for s in samples)
+        out["train/tokens_per_s"] = trained_tokens / max(timings["time/experience"] + timings["time/update"], 1e-9)
+        return out
+
+    def _experience_metrics(self, samples, experience: Dict[int, TokenStats], metrics: MetricAccumulator) -> None:
+        """Token-level KL / entropy / k3 and the trainer-vs-rollout log-prob gap of this rank."""
+        if not self.reports_metrics:
+            return
+        from megatron_zcpo.algorithms import kl_penalty
+
+        for index, stats in experience.items():
+            n = stats.kl.numel()
+            if n == 0:
+                continue
+            metrics.add("experience/kl", stats.kl.sum(), n)
+            metrics.add_max("experience/kl_max", stats.kl.max())
+            metrics.add("experience/k3", kl_penalty(stats.old_logprob, stats.ref_logprob, "k3").sum(), n)
+            metrics.add("experience/entropy", stats.entropy.sum(), n)
+            gap = (stats.old_logprob - stats.ref_logprob).abs()
+            metrics.add("experience/logprob_ref_gap", gap.sum(), n)
+            metrics.add_max("experience/logprob_ref_gap_max", gap.max())
+            rollout = samples[index].rollout_logprobs
+            if rollout is not None and len(rollout) == n:
+                gap = (stats.old_logprob - torch.tensor(rollout, dtype=torch.float32)).abs()
+                metrics.add("rollout/logprob_diff", gap.sum(), n)
+                metrics.add_max("rollout/logprob_diff_max", gap.max())
+
+    # ----------------------------------------------------------------------------- weights & state
+    def global_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The whole policy as a global state dict (gathered over TP and PP; every rank)."""
+        from megatron_zcpo.megatron.weights import gather_full_state_dict
+
+        return gather_full_state_dict(self.policy)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Trainer state stored beside the dist_checkpointing weights (see checkpoint.py)."""
+        import dataclasses
+
+        return {"trainer_step": self.step, "scheduler": self.scheduler.state_dict(),
+                "model_config": dataclasses.asdict(self.model_config)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.step = int(state["trainer_step"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,67 @@
+"""Shared tiny trainer runs for the trainer tests (module-level so spawned ranks can import them)."""
+
+import random
+
+import torch
+
+from megatron_zcpo.megatron.model import ModelConfig
+
+MODEL = ModelConfig(family="qwen2", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def rollout(num_groups=5, group_sizes=(3, 4, 2, 5, 4), seed=0, vocab=MODEL.vocab_size):
+    """A synthetic rollout: groups of unequal size, varied lengths, mixed rewards, one truncated."""
+    from megatron_zcpo.megatron.batch import RolloutSample
+
+    rng = random.Random(seed)
+    samples = []
+    for group in range(num_groups):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(2, 6))]
+        for member in range(group_sizes[group % len(group_sizes)]):
+            response = [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+            reward = 1.0 if rng.random() < 0.5 else -1.0
+            if group == 2:
+                reward = 1.0  # an all-tied group: gated out
+            samples.append(RolloutSample(prompt, response, group_id=100 + group, reward=reward,
+                                         trainable=not (group == 1 and member == 0)))
+    return samples
+
+
+def weights(seed):
+    """Global weights of a seeded single-process model (run inside a 1-rank group)."""
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
+    from megatron_zcpo.megatron.weights import gather_full_state_dict
+
+    setup_megatron(seed=seed)
+    return gather_full_state_dict(build_gpt_model(MODEL, transformer_config(MODEL)))
+
+
+def policy_and_reference(rank, world):
+    """Distinct policy and reference weights, so drifts (and ZCPO's K) are non-zero."""
+    return weights(21), weights(22)
+
+
+def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, micro_batch_tokens=24,
+                 distributed_optimizer=False, **algorithm_overrides):
+    from megatron_zcpo.algorithms import AlgorithmConfig
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.trainer import OptimizerSettings, ParallelConfig, PolicyTrainer, TrainConfig
+
+    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, seed=9)
+    train = TrainConfig(steps=4, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
+                        optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0, adam_eps=1e-6, weight_decay=0.0))
+    return PolicyTrainer(MODEL, AlgorithmConfig(name=algorithm, **algorithm_overrides), train,
+                         ParallelConfig(tensor=tp, pipeline=pp, distributed_optimizer=distributed_optimizer),
+                         initial_weights=policy, reference_weights=reference)
+
+
+def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distributed_optimizer=False):
+    """Coefficients, metrics and the updated global weights after one rollout step."""
+    trainer = make_trainer(tp, pp, policy, reference, algorithm, distributed_optimizer=distributed_optimizer)
+    samples = rollout()
+    plan = trainer.plan(samples)
+    metrics = trainer.train_step(samples)
+    return {"coefficients": trainer.last_coefficients, "metrics": metrics, "params": trainer.global_state_dict(),
+            "my_samples": plan.my_indices, "groups_of_mine": sorted({samples[i].group_id for i in plan.my_indices})}
