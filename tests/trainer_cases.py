@@ -2,8 +2,6 @@
 
 import random
 
-import torch
-
 from megatron_zcpo.megatron.model import ModelConfig
 
 MODEL = ModelConfig(family="qwen2", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,

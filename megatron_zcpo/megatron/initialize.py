@@ -7,7 +7,6 @@ import os
 import random
 import socket
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -211,6 +211,6 @@ def build_gpt_model(
         rope_scaling_factor=float(rope.get("factor", 8.0)),
     )
     gpt.zcpo_model_config = model  # the true vocabulary and architecture, for weights and checkpoints
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not next(gpt.parameters()).is_meta:
         gpt = gpt.cuda()
     return gpt

@@ -15,7 +15,7 @@ forward compute of two models.
 from __future__ import annotations
 
 import types
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, List
 
 import torch
 

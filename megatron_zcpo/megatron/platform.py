@@ -15,7 +15,8 @@ How it works, in one place each:
 - ``Tensor.cuda()`` is the identity (it could only raise on such a machine);
 - the optimizer constructors that check ``param.type()`` see CUDA type names while they run;
 - the distributed optimizer's fully-reshardable checkpoints load into torch's Adam (the fallback
-  without TE/apex keeps a per-parameter ``step`` that megatron's loader does not expect).
+  without TE/apex keeps a per-parameter ``step`` that megatron's loader does not expect, and
+  that a fresh optimizer lacks).
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ def _patch_type_checks() -> None:
 
 
 def _patch_distributed_optimizer_loading() -> None:
-    """Let a fully-reshardable distributed-optimizer checkpoint load into torch's Adam.
+    """Let a fully-reshardable distributed-optimizer checkpoint load into a fresh torch Adam.
 
     Without TE/apex megatron falls back to ``torch.optim.Adam``, whose per-parameter state has a
     ``step`` entry. The fully-reshardable loader restores ``step`` separately and hands
@@ -282,6 +283,55 @@ def _patch_distributed_optimizer_loading() -> None:
             destinations[key].copy_(value)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_present_states
+
+    # Loading starts from a fresh optimizer whose torch Adam has no state yet, but the
+    # distributed optimizer's state_dict() reads every parameter's ``step``: initialise the state
+    # first, as the plain optimizer's sharded_state_dict does when loading.
+    original_sharded = DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, *args, **kwargs):
+        if is_loading and len(self.optimizer.state) == 0:
+            self.init_state_fn(self.optimizer, self.config)
+        return original_sharded(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+    # The loader sets every parameter's ``step`` to ONE shared tensor; torch's Adam increments
+    # ``step`` in place per parameter, so a shared tensor would advance once per parameter per
+    # step and skew the bias correction after a resume. Give each parameter its own copy.
+    original_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.load_state_dict = load_state_dict
+
+
+def _patch_adam_state_init() -> None:
+    """Give torch Adam's freshly initialised state a ``step``, as a stepped optimizer has.
+
+    Loading a checkpoint builds the optimizer's sharded state dict from a fresh optimizer
+    (``init_state_fn`` creates zero moments); the distributed optimizer then reads ``step`` from
+    every parameter's state, which torch's Adam only creates on its first step. The value is a
+    placeholder: loading overwrites it with the checkpoint's.
+    """
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    original = MegatronOptimizer.__init__
+
+    def init(self, optimizer, config, init_state_fn=lambda x: None):
+        def init_with_step(opt, config=None):
+            init_state_fn(opt, config)
+            if isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
+                for state in opt.state.values():
+                    state.setdefault("step", torch.tensor(0.0))
+
+        original(self, optimizer, config, init_with_step)
+
+    MegatronOptimizer.__init__ = init
 
 
 def is_active() -> bool:
@@ -318,5 +368,6 @@ def activate() -> bool:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     _patch_type_checks()
     _patch_distributed_optimizer_loading()
+    _patch_adam_state_init()
     _ACTIVE = True
     return True

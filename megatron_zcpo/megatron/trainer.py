@@ -41,7 +41,6 @@ from megatron_zcpo.megatron.pipeline import (
     install_hidden_state_head,
     output_weight,
     run_schedule,
-    unwrap,
 )
 
 
@@ -595,13 +594,24 @@ class PolicyTrainer:
 
         return gather_full_state_dict(self.policy)
 
-    def state_dict(self) -> Dict[str, Any]:
-        """Trainer state stored beside the dist_checkpointing weights (see checkpoint.py)."""
-        import dataclasses
+    def save(self, root, extra_state: Optional[Dict[str, Any]] = None, keep_last: int = 2):
+        """Checkpoint policy, optimizer, scheduler and ``extra_state`` (the loop's) under ``root``.
 
-        return {"trainer_step": self.step, "scheduler": self.scheduler.state_dict(),
-                "model_config": dataclasses.asdict(self.model_config)}
+        Atomic and collective (see :mod:`megatron_zcpo.megatron.checkpoint`); returns its path.
+        """
+        from megatron_zcpo.megatron.checkpoint import save_checkpoint
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        state = {"trainer_step": self.step, "scheduler": self.scheduler.state_dict(), **(extra_state or {})}
+        return save_checkpoint(root, self.step, self.policy, self.optimizer, state, keep_last=keep_last)
+
+    def load(self, path) -> Dict[str, Any]:
+        """Resume from a checkpoint written by :meth:`save` (any TP/PP/DP layout); returns its state.
+
+        A checkpoint of another model architecture is refused with the differing fields named.
+        """
+        from megatron_zcpo.megatron.checkpoint import load_checkpoint
+
+        state = load_checkpoint(path, self.policy, self.optimizer)
         self.step = int(state["trainer_step"])
         self.scheduler.load_state_dict(state["scheduler"])
+        return state

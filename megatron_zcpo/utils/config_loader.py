@@ -7,7 +7,7 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, TypeVar
+from typing import Any, Dict, List, Mapping, Sequence, Type, TypeVar
 
 import yaml
 

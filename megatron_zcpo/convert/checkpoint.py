@@ -1,0 +1,339 @@
+"""Megatron dist checkpoints (torch_dist) written and read one tensor at a time, and the two conversions.
+
+A converted checkpoint directory holds megatron-core's ``torch_dist`` files (``metadata.json``,
+``common.pt``, ``.metadata``, ``__0_0.distcp``), ``model_config.json`` (the :class:`ModelConfig`)
+and ``hf/`` (the original config.json, tokenizer files and generation_config.json, copied
+through for the way back). Tensors are stored under megatron-core's own sharded keys at TP=1
+(layers stacked on a leading axis), with the true vocabulary: megatron marks vocabulary tensors
+``allow_shape_mismatch``, so one checkpoint loads at any TP/PP and every layout pads its own.
+
+Neither direction builds a real model. The TP=1/PP=1 GPTModel is built on the meta device only
+for megatron-core's description of the checkpoint (keys, offsets, SwiGLU split); each stored
+piece is tagged with the global parameter it is a view of. Writing, torch.distributed.checkpoint's
+planner asks for one piece at a time and gets it from the Hugging Face shards then; reading, one
+parameter's pieces are loaded at a time. Memory stays at a few tensors for any model size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from megatron_zcpo.convert import hf_checkpoint, mapping
+from megatron_zcpo.megatron.checkpoint import read_model_config, write_model_config
+from megatron_zcpo.megatron.model import ModelConfig
+
+HF_FILES_DIR = "hf"
+
+
+# ----------------------------------------------------------------------------- the TP=1 layout
+
+
+@dataclasses.dataclass
+class _StoredPiece:
+    """One ShardedTensor of the TP=1 layout and where it sits in its global parameter."""
+
+    template: object  # megatron ShardedTensor without data
+    parameter: str  # global Megatron name (mapping / weights naming)
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    storage_offset: int
+
+    def view_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece's view of the global tensor ``full`` (true vocabulary)."""
+        return full.as_strided(self.size, self.stride, self.storage_offset)
+
+
+def _require_single_process() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not (dist.is_initialized() and ps.model_parallel_is_initialized()) or dist.get_world_size() != 1:
+        raise RuntimeError("checkpoint conversion runs in one process: call "
+                           "megatron_zcpo.megatron.initialize.setup_megatron() without torchrun first")
+
+
+def _tp1_layout(model: ModelConfig):
+    """megatron-core's TP=1/PP=1 sharded state dict of ``model``, as data-less templates.
+
+    Returns ``(sharded_state_dict, pieces)``: the nested dict (factories applied, vocabulary
+    tensors cut to the true vocabulary) and one :class:`_StoredPiece` per ShardedTensor in it,
+    keyed by ``(key, global_offset)`` as torch.distributed.checkpoint indexes write items.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
+    from megatron_zcpo.megatron.weights import VOCAB_TENSORS, named_global_parameters
+
+    _require_single_process()
+    with torch.device("meta"):
+        gpt = build_gpt_model(model, transformer_config(model, use_cpu_initialization=True), use_te=False)
+    parameters = {}
+    for name, param in named_global_parameters(gpt):
+        parameters[id(param)] = name
+        shape = tuple(param.shape)
+        if name in VOCAB_TENSORS:
+            shape = (model.vocab_size,) + shape[1:]
+        if shape != mapping.megatron_tensor_shape(name, model):
+            raise RuntimeError(f"megatron-core parameter {name!r} has shape {shape}, the mapping expects "
+                               f"{mapping.megatron_tensor_shape(name, model)}: convert/mapping.py is out of date")
+    sharded = gpt.sharded_state_dict()
+    apply_factories(sharded)
+    pieces: Dict[Tuple[str, Tuple[int, ...]], _StoredPiece] = {}
+
+    def describe(value):
+        if not isinstance(value, ShardedTensor):
+            return value
+        base = value.data if value.data._base is None else value.data._base  # SwiGLU halves are views
+        view = value.data
+        changes = {"data": None}
+        if value.allow_shape_mismatch:  # the (padded) vocabulary: store the true one
+            view = view[: model.vocab_size]
+            changes.update(local_shape=tuple(view.shape), global_shape=tuple(view.shape))
+        template = dataclasses.replace(value, **changes)
+        pieces[(template.key, tuple(template.global_offset))] = _StoredPiece(
+            template, parameters[id(base)], tuple(view.shape), tuple(view.stride()), view.storage_offset())
+        return template
+
+    dict_list_map_inplace(describe, sharded)
+    return sharded, pieces
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _streaming_save_strategy(resolve: Callable[[str, Tuple[int, ...]], torch.Tensor]):
+    """A torch_dist save strategy whose tensors come from ``resolve(key, global_offset)`` one at a time.
+
+    megatron-core's own strategy stages every tensor before writing (it is built for async
+    saves); this one hands torch.distributed.checkpoint's planner a resolver instead, so its
+    serial writer asks for one piece, writes it and drops it.
+    """
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class StreamingSavePlanner(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            piece = resolve(write_item.index.fqn, tuple(write_item.index.offset))
+            return piece.reshape(write_item.tensor_data.chunk.sizes)  # layer-stacked: [1, ...]
+
+    class StreamingSaveStrategy(SaveShardedStrategy):
+        @property
+        def can_handle_sharded_objects(self):
+            return True
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
+            save(
+                mcore_to_pyt_state_dict(by_key, is_loading=False),
+                storage_writer=FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1),
+                planner=StreamingSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+            )
+
+    return StreamingSaveStrategy("torch_dist", 1)
+
+
+def save_streaming_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    model: ModelConfig,
+    global_tensor: Callable[[str], torch.Tensor],
+    describe_tensor: Callable[[str], torch.Tensor],
+) -> None:
+    """Write a torch_dist checkpoint of ``model`` whose tensors are produced on demand.
+
+    ``global_tensor(name)`` returns one global Megatron tensor (true vocabulary, the dtype to
+    store); it is called when the writer reaches that tensor's pieces, about once per tensor.
+    ``describe_tensor(name)`` returns a meta tensor of the same shape and dtype (for planning).
+    Also writes ``model_config.json``. Needs :func:`setup_megatron` in a single process.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    sharded, pieces = _tp1_layout(model)
+    planned: Dict[str, torch.Tensor] = {}
+    for piece in pieces.values():
+        if piece.parameter not in planned:
+            planned[piece.parameter] = describe_tensor(piece.parameter)
+            expected = mapping.megatron_tensor_shape(piece.parameter, model)
+            if tuple(planned[piece.parameter].shape) != expected:
+                raise ValueError(f"Megatron tensor {piece.parameter!r}: described shape "
+                                 f"{tuple(planned[piece.parameter].shape)}, the model needs {expected}")
+
+    def with_meta_data(value):
+        if not isinstance(value, ShardedTensor):
+            return value
+        piece = pieces[(value.key, tuple(value.global_offset))]
+        dtype = planned[piece.parameter].dtype
+        return dataclasses.replace(piece.template, data=torch.empty(piece.size, dtype=dtype, device="meta"), dtype=dtype)
+
+    dict_list_map_inplace(with_meta_data, sharded)
+    last: Dict[str, torch.Tensor] = {}  # the SwiGLU halves of one tensor are written back to back
+
+    def resolve(key: str, offset: Tuple[int, ...]) -> torch.Tensor:
+        piece = pieces[(key, offset)]
+        if piece.parameter not in last:
+            last.clear()
+            full = global_tensor(piece.parameter)
+            expected = planned[piece.parameter]
+            if full.shape != expected.shape or full.dtype != expected.dtype:
+                raise ValueError(f"Megatron tensor {piece.parameter!r}: got {tuple(full.shape)} {full.dtype}, "
+                                 f"planned {tuple(expected.shape)} {expected.dtype}")
+            last[piece.parameter] = full.contiguous()
+        return piece.view_of(last[piece.parameter])
+
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(sharded, str(ckpt_dir), sharded_strategy=_streaming_save_strategy(resolve))
+    write_model_config(ckpt_dir, model)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_checkpoint_tensors(ckpt_dir: str | os.PathLike, model: Optional[ModelConfig] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Global Megatron tensors of a torch_dist checkpoint, one at a time, in model order.
+
+    Works for any checkpoint of this model's parameters under megatron-core's sharded keys,
+    whatever TP/PP saved it (padded vocabularies are cut to ``model.vocab_size``). ``model``
+    defaults to :func:`read_model_config`. Yields ``(name, tensor)`` in the stored dtype.
+    Raises ``KeyError`` naming a tensor the checkpoint lacks. Needs :func:`setup_megatron` in
+    a single process.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    model = model or read_model_config(ckpt_dir)
+    _, pieces = _tp1_layout(model)
+    stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    by_parameter: Dict[str, List[_StoredPiece]] = {}
+    for piece in pieces.values():
+        if piece.template.key not in stored:
+            raise KeyError(f"checkpoint {ckpt_dir} has no tensor {piece.template.key!r} "
+                           f"(Megatron {piece.parameter!r})")
+        by_parameter.setdefault(piece.parameter, []).append(piece)
+    strategy = TorchDistLoadShardedStrategy()
+    for name in mapping.megatron_tensor_names(model):
+        parts = by_parameter[name]
+        full = torch.empty(mapping.megatron_tensor_shape(name, model), dtype=stored[parts[0].template.key].dtype)
+        targets = [_single_piece_target(piece, full) for piece in parts]
+        loaded = dist_checkpointing.load({i: request for i, (request, _) in enumerate(targets)}, str(ckpt_dir),
+                                         sharded_strategy=strategy, validate_access_integrity=False)
+        for i, (_, target) in enumerate(targets):
+            target.copy_(loaded[i])  # a no-op when megatron loaded in place, as it does
+        yield name, full
+
+
+def _single_piece_target(piece: _StoredPiece, full: torch.Tensor):
+    """``(load request, target view)`` reading one piece straight into its place in ``full``.
+
+    The request is the piece as an irregular shard of the whole stored tensor: megatron
+    describes layer-stacked pieces (``prepend_axis_num`` > 0) as cells of a regular grid whose
+    other cells belong to other ranks, and in a one-process world every cell would count as
+    local. The explicit shape (``[1, ...]`` at the layer's offset, no grid) asks
+    torch.distributed.checkpoint for exactly this piece.
+    """
+    template = piece.template
+    local_shape = (1,) * template.prepend_axis_num + tuple(template.local_shape)
+    target = piece.view_of(full).view(local_shape)  # pieces are row blocks: always a view
+    request = dataclasses.replace(template, data=target, dtype=full.dtype, local_shape=local_shape,
+                                  prepend_axis_num=0, axis_fragmentations=None)
+    return request, target
+
+
+# ----------------------------------------------------------------------------- conversions
+
+
+def convert_hf_to_megatron(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelConfig:
+    """Convert a Hugging Face model directory into a Megatron checkpoint loadable at any TP/PP.
+
+    Reads config.json and the safetensors shards one tensor at a time, checks every name and
+    shape first (meta tensors, no data read, nothing written yet), then writes ``ckpt_dir`` (see
+    the module docstring). Raises naming the offending tensor: ``KeyError`` when one is missing,
+    ``ValueError`` on a shape mismatch or a tensor the mapping does not know. Returns the model
+    config. Writing needs :func:`setup_megatron` in a single process.
+    """
+    hf_config = hf_checkpoint.read_hf_config(hf_dir)
+    model = mapping.model_config_from_hf(hf_config)
+    with hf_checkpoint.SafetensorsCheckpoint(hf_dir) as source:
+        known = set(mapping.hf_tensor_names(model))
+        unknown = [name for name in source.names() if name not in known and not mapping.is_ignored_hf_tensor(name, model)]
+        if unknown:
+            raise ValueError(f"{hf_dir}: tensor(s) {unknown[:8]} have no Megatron counterpart in a "
+                             f"{model.family} model (a different architecture?)")
+        # Every name, shape and dtype is checked on meta tensors before anything is written.
+        planned = {name: mapping.hf_to_megatron_tensor(name, source.meta, model)
+                   for name in mapping.megatron_tensor_names(model)}
+        save_streaming_checkpoint(
+            ckpt_dir, model,
+            global_tensor=lambda name: mapping.hf_to_megatron_tensor(name, source.tensor, model),
+            describe_tensor=planned.__getitem__,
+        )
+    hf_checkpoint.write_hf_config(Path(ckpt_dir) / HF_FILES_DIR, hf_config)
+    hf_checkpoint.copy_hf_assets(hf_dir, Path(ckpt_dir) / HF_FILES_DIR)
+    return model
+
+
+def _set_dtype_field(config: dict, dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    key = "dtype" if "dtype" in config else "torch_dtype"  # transformers>=5 / <5 spelling
+    config[key] = name
+
+
+def convert_megatron_to_hf(
+    ckpt_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = hf_checkpoint.DEFAULT_MAX_SHARD_BYTES,
+    model: Optional[ModelConfig] = None,
+) -> ModelConfig:
+    """Convert a Megatron checkpoint into a Hugging Face model directory.
+
+    Streams the checkpoint one tensor at a time into sharded safetensors with an index (at
+    most one shard of ``max_shard_bytes`` in memory), cast to ``dtype`` when given (else the
+    stored dtype), and writes config.json from the model config (on top of the original one when
+    the checkpoint carries it) plus the tokenizer and generation files. ``model`` defaults to the
+    checkpoint's ``model_config.json``. Needs :func:`setup_megatron` in a single process.
+    """
+    model = model or read_model_config(ckpt_dir)
+    hf_files = Path(ckpt_dir) / HF_FILES_DIR
+    base = hf_checkpoint.read_hf_config(hf_files) if (hf_files / hf_checkpoint.CONFIG_FILE).is_file() else None
+    stored_dtypes: set = set()
+
+    def hf_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
+        for name, tensor in read_checkpoint_tensors(ckpt_dir, model):
+            stored_dtypes.add(tensor.dtype)
+            for hf_name, hf_tensor in mapping.megatron_to_hf_tensors(name, tensor, model):
+                yield hf_name, hf_tensor if dtype is None else hf_tensor.to(dtype)
+
+    hf_checkpoint.write_safetensors_shards(out_dir, hf_tensors(), max_shard_bytes)
+    config = mapping.hf_config_from_model_config(model, base)
+    written = {dtype} if dtype is not None else stored_dtypes
+    if len(written) == 1:
+        _set_dtype_field(config, written.pop())
+    hf_checkpoint.write_hf_config(out_dir, config)
+    if hf_files.is_dir():
+        hf_checkpoint.copy_hf_assets(hf_files, out_dir)
+    return model
+
+
+def check_parallel_layout(model: ModelConfig, tensor_parallel: int, pipeline_parallel: int) -> None:
+    """Raise ``ValueError`` naming the field when ``model`` cannot be split ``tensor_parallel`` x ``pipeline_parallel``."""
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(model, field) % tensor_parallel:
+            raise ValueError(f"{field}={getattr(model, field)} is not divisible by tensor parallelism {tensor_parallel}")
+    if model.num_layers % pipeline_parallel:
+        raise ValueError(f"num_layers={model.num_layers} is not divisible by pipeline parallelism {pipeline_parallel}")

@@ -1,0 +1,245 @@
+"""In-process rollout engine: batched KV-cache sampling with a Hugging Face model (CPU default, tests)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from megatron_zcpo.rollout.engine import (
+    Completion,
+    RolloutEngine,
+    RolloutError,
+    SamplingParams,
+    validate_prompts,
+)
+
+
+def filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Zero the probabilities that top-k and top-p exclude (not renormalised).
+
+    probs: [B, V]. top-k keeps the ``top_k`` most likely tokens (``top_k`` <= 0: all); top-p keeps
+    the smallest most-likely set whose mass reaches ``top_p`` (the most likely token always
+    stays). Both filters are measured on ``probs`` itself and a token must pass both, as in
+    SGLang's PyTorch sampler, so the order of the two does not matter. Returns [B, V].
+    """
+    vocab = probs.shape[-1]
+    if (top_k <= 0 or top_k >= vocab) and top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        drop[:, top_k:] = True
+    if top_p < 1.0:
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before > top_p
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_next_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and return it with its log-prob (see :class:`Completion`).
+
+    logits: [B, V] (any float dtype, computed in fp32). Greedy when ``params.temperature`` is 0.
+    Otherwise draws from softmax(logits / T) filtered by top-k/top-p, with the exponential race
+    (argmax p_v / E_v, E_v ~ Exp(1)), which is exact categorical sampling and vectorised.
+    Returns (tokens [B] int64, logprobs [B] fp32), log-probs of the unfiltered distribution.
+    """
+    logits = logits.float()
+    if params.greedy:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+    else:
+        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        probs = filter_top_k_top_p(logprobs.exp(), params.top_k, params.top_p)
+        race = torch.empty_like(probs).exponential_(generator=generator)
+        tokens = (probs / race).argmax(dim=-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad prompts into a batch.
+
+    Returns (input_ids [B, P] int64, attention_mask [B, P] int64 with 0 on padding,
+    position_ids [B, P] int64 counting from 0 at each prompt's first real token, 0 on padding).
+    """
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            input_ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+            attention_mask[row, width - len(prompt):] = 1
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def build_hf_causal_lm(model_config, dtype: torch.dtype = torch.float32, device=None) -> torch.nn.Module:
+    """An untrained transformers causal LM (Qwen2 / Llama) with ``model_config``'s architecture, eval mode."""
+    import transformers
+
+    from megatron_zcpo.convert.mapping import hf_config_from_model_config
+
+    hf_config = transformers.AutoConfig.for_model(**hf_config_from_model_config(model_config))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return model.to(device=device or "cpu", dtype=dtype).eval()
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Samples in this process from a transformers model holding the pushed policy weights.
+
+    Weights arrive through :meth:`update_weights` with Hugging Face names (the same stream the
+    SGLang push sends, from :func:`megatron_zcpo.rollout.weight_sync.iter_hf_weights`).
+    Prompts are left-padded and decoded together with a KV cache, ``max_batch_size`` rows
+    (prompts x samples) at a time. ``quantization="fp8"`` rounds every pushed linear weight to
+    FP8 E4M3 with a per-tensor scale (what an FP8 SGLang server holds), to exercise quantised
+    rollouts and the trainer's importance-sampling correction on a CPU.
+    """
+
+    def __init__(
+        self,
+        model_config,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        max_batch_size: int = 256,
+        seed: int = 0,
+        quantization: Optional[str] = None,
+        pad_token_id: int = 0,
+    ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+        self.model_config = model_config
+        self.device = torch.device(device or "cpu")
+        self.model = build_hf_causal_lm(model_config, dtype, self.device)
+        self.max_batch_size = max_batch_size
+        self.quantization = quantization
+        self.pad_token_id = pad_token_id
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Tied embeddings appear under both names here; either name loads the shared tensor.
+        self._targets: Dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._loaded: Set[str] = set()
+        self._version = -1
+        forward_args = inspect.signature(self.model.forward).parameters
+        # transformers 5 renamed past_key_values to cache; older releases lack logits_to_keep.
+        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
+
+    # -- weights -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, named_hf_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy each (Hugging Face name, tensor) into the model; see :meth:`RolloutEngine.update_weights`.
+
+        Raises ``KeyError`` naming a tensor the model does not have and ``ValueError`` naming
+        one whose shape differs.
+        """
+        if self.quantization == "fp8":
+            from megatron_zcpo.rollout.quantization import fake_quantize_fp8_hf_weights
+
+            named_hf_tensors = fake_quantize_fp8_hf_weights(named_hf_tensors)
+        for name, tensor in named_hf_tensors:
+            target = self._targets.get(name)
+            if target is None:
+                raise KeyError(f"pushed tensor {name!r} is not a parameter of the embedded {self.model_config.family} model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"pushed tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            self._loaded.add(name)
+        self._version = int(version)
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def _check_loaded(self) -> None:
+        if self.model is None:
+            raise RolloutError("the embedded engine was shut down")
+        loaded = {id(self._targets[name]) for name in self._loaded}
+        missing = sorted(name for name, tensor in self._targets.items() if id(tensor) not in loaded)
+        if missing:
+            raise RolloutError(f"embedded engine has not received weights for {missing[:5]} ({len(missing)} tensors)")
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> List[List[Completion]]:
+        """Sample ``n`` responses per prompt; see :meth:`RolloutEngine.generate` and :class:`Completion`.
+
+        With ``params.seed`` set, the result depends only on the seed, the prompts, ``n``, the
+        weights and ``max_batch_size``.
+        """
+        self._check_loaded()
+        params.validate(self.model_config.vocab_size)
+        validate_prompts(prompts, n, self.model_config.vocab_size)
+        context = self.model_config.max_position_embeddings
+        for row, prompt in enumerate(prompts):
+            if len(prompt) >= context:
+                raise ValueError(f"prompt {row} has {len(prompt)} tokens; the model's context is {context}")
+        generator = self.generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
+        rows = [list(prompt) for prompt in prompts for _ in range(n)]
+        completions: List[Completion] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            completions += self._generate_batch(rows[start:start + self.max_batch_size], params, generator)
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            position_ids=position_ids.to(self.device),
+            use_cache=True,
+            **{self._cache_kwarg: cache},
+            **self._last_logits_only,
+        )
+        return out.logits[:, -1], getattr(out, self._cache_kwarg)
+
+    def _generate_batch(self, rows: List[List[int]], params: SamplingParams, generator) -> List[Completion]:
+        batch = len(rows)
+        context = self.model_config.max_position_embeddings
+        budgets = torch.tensor([min(params.max_new_tokens, context - len(r)) for r in rows])
+        stop_ids = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long)
+        input_ids, attention_mask, position_ids = left_pad(rows, self.pad_token_id)
+        logits, cache = self._forward(input_ids, attention_mask, position_ids, None)
+        tokens_out, logprobs_out = [], []
+        lengths = torch.zeros(batch, dtype=torch.long)
+        stopped = torch.zeros(batch, dtype=torch.bool)
+        finished = torch.zeros(batch, dtype=torch.bool)
+        next_position = position_ids[:, -1:] + 1
+        for step in range(int(budgets.max())):
+            tokens, logprobs = sample_next_tokens(logits, params, generator)
+            tokens, logprobs = tokens.cpu(), logprobs.cpu()
+            tokens_out.append(tokens)
+            logprobs_out.append(logprobs)
+            lengths += (~finished).long()
+            stopped |= ~finished & torch.isin(tokens, stop_ids)
+            finished |= stopped | (lengths >= budgets)
+            if bool(finished.all()):
+                break
+            # Finished rows keep decoding (cheaper than reshaping the cache); their tokens are cut off.
+            attention_mask = torch.cat([attention_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            logits, cache = self._forward(tokens[:, None], attention_mask, next_position, cache)
+            next_position = next_position + 1
+        all_tokens = torch.stack(tokens_out, dim=1).tolist()
+        all_logprobs = torch.stack(logprobs_out, dim=1).tolist()
+        return [
+            Completion(
+                prompt_ids=rows[i],
+                output_ids=all_tokens[i][:int(lengths[i])],
+                output_logprobs=all_logprobs[i][:int(lengths[i])],
+                finish_reason="stop" if bool(stopped[i]) else "length",
+                weight_version=self._version,
+            )
+            for i in range(batch)
+        ]
+
+    def shutdown(self) -> None:
+        """Drop the model (frees its memory); the engine cannot generate afterwards."""
+        self.model = None
+        self._targets, self._loaded = {}, set()

@@ -1,0 +1,143 @@
+"""The rollout-engine interface the trainer codes against: sampling parameters, completions, engines."""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample responses (the fields of SGLang's ``sampling_params`` that RL needs).
+
+    ``temperature`` 0 means greedy decoding. ``top_k`` <= 0 and ``top_p`` = 1 disable those
+    filters. Generation of a response stops after a token in ``stop_token_ids`` (that token is
+    part of the output) or after ``max_new_tokens`` tokens. ``seed`` makes sampling reproducible;
+    None draws from the engine's own generator.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop_token_ids: Tuple[int, ...] = ()
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ``ValueError`` naming the offending field when a value is out of range."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if int(self.top_k) != self.top_k:
+            raise ValueError(f"sampling.top_k must be an integer, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"sampling.stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Completion:
+    """One sampled response to one prompt.
+
+    ``output_logprobs[i]`` is log pi(output_ids[i] | prompt, output_ids[:i]) where pi is
+    softmax(logits / temperature) over the FULL vocabulary (softmax(logits) when greedy). top-p
+    and top-k only decide which tokens may be drawn; they are not renormalised into the
+    log-prob, so it is what the trainer computes for the same policy at that temperature (and
+    what SGLang returns by default). The truncated sampling distribution is pi / Z with
+    Z = the kept mass <= 1, so its log-prob is ``output_logprobs[i] - log Z``.
+    ``finish_reason``: "stop" (a stop token was produced, and is the last output token),
+    "length" (max_new_tokens or the model's context was reached) or "abort" (the engine gave up
+    on the request; the output may be empty). ``weight_version`` is the policy version that
+    produced it (SGLang's served version; None when the engine does not report one).
+    """
+
+    prompt_ids: List[int]
+    output_ids: List[int]
+    output_logprobs: List[float]
+    finish_reason: str
+    weight_version: Optional[int] = None
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Completion.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if len(self.output_logprobs) != len(self.output_ids):
+            raise ValueError(
+                f"Completion has {len(self.output_ids)} output_ids but {len(self.output_logprobs)} output_logprobs"
+            )
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the response was cut at the length limit (for overlong filtering)."""
+        return self.finish_reason == "length"
+
+
+class RolloutError(RuntimeError):
+    """A rollout engine could not serve a request (after retries) or refused a weight update."""
+
+
+class RolloutEngine(abc.ABC):
+    """What the trainer needs from an inference engine.
+
+    Engines are context managers: ``with make_engine(...) as engine: ...`` shuts them down on
+    exit, also when the body raises.
+    """
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> List[List[Completion]]:
+        """Sample ``n`` responses for each prompt (token ids); result[i][j] is prompt i's j-th sample.
+
+        Synchronous for the caller; engines batch or run requests concurrently inside.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, named_hf_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new policy weights, given as a stream of (Hugging Face name, tensor), as ``version``.
+
+        The stream may cover a subset of the parameters (one pipeline stage's share); the engine
+        serves ``version`` once the call returns.
+        """
+
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The policy version the engine currently serves (-1 before the first update)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release the engine's resources (processes, sessions, memory); idempotent."""
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.shutdown()
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], n: int, vocab_size: Optional[int] = None) -> None:
+    """Raise ``ValueError`` naming the offending prompt (row) when a prompt is empty or out of vocabulary."""
+    if n < 1:
+        raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+    for row, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {row} is empty")
+        if vocab_size is not None:
+            bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise ValueError(f"prompt {row} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")

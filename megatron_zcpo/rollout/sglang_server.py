@@ -1,0 +1,265 @@
+"""Launch SGLang servers (one per inference TP group) and the sglang router from a config or Slurm's environment.
+
+Command lines follow SGLang v0.5.3 (``python -m sglang.launch_server --model-path ... --tp-size
+...``) and sglang-router (``python -m sglang_router.launch_router --worker-urls ...``). Each
+server gets its GPUs through ``CUDA_VISIBLE_DEVICES``; under Slurm every node runs the servers
+of its own GPUs (one launcher per node) and the first node also runs the router.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional
+
+from megatron_zcpo.rollout.engine import RolloutError
+
+
+@dataclass
+class SGLangServerConfig:
+    """How to start the rollout servers.
+
+    ``tp_size`` GPUs per server; ``gpus_per_node`` (None: Slurm's SLURM_GPUS_ON_NODE, else the
+    CUDA_VISIBLE_DEVICES count) are split into ``gpus_per_node // tp_size`` servers per node,
+    capped at ``num_servers`` in total when given. Ports: ``base_port + i * port_stride`` for the
+    i-th server of a node (SGLang takes a few ports above its HTTP port). ``nodes``: host names
+    (None: SLURM_JOB_NODELIST, else this host). ``quantization`` is passed as
+    ``--quantization`` (``modelopt_fp8`` for FP8 rollouts). ``extra_args`` are appended to every
+    server command. ``server_module`` / ``router_module`` can point at stand-ins (tests).
+    """
+
+    model_path: str
+    tp_size: int = 1
+    gpus_per_node: Optional[int] = None
+    num_servers: Optional[int] = None
+    nodes: Optional[List[str]] = None
+    base_port: int = 30000
+    port_stride: int = 10
+    mem_fraction_static: float = 0.85
+    dtype: str = "bfloat16"
+    context_length: Optional[int] = None
+    quantization: Optional[str] = None
+    random_seed: int = 0
+    extra_args: List[str] = field(default_factory=list)
+    router: bool = True
+    router_port: int = 29000
+    router_policy: str = "cache_aware"
+    log_dir: str = "sglang_logs"
+    python: str = sys.executable
+    server_module: str = "sglang.launch_server"
+    router_module: str = "sglang_router.launch_router"
+    startup_timeout_s: float = 1200.0
+
+    def validate(self, prefix: str = "rollout.servers") -> None:
+        """Raise ``ValueError`` naming the offending key."""
+        if not self.model_path:
+            raise ValueError(f"{prefix}.model_path must name a Hugging Face model directory")
+        for key in ("tp_size", "base_port", "port_stride", "router_port"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{prefix}.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"{prefix}.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One SGLang server: where it runs, its HTTP port and the GPU ids it owns on its node."""
+
+    node: str
+    port: int
+    gpu_ids: tuple
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.node}:{self.port}"
+
+
+def expand_slurm_nodelist(nodelist: str) -> List[str]:
+    """Expand Slurm's compressed host list ("gpu[01-03,7],login1") into host names, in order.
+
+    The same expansion ``scontrol show hostnames`` does, for the bracket syntax Slurm uses
+    (ranges keep their zero padding). Raises ``ValueError`` naming a malformed list.
+    """
+    hosts: List[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)", nodelist.strip()):
+        prefix, ranges = match.group(1), match.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                raise ValueError(f"malformed Slurm node list {nodelist!r} (range {part!r})")
+            for number in range(int(low), int(high or low) + 1):
+                hosts.append(f"{prefix}{number:0{len(low)}d}")
+    if not hosts:
+        raise ValueError(f"malformed Slurm node list {nodelist!r}")
+    return hosts
+
+
+def _gpus_per_node(config: SGLangServerConfig, env: Mapping[str, str]) -> int:
+    if config.gpus_per_node:
+        return config.gpus_per_node
+    if env.get("SLURM_GPUS_ON_NODE"):
+        return int(env["SLURM_GPUS_ON_NODE"])
+    if env.get("CUDA_VISIBLE_DEVICES"):
+        return len(env["CUDA_VISIBLE_DEVICES"].split(","))
+    raise ValueError("rollout.servers.gpus_per_node is not set and neither SLURM_GPUS_ON_NODE nor "
+                     "CUDA_VISIBLE_DEVICES says how many GPUs this node has")
+
+
+def plan_servers(config: SGLangServerConfig, env: Optional[Mapping[str, str]] = None) -> List[ServerSpec]:
+    """Every server of the job, node by node (the same plan on every node)."""
+    env = os.environ if env is None else env
+    config.validate()
+    nodes = config.nodes or (expand_slurm_nodelist(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else [_this_host(env)])
+    gpus = _gpus_per_node(config, env)
+    if config.tp_size > gpus:
+        raise ValueError(f"rollout.servers.tp_size={config.tp_size} exceeds the {gpus} GPUs of a node "
+                         f"(servers spanning nodes are not supported)")
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",") if env.get("CUDA_VISIBLE_DEVICES") else None
+    specs: List[ServerSpec] = []
+    for node in nodes:
+        for index in range(gpus // config.tp_size):
+            if config.num_servers is not None and len(specs) == config.num_servers:
+                return specs
+            ids = list(range(index * config.tp_size, (index + 1) * config.tp_size))
+            gpu_ids = tuple(visible[i] for i in ids) if visible else tuple(str(i) for i in ids)
+            specs.append(ServerSpec(node, config.base_port + index * config.port_stride, gpu_ids))
+    return specs
+
+
+def _this_host(env: Mapping[str, str]) -> str:
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def server_command(spec: ServerSpec, config: SGLangServerConfig) -> List[str]:
+    """The ``python -m sglang.launch_server ...`` command line of one server."""
+    command = [
+        config.python, "-m", config.server_module,
+        "--model-path", config.model_path,
+        "--host", "0.0.0.0",
+        "--port", str(spec.port),
+        "--tp-size", str(config.tp_size),
+        "--mem-fraction-static", str(config.mem_fraction_static),
+        "--dtype", config.dtype,
+        "--random-seed", str(config.random_seed),
+    ]
+    if config.context_length:
+        command += ["--context-length", str(config.context_length)]
+    if config.quantization:
+        command += ["--quantization", config.quantization]
+    return command + list(config.extra_args)
+
+
+def router_command(worker_urls: List[str], config: SGLangServerConfig) -> List[str]:
+    """The ``python -m sglang_router.launch_router ...`` command line over ``worker_urls``."""
+    return [config.python, "-m", config.router_module, "--host", "0.0.0.0", "--port", str(config.router_port),
+            "--policy", config.router_policy, "--worker-urls", *worker_urls]
+
+
+class SGLangLauncher:
+    """Starts this node's servers (and, on the first node, the router); stops them on :meth:`stop`.
+
+    Each process gets its own session (so stopping kills its children too) and a log file under
+    ``config.log_dir``; a process that dies during start-up is reported with its log's tail.
+    """
+
+    def __init__(self, config: SGLangServerConfig, env: Optional[Mapping[str, str]] = None):
+        self.config = config
+        self.env: Dict[str, str] = dict(os.environ if env is None else env)
+        self.specs = plan_servers(config, self.env)
+        self.processes: Dict[str, subprocess.Popen] = {}
+        self._logs: Dict[str, str] = {}
+
+    @property
+    def server_urls(self) -> List[str]:
+        return [spec.url for spec in self.specs]
+
+    @property
+    def router_url(self) -> Optional[str]:
+        return f"http://{self.specs[0].node}:{self.config.router_port}" if self.config.router else None
+
+    def _is_this_node(self, node: str) -> bool:
+        here = _this_host(self.env)
+        return node in (here, here.split(".")[0], "127.0.0.1", "localhost")
+
+    def start(self) -> None:
+        """Spawn the processes that belong to this node."""
+        os.makedirs(self.config.log_dir, exist_ok=True)
+        for spec in self.specs:
+            if self._is_this_node(spec.node):
+                env = dict(self.env, CUDA_VISIBLE_DEVICES=",".join(spec.gpu_ids))
+                self._spawn(f"server-{spec.node}-{spec.port}", server_command(spec, self.config), env)
+        if self.config.router and self._is_this_node(self.specs[0].node):
+            self._spawn("router", router_command(self.server_urls, self.config), dict(self.env))
+
+    def _spawn(self, name: str, command: List[str], env: Dict[str, str]) -> None:
+        path = os.path.join(self.config.log_dir, f"{name}.log")
+        with open(path, "ab") as log:
+            self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                    start_new_session=True)
+        self._logs[name] = path
+
+    def alive(self) -> bool:
+        """Whether every launched process still runs."""
+        return all(process.poll() is None for process in self.processes.values())
+
+    def failure_report(self, lines: int = 20) -> str:
+        """Exit codes and log tails of the processes that exited."""
+        report = []
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                with open(self._logs[name], errors="replace") as log:
+                    tail = "".join(log.readlines()[-lines:])
+                report.append(f"{name} exited with code {process.returncode}; last lines of {self._logs[name]}:\n{tail}")
+        return "\n".join(report)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is left after ``grace_s``."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:  # exited (with its group) since we looked
+        pass
+
+
+def launch_sglang(launcher: SGLangLauncher, **client_options):
+    """Start ``launcher``'s processes, wait until all servers of the job are healthy, return a client.
+
+    ``client_options`` go to :class:`SGLangEngineConfig` (timeouts, weight push). The returned
+    :class:`SGLangEngine` stops the launched processes when it shuts down. Raises
+    ``RolloutError`` with the exit codes and log tails when a process dies during start-up.
+    """
+    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+
+    launcher.start()
+    engine = SGLangEngine(
+        SGLangEngineConfig(server_urls=launcher.server_urls, router_url=launcher.router_url, **client_options),
+        on_shutdown=launcher.stop,
+    )
+    try:
+        engine.wait_until_healthy(launcher.config.startup_timeout_s, is_alive=launcher.alive)
+    except RolloutError as err:
+        report = launcher.failure_report()
+        engine.shutdown()
+        raise RolloutError(f"{err}\n{report}") from None
+    return engine

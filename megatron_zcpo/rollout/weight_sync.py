@@ -1,0 +1,130 @@
+"""Streaming Megatron -> Hugging Face weights, bucketing, and the trainer-to-SGLang weight-update group."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+NamedTensors = Iterable[Tuple[str, torch.Tensor]]
+
+
+def iter_global_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This pipeline stage's parameters one at a time, gathered across tensor-parallel ranks.
+
+    Yields ``(global_name, tensor)`` like :func:`megatron_zcpo.megatron.weights.gather_global_state_dict`
+    (TP=1 shapes, true vocabulary) but streaming and on the parameters' device, so a push
+    holds one full tensor at a time and NCCL can send it from GPU memory. Collective over the TP
+    group: every TP rank of the stage must consume the whole stream.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_zcpo.megatron import weights
+
+    group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    vocab_size = weights._true_vocab_size(model)
+    for name, param in weights.named_global_parameters(model):
+        tensor = param.detach()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+            dist.all_gather(shards, tensor.contiguous(), group=group)
+            tensor = weights._tp_merge(shards, param)
+        if name in weights.VOCAB_TENSORS and vocab_size is not None:
+            tensor = tensor[:vocab_size]
+        yield name, tensor
+
+
+def iter_hf_weights(model, model_config, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This stage's weights as ``(hf_name, tensor)``, converted on the fly by the checkpoint converter.
+
+    Each gathered Megatron tensor goes through
+    :func:`megatron_zcpo.convert.mapping.megatron_to_hf_tensors` (the same code the
+    checkpoint tools use), optionally cast to ``dtype``. Collective over the TP group.
+    """
+    from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
+
+    for name, tensor in iter_global_tensors(model):
+        for hf_name, hf_tensor in megatron_to_hf_tensors(name, tensor, model_config):
+            yield hf_name, hf_tensor if dtype is None else hf_tensor.to(dtype)
+
+
+def bucket_tensors(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: List[Tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype as SGLang's weight-update requests spell it ("bfloat16"; ``getattr(torch, name)``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def init_custom_process_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+):
+    """Join a process group outside the default one (the trainer-to-SGLang weight-update group).
+
+    Both sides (the trainer as rank 0, each SGLang server's TP ranks after it) meet at a TCP
+    store on ``master_address:master_port`` whose keys are prefixed with ``group_name``; this is
+    the rendezvous SGLang's ``/init_weights_update_group`` performs, so the group interoperates
+    with it. The group is registered with torch.distributed so ``dist.broadcast(..., group=pg)``
+    works; blocks until all ``world_size`` members joined.
+    """
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    helper_args = inspect.signature(c10d._new_process_group_helper).parameters
+    # torch renamed pg_options to backend_options (2.6); both default to None.
+    options = {"backend_options": None} if "backend_options" in helper_args else {"pg_options": None}
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
+        group_name=group_name, timeout=timeout, **options,
+    )
+    # Group rank == "global" rank within this private world (what broadcast's src refers to).
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def start_broadcast(bucket: Sequence[Tuple[str, torch.Tensor]], group, src: int = 0) -> list:
+    """Start sending each tensor of ``bucket`` from rank ``src`` of ``group``, in order (SGLang
+    receives them so); returns the async work handles to wait on."""
+    import torch.distributed as dist
+
+    return [dist.broadcast(tensor.contiguous(), src=src, group=group, async_op=True) for _, tensor in bucket]
+
+
+def receive_bucket(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group, device="cpu", src: int = 0
+) -> List[Tuple[str, torch.Tensor]]:
+    """The receiving side of :func:`start_broadcast` (what an SGLang server does for a bucket)."""
+    import torch.distributed as dist
+
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"bucket metadata disagree: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
+    received = [(n, torch.empty(tuple(s), dtype=getattr(torch, d), device=device)) for n, d, s in zip(names, dtypes, shapes)]
+    handles = [dist.broadcast(tensor, src=src, group=group, async_op=True) for _, tensor in received]
+    for handle in handles:
+        handle.wait()
+    return received

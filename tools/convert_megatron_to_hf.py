@@ -1,0 +1,41 @@
+"""Convert a Megatron dist checkpoint (converted or trained, any TP/PP) into a Hugging Face model directory.
+
+    python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR [--dtype bfloat16] [--max-shard-gb 2]
+
+--ckpt is the directory holding the torch_dist files and model_config.json. Streams one tensor at
+a time into sharded safetensors with model.safetensors.index.json, writes config.json and copies
+the tokenizer and generation config stored with the checkpoint.
+"""
+
+import argparse
+import sys
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True, help="Megatron checkpoint directory (with model_config.json)")
+    parser.add_argument("--out", required=True, help="output Hugging Face model directory")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights (default: as stored)")
+    parser.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (GiB)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from megatron_zcpo.convert.checkpoint import convert_megatron_to_hf
+    from megatron_zcpo.megatron.initialize import setup_megatron
+
+    setup_megatron()
+    model = convert_megatron_to_hf(args.ckpt, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                   max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"wrote {args.out}: {model.family}, {model.num_layers} layers, hidden {model.hidden_size}, "
+          f"vocab {model.vocab_size}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing re-imports __main__ in a spawned process
+    sys.exit(main())
