@@ -55,3 +55,10 @@ def test_layout_matches_single_process(single, weights, tp, pp, world):
         # equal the single-process ones: calibration sees whole groups through the gather.
         mine = [set(r["groups_of_mine"]) for r in results]
         assert mine[0] & mine[1]
+
+
+@pytest.mark.parametrize("tp,pp,world", [pytest.param(1, 1, 1, id="single"), pytest.param(2, 2, 4, id="TP2xPP2")])
+def test_gradient_probe_matches_update_gradient(weights, tp, pp, world):
+    for probed, update_norm in run_distributed(trainer_cases.probe_norm, world, tp, pp, *weights):
+        assert probed == pytest.approx(update_norm, rel=1e-5)
+        assert probed > 0

@@ -63,3 +63,20 @@ def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distrib
     metrics = trainer.train_step(samples)
     return {"coefficients": trainer.last_coefficients, "metrics": metrics, "params": trainer.global_state_dict(),
             "my_samples": plan.my_indices, "groups_of_mine": sorted({samples[i].group_id for i in plan.my_indices})}
+
+
+def probe_norm(rank, world, tp, pp, policy, reference):
+    """||grad|| of the first mini-batch's loss through gradient_vector, and the update's own norm."""
+    trainer = make_trainer(tp, pp, policy, reference)
+    samples = rollout()
+    plan = trainer.plan(samples)
+    experience = trainer.experience(samples, plan)
+    coefficients, _ = trainer.calibrate(samples, experience)
+    normalizer = trainer._normalizer(samples, plan.minibatches[0])
+    vector = trainer.gradient_vector(samples, plan.mine[0], experience, coefficients, normalizer,
+                                     lambda inputs: trainer.algorithm_loss(inputs).loss)
+    probed = trainer.gradient_dot(vector, vector) ** 0.5
+    from megatron_zcpo.megatron.trainer import MetricAccumulator
+
+    grad_norms = trainer.update(samples, plan, experience, coefficients, MetricAccumulator())
+    return probed, grad_norms[0]

@@ -204,6 +204,29 @@ class MetricAccumulator:
         return out
 
 
+@dataclass
+class LossInputs:
+    """One micro-batch's loss inputs; token tensors are right-padded rows [b, T].
+
+    ``logprob`` carries gradients to the policy (current parameters, sampling temperature);
+    ``old_logprob``/``ref_logprob`` are from the experience pass; ``mask`` marks trainable
+    response tokens; ``coefficients`` [b] are the rollout's frozen ones; ``normalizer`` is the
+    global denominator of the mini-batch; ``current_kl`` (differentiable) only when the
+    reference ran alongside; ``token_weight`` is the importance-sampling correction or None.
+    """
+
+    sample_indices: List[int]
+    logprob: torch.Tensor
+    old_logprob: torch.Tensor
+    ref_logprob: torch.Tensor
+    mask: torch.Tensor
+    coefficients: torch.Tensor
+    normalizer: float
+    current_kl: Optional[torch.Tensor]
+    token_weight: Optional[torch.Tensor]
+    group_ids: torch.Tensor
+
+
 def importance_weights(old_logprob, rollout_logprob, mask, config: ImportanceSamplingConfig):
     """Truncated importance-sampling weights pi_old / pi_rollout per token, [N, T] -> [N, T].
 
@@ -443,72 +466,102 @@ class PolicyTrainer:
         """Flat response-token vector [R_total] -> right-padded rows [b, max(lengths)]."""
         return torch.nn.utils.rnn.pad_sequence(list(flat.split(list(lengths))), batch_first=True)
 
-    def update(self, samples, plan: RolloutPlan, experience: Dict[int, TokenStats], coefficients, metrics: MetricAccumulator):
-        """One optimizer step per mini-batch with the frozen ``coefficients``; fills ``metrics``."""
-        algorithm = self.algorithm
-        use_reference = algorithm.needs_current_kl
-        model = PolicyWithReference(self.policy, self.reference) if use_reference else self.policy
+    def _loss_inputs(self, mb: MicroBatch, hidden_out, samples, experience, coefficients, normalizer,
+                     use_reference: bool) -> "LossInputs":
+        """The loss inputs of one micro-batch from the last stage's hidden states (policy, or both)."""
         hidden_size = self.config.hidden_size
         vocab_size, chunk = self.model_config.vocab_size, self.train_config.kl_chunk_size
+        positions = self._response_positions(mb)
+        width = 2 * hidden_size if use_reference else hidden_size
+        flat = hidden_out.reshape(-1, width).index_select(0, positions)
+        targets = mb.targets.reshape(-1).index_select(0, positions)
+        weight = output_weight(self.policy)
+        lengths = mb.response_lengths
+        current_kl = None
+        if use_reference:
+            hidden, ref_hidden = flat.split(hidden_size, dim=-1)
+            current = _token_stats(hidden, weight, targets, ref_hidden, output_weight(self.reference),
+                                   vocab_size=vocab_size, chunk_size=chunk, temperature=self.temperature)
+            current_kl = self._rows(current.kl, lengths)
+        else:
+            current = _token_stats(flat, weight, targets, vocab_size=vocab_size, chunk_size=chunk,
+                                   temperature=self.temperature)
+        stats = [experience[i] for i in mb.sample_indices]
+        old = self._rows(torch.cat([s.old_logprob for s in stats]), lengths)
+        mask = self._rows(torch.cat([torch.full((n,), float(samples[i].trainable))
+                                     for i, n in zip(mb.sample_indices, lengths)]), lengths)
+        token_weight = None
         is_config = self.train_config.importance_sampling
+        if is_config.enabled and mb.rollout_logprobs is not None and self.algorithm.supports_token_weight:
+            rollout = self._rows(mb.rollout_logprobs.reshape(-1).index_select(0, positions), lengths)
+            token_weight = importance_weights(old, rollout, mask, is_config)
+        return LossInputs(
+            sample_indices=list(mb.sample_indices),
+            logprob=self._rows(current.logprob, lengths),
+            old_logprob=old,
+            ref_logprob=self._rows(torch.cat([s.ref_logprob for s in stats]), lengths),
+            mask=mask,
+            coefficients=coefficients[mb.sample_indices],
+            normalizer=normalizer,
+            current_kl=current_kl,
+            token_weight=token_weight,
+            group_ids=torch.tensor([samples[i].group_id for i in mb.sample_indices], dtype=torch.long),
+        )
+
+    def algorithm_loss(self, inputs: "LossInputs"):
+        """The registered algorithm's loss on one micro-batch's inputs (AlgorithmLoss)."""
+        return self.algorithm.loss(
+            inputs.logprob, inputs.old_logprob, inputs.mask, inputs.coefficients,
+            normalizer=inputs.normalizer, ref_logprob=inputs.ref_logprob, current_kl=inputs.current_kl,
+            token_weight=inputs.token_weight,
+            group_ids=inputs.group_ids if self.algorithm.needs_whole_groups else None,
+        )
+
+    def _backward(self, samples, indices, experience, coefficients, normalizer, loss_fn, *, use_reference: bool):
+        """Forward-backward of ``loss_fn(LossInputs) -> (loss, report)`` over this rank's ``indices``.
+
+        Gradients end up in the DDP grad buffers, reduced over data-parallel ranks, as for an
+        update; returns the loss-func reports (last pipeline stage).
+        """
+        model = PolicyWithReference(self.policy, self.reference) if use_reference else self.policy
+        micro_batches = self._micro_batches(samples, indices)
+        scale = len(micro_batches) * self.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
+
+        def forward_step(mb: MicroBatch, m):
+            output = m(mb.tokens, mb.position_ids, None)
+
+            def loss_func(hidden_out):
+                inputs = self._loss_inputs(mb, hidden_out, samples, experience, coefficients, normalizer, use_reference)
+                loss, report = loss_fn(inputs)
+                return loss * scale, report
+
+            return output, loss_func
+
+        self.policy.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return run_schedule(model, micro_batches, forward_step, forward_only=False)
+
+    def update(self, samples, plan: RolloutPlan, experience: Dict[int, TokenStats], coefficients, metrics: MetricAccumulator):
+        """One optimizer step per mini-batch with the frozen ``coefficients``; fills ``metrics``."""
+        use_reference = self.algorithm.needs_current_kl
         grad_norms = []
         if use_reference:
             self._set_reference_device("cuda")
+
+        def loss_fn(inputs: LossInputs):
+            result = self.algorithm_loss(inputs)
+            # Loss terms are partial sums that add up (over micro-batches and DP ranks) to the
+            # mini-batch's value; the other metrics are per-token fractions.
+            tokens = float(inputs.mask.sum())
+            report = {"loss": (float(result.loss.detach()), 0.0)}
+            for name, value in result.metrics.items():
+                value = float(value)
+                report[name] = (value, 0.0) if name.endswith("loss") else (value * tokens, tokens)
+            return result.loss, report
+
         for minibatch, my_share in zip(plan.minibatches, plan.mine):
-            normalizer = self._normalizer(samples, minibatch)
-            micro_batches = self._micro_batches(samples, my_share)
-            scale = len(micro_batches) * self.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
-
-            def forward_step(mb: MicroBatch, m):
-                output = m(mb.tokens, mb.position_ids, None)
-
-                def loss_func(hidden_out):
-                    positions = self._response_positions(mb)
-                    width = 2 * hidden_size if use_reference else hidden_size
-                    flat = hidden_out.reshape(-1, width).index_select(0, positions)
-                    targets = mb.targets.reshape(-1).index_select(0, positions)
-                    weight = output_weight(self.policy)
-                    kl_rows = None
-                    if use_reference:
-                        hidden, ref_hidden = flat.split(hidden_size, dim=-1)
-                        current = _token_stats(hidden, weight, targets, ref_hidden, output_weight(self.reference),
-                                               vocab_size=vocab_size, chunk_size=chunk, temperature=self.temperature)
-                        kl_rows = self._rows(current.kl, mb.response_lengths)
-                    else:
-                        current = _token_stats(flat, weight, targets, vocab_size=vocab_size, chunk_size=chunk,
-                                               temperature=self.temperature)
-                    logprob = current.logprob
-                    lengths = mb.response_lengths
-                    stats = [experience[i] for i in mb.sample_indices]
-                    old = self._rows(torch.cat([s.old_logprob for s in stats]), lengths)
-                    ref = self._rows(torch.cat([s.ref_logprob for s in stats]), lengths)
-                    mask = self._rows(torch.cat([torch.full((n,), float(samples[i].trainable)) for i, n in
-                                                 zip(mb.sample_indices, lengths)]), lengths)
-                    token_weight = None
-                    if is_config.enabled and mb.rollout_logprobs is not None and algorithm.supports_token_weight:
-                        rollout = self._rows(mb.rollout_logprobs.reshape(-1).index_select(0, positions), lengths)
-                        token_weight = importance_weights(old, rollout, mask, is_config)
-                    group_ids = torch.tensor([samples[i].group_id for i in mb.sample_indices]) \
-                        if algorithm.needs_whole_groups else None
-                    result = algorithm.loss(
-                        self._rows(logprob, lengths), old, mask, coefficients[mb.sample_indices],
-                        normalizer=normalizer, ref_logprob=ref, current_kl=kl_rows,
-                        token_weight=token_weight, group_ids=group_ids,
-                    )
-                    # Loss terms are partial sums that add up (over micro-batches and DP ranks) to the
-                    # mini-batch's value; the other metrics are per-token fractions.
-                    tokens = float(mask.sum())
-                    report = {"loss": (float(result.loss.detach()), 0.0)}
-                    for name, value in result.metrics.items():
-                        value = float(value)
-                        report[name] = (value, 0.0) if name.endswith("loss") else (value * tokens, tokens)
-                    return result.loss * scale, report
-
-                return output, loss_func
-
-            self.policy.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            reports = run_schedule(model, micro_batches, forward_step, forward_only=False)
+            reports = self._backward(samples, my_share, experience, coefficients, self._normalizer(samples, minibatch),
+                                     loss_fn, use_reference=use_reference)
             _, grad_norm, _ = self.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
             for report in reports:
@@ -524,6 +577,51 @@ class PolicyTrainer:
         self.scheduler.step(1)
         self.step += 1
         return grad_norms
+
+    # ----------------------------------------------------------------------------- gradient probes
+    def gradient_vector(self, samples, indices, experience, coefficients, normalizer, loss_fn,
+                        *, use_reference: bool = False) -> torch.Tensor:
+        """This rank's share of the parameter gradient of a custom loss, as one flat fp32 vector.
+
+        ``loss_fn(LossInputs) -> scalar`` is evaluated on every micro-batch of this rank's
+        ``indices`` (normalise with ``inputs.normalizer``, the global ``normalizer``). The
+        gradient is reduced over data-parallel ranks; the vector holds the parameters this rank
+        owns in the model-parallel group (no TP duplicates, no second copy of a tied embedding),
+        so :meth:`gradient_dot` of two such vectors is the full-model inner product. The update's
+        gradient buffers are zeroed afterwards: probes never reach an optimizer step. Collective.
+        """
+        from megatron.core import tensor_parallel
+
+        from megatron_zcpo.megatron.pipeline import unwrap
+
+        self._backward(samples, indices, experience, coefficients, normalizer,
+                       lambda inputs: (loss_fn(inputs), {}), use_reference=use_reference)
+        self.policy.finish_grad_sync()
+        pieces = []
+        gpt = unwrap(self.policy)
+        tied_copy = gpt.share_embeddings_and_output_weights and not gpt.pre_process
+        for name, param in gpt.named_parameters():
+            if not tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
+                continue
+            if tied_copy and name == "output_layer.weight":
+                continue
+            grad = getattr(param, "main_grad", None)
+            pieces.append((grad if grad is not None else torch.zeros_like(param)).detach().float().reshape(-1).clone())
+        self.policy.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+    @staticmethod
+    def gradient_dot(a: torch.Tensor, b: torch.Tensor) -> float:
+        """Full-model inner product of two :meth:`gradient_vector` results (all-reduced over TP x PP)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        value = (a.double() * b.double()).sum().reshape(1)
+        if torch.cuda.is_available():
+            value = value.cuda()
+        dist.all_reduce(value, group=ps.get_model_parallel_group())
+        return float(value)
 
     # ----------------------------------------------------------------------------- one step
     def train_step(self, samples: Sequence[RolloutSample]) -> Dict[str, float]:

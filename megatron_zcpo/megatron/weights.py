@@ -125,18 +125,18 @@ def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: b
 
 
 @torch.no_grad()
-def gather_global_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """This pipeline stage's parameters, gathered across tensor-parallel ranks, by global name.
+def iter_global_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This pipeline stage's parameters one at a time, gathered across tensor-parallel ranks.
 
-    Collective over the TP group (every TP rank must call it). Returns CPU tensors. To get the
-    whole model, merge the dicts of all pipeline stages (see :func:`gather_full_state_dict`).
+    Yields ``(global_name, tensor)`` with TP=1 shapes and the true vocabulary, on the
+    parameters' device, so a consumer (the rollout weight push) holds one full tensor at a time.
+    Collective over the TP group: every TP rank of the stage must consume the whole stream.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     vocab_size = _true_vocab_size(model)
-    out = {}
     for name, param in named_global_parameters(model):
         tensor = param.detach()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
@@ -145,8 +145,16 @@ def gather_global_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict
             tensor = _tp_merge(shards, param)
         if name in VOCAB_TENSORS and vocab_size is not None:
             tensor = tensor[:vocab_size]
-        out[name] = tensor.to(dtype or tensor.dtype).cpu().clone()
-    return out
+        yield name, tensor
+
+
+def gather_global_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    """This pipeline stage's parameters, gathered across tensor-parallel ranks, by global name.
+
+    Collective over the TP group (every TP rank must call it). Returns CPU tensors. To get the
+    whole model, merge the dicts of all pipeline stages (see :func:`gather_full_state_dict`).
+    """
+    return {name: tensor.to(dtype or tensor.dtype).cpu().clone() for name, tensor in iter_global_tensors(model)}
 
 
 def gather_full_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:

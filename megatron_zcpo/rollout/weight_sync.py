@@ -10,32 +10,6 @@ import torch
 NamedTensors = Iterable[Tuple[str, torch.Tensor]]
 
 
-def iter_global_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
-    """This pipeline stage's parameters one at a time, gathered across tensor-parallel ranks.
-
-    Yields ``(global_name, tensor)`` like :func:`megatron_zcpo.megatron.weights.gather_global_state_dict`
-    (TP=1 shapes, true vocabulary) but streaming and on the parameters' device, so a push
-    holds one full tensor at a time and NCCL can send it from GPU memory. Collective over the TP
-    group: every TP rank of the stage must consume the whole stream.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_zcpo.megatron import weights
-
-    group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    vocab_size = weights._true_vocab_size(model)
-    for name, param in weights.named_global_parameters(model):
-        tensor = param.detach()
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-            dist.all_gather(shards, tensor.contiguous(), group=group)
-            tensor = weights._tp_merge(shards, param)
-        if name in weights.VOCAB_TENSORS and vocab_size is not None:
-            tensor = tensor[:vocab_size]
-        yield name, tensor
-
-
 def iter_hf_weights(model, model_config, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's weights as ``(hf_name, tensor)``, converted on the fly by the checkpoint converter.
 
@@ -44,6 +18,7 @@ def iter_hf_weights(model, model_config, dtype: Optional[torch.dtype] = None) ->
     checkpoint tools use), optionally cast to ``dtype``. Collective over the TP group.
     """
     from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
+    from megatron_zcpo.megatron.weights import iter_global_tensors
 
     for name, tensor in iter_global_tensors(model):
         for hf_name, hf_tensor in megatron_to_hf_tensors(name, tensor, model_config):
