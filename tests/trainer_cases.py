@@ -72,7 +72,7 @@ def probe_norm(rank, world, tp, pp, policy, reference):
     plan = trainer.plan(samples)
     experience = trainer.experience(samples, plan)
     coefficients, _ = trainer.calibrate(samples, experience)
-    normalizer = trainer._normalizer(samples, plan.minibatches[0])
+    normalizer = trainer.normalizer(samples, plan.minibatches[0])
     vector = trainer.gradient_vector(samples, plan.mine[0], experience, coefficients, normalizer,
                                      lambda inputs: trainer.algorithm_loss(inputs).loss)
     probed = trainer.gradient_dot(vector, vector) ** 0.5

@@ -266,7 +266,9 @@ class PolicyTrainer:
     :mod:`megatron_zcpo.megatron.weights`) initialises the policy, and the reference unless
     ``reference_weights`` is given; without either, both start from the same seeded random
     initialisation. ``temperature`` is the rollout's sampling temperature: log-probs are those of
-    the distribution the engine sampled from.
+    the distribution the engine sampled from. ``diagnostics`` (see megatron_zcpo.diagnostics) has
+    ``due(step) -> bool`` and ``run(trainer, samples, plan, experience, coefficients, stats) ->
+    dict``; when due, it runs between calibration and the update, on every rank.
     """
 
     def __init__(
@@ -279,6 +281,7 @@ class PolicyTrainer:
         initial_weights: Optional[Dict[str, torch.Tensor]] = None,
         reference_weights: Optional[Dict[str, torch.Tensor]] = None,
         temperature: float = 1.0,
+        diagnostics=None,
     ):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -295,6 +298,7 @@ class PolicyTrainer:
         self.algorithm = build_algorithm(algorithm_config)
         self.step = 0
         self.last_coefficients: Optional[torch.Tensor] = None
+        self.diagnostics = diagnostics
         dtype = torch.bfloat16 if train.bf16 else torch.float32
         self.config = transformer_config(
             model_config, tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
@@ -455,7 +459,7 @@ class PolicyTrainer:
         return self.algorithm.coefficients(stats).float(), stats
 
     # ----------------------------------------------------------------------------- update
-    def _normalizer(self, samples, indices) -> float:
+    def normalizer(self, samples, indices) -> float:
         """Global denominator of the loss aggregation over one mini-batch (all DP ranks)."""
         counted = [len(samples[i].response_ids) for i in indices if samples[i].trainable]
         if self.algorithm.normalizer_unit == "tokens":
@@ -560,7 +564,7 @@ class PolicyTrainer:
             return result.loss, report
 
         for minibatch, my_share in zip(plan.minibatches, plan.mine):
-            reports = self._backward(samples, my_share, experience, coefficients, self._normalizer(samples, minibatch),
+            reports = self._backward(samples, my_share, experience, coefficients, self.normalizer(samples, minibatch),
                                      loss_fn, use_reference=use_reference)
             _, grad_norm, _ = self.optimizer.step()
             grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
@@ -651,10 +655,17 @@ class PolicyTrainer:
                     metrics.add(f"coef/{name}", value, 1.0)
         timings["time/calibrate"] = time.perf_counter() - started
 
+        diagnostics = {}
+        if self.diagnostics is not None and self.diagnostics.due(self.step):
+            started = time.perf_counter()
+            diagnostics = self.diagnostics.run(self, samples, plan, experience, coefficients, stats)
+            timings["time/diagnostics"] = time.perf_counter() - started
+
         started = time.perf_counter()
         self.update(samples, plan, experience, coefficients, metrics)
         timings["time/update"] = time.perf_counter() - started
         out = metrics.reduce(contribute=self.reports_metrics)
+        out.update(diagnostics)
         out.update(timings)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         out["train/step"] = self.step
