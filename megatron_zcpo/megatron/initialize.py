@@ -34,6 +34,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def distributed_env_from_slurm(environ=None) -> bool:
+    """Fill torchrun's variables from Slurm's when this process was started by ``srun``.
+
+    RANK/WORLD_SIZE/LOCAL_RANK come from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, MASTER_ADDR
+    from the first host of SLURM_JOB_NODELIST (or SLURM_NODELIST) and MASTER_PORT from
+    ``ZCPO_MASTER_PORT`` or a port derived from the job id, so every task of the job agrees
+    without talking first. Variables already set win. Returns True when Slurm's were used.
+    """
+    env = os.environ if environ is None else environ
+    if "SLURM_PROCID" not in env or "RANK" in env or "SLURM_NTASKS" not in env:
+        return False
+    from megatron_zcpo.utils.slurm import expand_slurm_nodelist
+
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("MASTER_ADDR", expand_slurm_nodelist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))[0])
+    env.setdefault("MASTER_PORT", env.get("ZCPO_MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)))
+    return True
+
+
 def _init_process_group(timeout_minutes: float) -> None:
     import torch.distributed as dist
 

@@ -263,7 +263,8 @@ class PolicyTrainer:
     """Policy + frozen reference on megatron-core, trained by a registered RL algorithm.
 
     Call :func:`megatron_zcpo.setup_megatron` first. ``initial_weights`` (a global state dict, see
-    :mod:`megatron_zcpo.megatron.weights`) initialises the policy, and the reference unless
+    :mod:`megatron_zcpo.megatron.weights`, or a model checkpoint directory, see
+    :mod:`megatron_zcpo.megatron.checkpoint`) initialises the policy, and the reference unless
     ``reference_weights`` is given; without either, both start from the same seeded random
     initialisation. ``temperature`` is the rollout's sampling temperature: log-probs are those of
     the distribution the engine sampled from. ``diagnostics`` (see megatron_zcpo.diagnostics) has
@@ -289,6 +290,7 @@ class PolicyTrainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_zcpo.algorithms import build_algorithm
+        from megatron_zcpo.megatron.checkpoint import load_model_checkpoint
         from megatron_zcpo.megatron.weights import gather_global_state_dict, load_global_state_dict
 
         self.model_config = model_config
@@ -310,8 +312,12 @@ class PolicyTrainer:
         if initial_weights is None:
             # Same starting point for both: the reference is the initial policy.
             initial_weights = gather_global_state_dict(policy)
-        load_global_state_dict(policy, initial_weights)
-        load_global_state_dict(reference, initial_weights if reference_weights is None else reference_weights)
+        for model, source in ((policy, initial_weights),
+                              (reference, initial_weights if reference_weights is None else reference_weights)):
+            if isinstance(source, dict):
+                load_global_state_dict(model, source)
+            else:  # a model checkpoint directory: each rank reads only its own shard
+                load_model_checkpoint(model, source)
         for model in (policy, reference):
             install_hidden_state_head(model)
         reference.eval()
