@@ -250,7 +250,7 @@ def _token_stats(hidden, weight, targets, ref_hidden=None, ref_weight=None, *, v
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.ops.token_stats import fused_token_stats
+    from megatron_zcpo.ops import fused_token_stats
 
     return fused_token_stats(
         hidden, weight, targets, ref_hidden, ref_weight,
