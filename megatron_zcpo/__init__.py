@@ -16,8 +16,42 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
+    # algorithm core (pure torch)
+    "group_advantages": "megatron_zcpo.algorithms.advantages",
+    "sequence_drift": "megatron_zcpo.algorithms.zcpo",
+    "zcpo_coefficients": "megatron_zcpo.algorithms.zcpo",
+    "kl_penalty": "megatron_zcpo.algorithms.kl",
+    "policy_loss": "megatron_zcpo.algorithms.surrogates",
+    "AlgorithmConfig": "megatron_zcpo.algorithms.config",
+    "build_algorithm": "megatron_zcpo.algorithms.registry",
+    "ResponseStats": "megatron_zcpo.algorithms.registry",
+    # vocab-parallel token statistics
+    "vocab_parallel_token_stats": "megatron_zcpo.ops.token_stats",
+    "fused_token_stats": "megatron_zcpo.ops.token_stats",
+    "TokenStats": "megatron_zcpo.ops.token_stats",
+    "MASKED_LOGIT": "megatron_zcpo.ops.token_stats",
+    # megatron-core integration
     "setup_megatron": "megatron_zcpo.megatron.initialize",
     "ModelConfig": "megatron_zcpo.megatron.model",
+    "PolicyTrainer": "megatron_zcpo.megatron.trainer",
+    "plan_memory": "megatron_zcpo.megatron.planner",
+    "suggest_layout": "megatron_zcpo.megatron.planner",
+    # rollouts, rewards, data
+    "SamplingParams": "megatron_zcpo.rollout.engine",
+    "Completion": "megatron_zcpo.rollout.engine",
+    "RolloutEngine": "megatron_zcpo.rollout.engine",
+    "EmbeddedEngine": "megatron_zcpo.rollout.embedded",
+    "SGLangEngine": "megatron_zcpo.rollout.sglang_client",
+    "RewardConfig": "megatron_zcpo.rewards.config",
+    "RewardScorer": "megatron_zcpo.rewards.scorer",
+    "dapo_math_reward": "megatron_zcpo.rewards.math",
+    "DataConfig": "megatron_zcpo.data.config",
+    "build_prompt_dataset": "megatron_zcpo.data.dataset",
+    "sample_groups": "megatron_zcpo.rollout.dynamic_sampling",
+    "evaluate": "megatron_zcpo.rollout.evaluation",
+    # the run configuration
+    "RunConfig": "megatron_zcpo.cli.config",
+    "load_run_config": "megatron_zcpo.cli.config",
 }
 
 

@@ -36,10 +36,9 @@ class DemoSpec:
         ("operators", ("+", "-")), ("allow_parentheses", False), ("allow_negation", False),
     )
     instruction: str = "Put the final answer in \\boxed{}."
-    train_seed: int = 11
-    train_size: int = 4000
-    eval_seed: int = 12345
-    eval_size: int = 256
+    seed: int = 11
+    size: int = 4000  # records drawn; 1-digit +/- problems repeat, so fewer distinct expressions
+    held_out_fraction: float = 0.2  # of the distinct expressions: never trained on, evaluated
     vocab_size: int = 384
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -48,12 +47,12 @@ class DemoSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 128
     sft_seed: int = 0
-    sft_lr: float = 3e-3
-    sft_batch_size: int = 32
-    sft_max_steps: int = 600
+    sft_lr: float = 1e-3
+    sft_batch_size: int = 64
+    sft_max_steps: int = 800
     sft_eval_every: int = 25
-    sft_target_accuracy: float = 0.30  # greedy accuracy at which the warm-up stops
-    version: int = 1
+    sft_target_accuracy: float = 0.5  # held-out greedy accuracy at which the warm-up stops
+    version: int = 2
 
     @property
     def options(self) -> Dict[str, object]:
@@ -70,20 +69,24 @@ def default_cache_dir() -> Path:
 
 
 def demo_records(spec: DemoSpec, split: str):
-    """The demo's prompt records: ``split`` "train" or "eval" (held out: no shared expression)."""
+    """The demo's prompt records: ``split`` "train" (SFT warm-up and RL) or "eval" (one record per
+    held-out expression: problems neither the warm-up nor RL ever sees)."""
+    import random
+
     from megatron_zcpo.data.procedural import reasoning_gym_records
 
-    train = reasoning_gym_records(spec.task, spec.train_size, spec.train_seed, spec.instruction, **spec.options)
+    records = reasoning_gym_records(spec.task, spec.size, spec.seed, spec.instruction, **spec.options)
+    expressions = sorted({r.extra_info["expression"] for r in records})
+    random.Random(spec.seed).shuffle(expressions)
+    held_out = set(expressions[: max(1, int(len(expressions) * spec.held_out_fraction))])
     if split == "train":
-        return train
-    seen = {r.extra_info.get("expression") for r in train}
-    candidates = reasoning_gym_records(spec.task, spec.eval_size * 8, spec.eval_seed, spec.instruction, **spec.options)
-    held_out = [r for r in candidates if r.extra_info.get("expression") not in seen][: spec.eval_size]
-    if not held_out:
-        # 1-digit problems are few: when every one is in the training set, evaluate on fresh
-        # draws (same distribution) rather than on nothing.
-        held_out = candidates[: spec.eval_size]
-    return held_out
+        return [r for r in records if r.extra_info["expression"] not in held_out]
+    if split != "eval":
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    first = {}
+    for record in records:
+        first.setdefault(record.extra_info["expression"], record)
+    return [first[e] for e in sorted(held_out)]
 
 
 def response_text(answer: str) -> str:
@@ -187,7 +190,7 @@ def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Cal
         loss.backward()
         optimizer.step()
         if step % spec.sft_eval_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, eval_records[:128])
+            accuracy = greedy_accuracy(model, tokenizer, eval_records)
             log(f"warm-up step {step}: loss {loss.item():.3f}, greedy accuracy {accuracy:.2f}")
             if accuracy >= spec.sft_target_accuracy:
                 break
@@ -196,7 +199,8 @@ def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Cal
 
 def build_demo_assets(spec: DemoSpec = DemoSpec(), cache_dir: Optional[Path] = None,
                       log: Callable[[str], None] = print) -> Path:
-    """The cached HF model directory of the embedded default (built on first use, atomically)."""
+    """The cached directory of the embedded default (built on first use, atomically): an HF model
+    (config.json, model.safetensors, tokenizer files) plus train.jsonl / eval.jsonl prompts."""
     root = Path(cache_dir or default_cache_dir())
     target = root / f"demo-{spec.digest()}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
@@ -204,12 +208,16 @@ def build_demo_assets(spec: DemoSpec = DemoSpec(), cache_dir: Optional[Path] = N
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     log(f"building the embedded default in {target} (once; cached afterwards)")
     train, held_out = demo_records(spec, "train"), demo_records(spec, "eval")
-    tokenizer = train_tokenizer(spec, train)
+    tokenizer = train_tokenizer(spec, train + held_out)  # the vocabulary covers every problem's text
     model, accuracy = supervised_warmup(spec, tokenizer, train, held_out, log=log)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    for split, records in (("train", train), ("eval", held_out)):  # plain {prompt, answer} JSONL
+        with open(tmp / f"{split}.jsonl", "w") as handle:
+            for record in records:
+                handle.write(json.dumps({"prompt": record.messages[0]["content"], "answer": record.answer}) + "\n")
     (tmp / "demo_spec.json").write_text(json.dumps({**dataclasses.asdict(spec), "warmup_greedy_accuracy": accuracy},
                                                    indent=2, default=str))
     tmp.parent.mkdir(parents=True, exist_ok=True)
