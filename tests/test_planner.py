@@ -7,7 +7,7 @@ import pytest
 
 from megatron_zcpo.megatron.model import ModelConfig, padded_vocab_size
 from megatron_zcpo.megatron.planner import (
-    COMPONENTS, GIB, KL_FP32_BLOCKS, Hardware, Layout, Workload, bytes_per_parameter, candidate_layouts,
+    COMPONENTS, GIB, KL_FP32_BLOCKS, KL_VOCAB_TILE, Hardware, Layout, Workload, bytes_per_parameter, candidate_layouts,
     layer_activation_bytes, layers_in_flight, plan_memory, render_plan, stage_parameters, suggest_layout,
 )
 
@@ -137,7 +137,7 @@ def test_plan_components_respond_to_reference_placement_and_kl_chunk():
     bigger_chunk = plan_memory(QWEN25_32B, layout, dataclasses.replace(LONG_ZCPO, kl_chunk_tokens=8192))
     vocab_shard = padded_vocab_size(QWEN25_32B.vocab_size, 8) // 8
     assert bigger_chunk.components["logits_kl"] - resident.components["logits_kl"] == pytest.approx(
-        KL_FP32_BLOCKS * 4096 * vocab_shard * 4)
+        KL_FP32_BLOCKS * 4096 * min(KL_VOCAB_TILE, vocab_shard) * 4)
     assert resident.components["overhead"] == pytest.approx(0.1 * resident.capacity_bytes)
 
 

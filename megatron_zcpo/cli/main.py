@@ -8,11 +8,12 @@ from typing import List, Optional
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_zcpo.cli import train
+    from megatron_zcpo.cli import demo, evaluate, plan, train
 
     parser = argparse.ArgumentParser(prog="zcpo", description="ZCPO RL post-training on megatron-core")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    train.add_parser(subparsers)
+    for command in (train, demo, evaluate, plan):
+        command.add_parser(subparsers)
     return parser
 
 
@@ -21,7 +22,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_zcpo.utils.config_loader import ConfigError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow the options (`zcpo eval CONFIG --checkpoint X eval.k=32`).
+    if extra and hasattr(args, "overrides") and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except ConfigError as error:

@@ -157,6 +157,49 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     return out
 
 
+def stop_token_ids(config: RunConfig, tokenizer) -> tuple:
+    """The configured stop tokens plus the tokenizer's end-of-sequence token."""
+    stop = list(config.rollout.stop_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop:
+        stop.append(tokenizer.eos_token_id)
+    return tuple(stop)
+
+
+def make_engine(config: RunConfig, model_config, tokenizer):
+    """The configured rollout engine: embedded (this process) or SGLang (launched or attached)."""
+    rollout = config.rollout
+    if rollout.engine == "embedded":
+        from megatron_zcpo.rollout.embedded import EmbeddedEngine
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return EmbeddedEngine(model_config, seed=rollout.seed, quantization=rollout.quantization, pad_token_id=pad)
+    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+
+    client = dict(rollout.sglang.client, quantization=rollout.quantization)
+    if rollout.sglang.launch is not None:
+        from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, launch_sglang
+
+        return launch_sglang(SGLangLauncher(SGLangServerConfig(**rollout.sglang.launch)), **client)
+    engine = SGLangEngine(SGLangEngineConfig(server_urls=list(rollout.sglang.server_urls),
+                                             router_url=rollout.sglang.router_url, **client))
+    engine.wait_until_healthy(client.get("connect_timeout_s", 600.0))
+    return engine
+
+
+def run_evaluation(config: RunConfig, engine, records, score, stop: tuple, output_path) -> Dict[str, float]:
+    """avg@k / pass@k of ``engine`` on ``records`` with the ``eval:`` sampling; flat ``eval/...`` metrics."""
+    from megatron_zcpo.rollout.engine import SamplingParams
+    from megatron_zcpo.rollout.evaluation import evaluate
+
+    ev = config.eval
+    params = SamplingParams(temperature=ev.temperature, top_p=ev.top_p,
+                            max_new_tokens=ev.max_new_tokens or config.rollout.max_new_tokens,
+                            stop_token_ids=stop, seed=ev.seed)
+    result = evaluate(engine, records, score, params, k=ev.k, output_path=str(output_path))
+    return {f"eval/{key}": float(value) for key, value in result.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
 class Rollout:
     """Rank 0's rollout side: engine, prompt stream, reward workers and sampling parameters."""
 
@@ -167,37 +210,13 @@ class Rollout:
 
         self.config = config
         self.tokenizer = tokenizer
-        self.model_config = model_config
-        stop = list(config.rollout.stop_token_ids)
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop:
-            stop.append(tokenizer.eos_token_id)
+        self.stop = stop_token_ids(config, tokenizer)
         self.params = SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                                      top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
-                                     stop_token_ids=tuple(stop))
-        self.stop = tuple(stop)
+                                     stop_token_ids=self.stop)
         self.dataset = build_prompt_dataset(config.data, tokenizer)
         self.scorer = RewardScorer(config.reward)
-        self.engine = self._make_engine()
-
-    def _make_engine(self):
-        rollout = self.config.rollout
-        if rollout.engine == "embedded":
-            from megatron_zcpo.rollout.embedded import EmbeddedEngine
-
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-            return EmbeddedEngine(self.model_config, seed=rollout.seed, quantization=rollout.quantization,
-                                  pad_token_id=pad)
-        from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
-
-        client = dict(rollout.sglang.client, quantization=rollout.quantization)
-        if rollout.sglang.launch is not None:
-            from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, launch_sglang
-
-            return launch_sglang(SGLangLauncher(SGLangServerConfig(**rollout.sglang.launch)), **client)
-        engine = SGLangEngine(SGLangEngineConfig(server_urls=list(rollout.sglang.server_urls),
-                                                 router_url=rollout.sglang.router_url, **client))
-        engine.wait_until_healthy(client.get("connect_timeout_s", 600.0))
-        return engine
+        self.engine = make_engine(config, model_config, tokenizer)
 
     def score(self, records, completions):
         return self.scorer.score_completions(records, completions, self.tokenizer)
@@ -223,18 +242,8 @@ class Rollout:
         return samples, metrics
 
     def evaluate(self, records, step: int, run_dir: Path) -> Dict[str, float]:
-        from megatron_zcpo.rollout.engine import SamplingParams
-        from megatron_zcpo.rollout.evaluation import evaluate
-
-        ev = self.config.eval
-        params = SamplingParams(temperature=ev.temperature, top_p=ev.top_p,
-                                max_new_tokens=ev.max_new_tokens or self.config.rollout.max_new_tokens,
-                                stop_token_ids=self.stop, seed=ev.seed)
-        result = evaluate(self.engine, records, self.score, params, k=ev.k,
-                          output_path=str(run_dir / "eval" / f"step_{step:06d}.json"))
-        metrics = {f"eval/{key}": float(value) for key, value in result.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
-        return metrics
+        return run_evaluation(self.config, self.engine, records, self.score, self.stop,
+                              run_dir / "eval" / f"step_{step:06d}.json")
 
     def close(self) -> None:
         self.scorer.close()

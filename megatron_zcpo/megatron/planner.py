@@ -49,10 +49,11 @@ COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "log
 BYTES_BF16 = 2
 BYTES_FP32 = 4
 ADAM_MOMENTS = 2
-# fp32 [chunk_tokens, V_pad/TP] blocks alive at once in the chunked KL / log-prob ops: policy and
-# reference logits of the chunk, and two element-wise temporaries (e.g. exp(u) and d) of an eager
-# implementation. A fused kernel needs fewer; this keeps the plan on the safe side.
-KL_FP32_BLOCKS = 4
+# megatron_zcpo.ops.token_stats works in tiles of [chunk tokens, at most KL_VOCAB_TILE columns] of
+# this rank's vocabulary shard and keeps six fp32 buffers of that size (policy and reference
+# logits and the element-wise temporaries), in forward and in backward.
+KL_FP32_BLOCKS = 6
+KL_VOCAB_TILE = 32768  # the op's GPU default of columns per tile
 # fp32 values kept per token of the micro-batch by those ops: log-prob, entropy, reference
 # log-prob, KL, both maxima, S, S_r, B, G, sum e^u u, target logits (policy and reference).
 PER_TOKEN_FP32_VECTORS = 13
@@ -349,15 +350,17 @@ def _logits_kl_bytes(model: ModelConfig, layout: Layout, workload: Workload, tok
 
     The output layer is column-parallel over the vocabulary, so every TP rank needs the final hidden
     states of all the micro-batch's tokens (gathered, bf16). Training also accumulates their fp32
-    gradient over the chunks; the experience pass holds the policy's and the reference's.
+    gradient over the chunks, and the fused op accumulates the output weight's gradient in an fp32
+    [V/TP, h] buffer; the experience pass holds the policy's and the reference's hidden states.
     """
     vocab_shard = padded_vocab_size(model.vocab_size, layout.tensor_parallel,
                                     model.make_vocab_size_divisible_by) // layout.tensor_parallel
     chunk = min(workload.kl_chunk_tokens, tokens)
-    blocks = KL_FP32_BLOCKS * chunk * vocab_shard * BYTES_FP32
+    blocks = KL_FP32_BLOCKS * chunk * min(KL_VOCAB_TILE, vocab_shard) * BYTES_FP32
     hidden_per_token = (BYTES_BF16 + BYTES_FP32) if phase == "train" else 2 * BYTES_BF16
     per_token = hidden_per_token * model.hidden_size + PER_TOKEN_FP32_VECTORS * BYTES_FP32
-    return blocks + tokens * per_token
+    weight_grad = vocab_shard * model.hidden_size * BYTES_FP32 if phase == "train" else 0
+    return blocks + tokens * per_token + weight_grad
 
 
 def _stage_phase_components(model: ModelConfig, layout: Layout, workload: Workload, hardware: Hardware,
