@@ -96,3 +96,20 @@ def test_train_checkpoints_and_resumes(tmp_path, tiny_model):
     assert evals == ["step_000000.json", "step_000002.json", "step_000003.json"]
     assert (run / "checkpoints" / "latest").read_text() == "step_00000003"
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 3
+
+
+def test_eval_and_plan_on_the_trained_checkpoint(tmp_path, tiny_model, capsys):
+    path = write_config(tmp_path, tiny_model, train={"steps": 1}, checkpoint={"every": 1})
+    assert _train(path).returncode == 0
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "megatron_zcpo.cli.main", "eval", str(path), "--checkpoint",
+                             str(step), "--output", str(tmp_path / "eval.json"), "eval.k=3"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert saved["num_problems"] == 4 and saved["num_samples"] == 12
+    assert 0.0 <= saved["avg@3"] <= saved["pass@3"] <= 1.0
+    assert main(["plan", str(path), "--gpus", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"]["fits"] and plan["suggested"]["fits"]
