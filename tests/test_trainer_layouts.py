@@ -62,3 +62,9 @@ def test_gradient_probe_matches_update_gradient(weights, tp, pp, world):
     for probed, update_norm in run_distributed(trainer_cases.probe_norm, world, tp, pp, *weights):
         assert probed == pytest.approx(update_norm, rel=1e-5)
         assert probed > 0
+
+
+def test_step0_selfcheck(weights):
+    for metrics, error in run_distributed(trainer_cases.selfcheck, 2, 2, 1, *weights):
+        assert metrics["selfcheck/kl_max"] <= 1e-12 and metrics["selfcheck/logprob_gap_max"] == 0.0
+        assert error is not None and "step-0 self-check failed" in error

@@ -80,3 +80,16 @@ def probe_norm(rank, world, tp, pp, policy, reference):
 
     grad_norms = trainer.update(samples, plan, experience, coefficients, MetricAccumulator())
     return probed, grad_norms[0]
+
+
+def selfcheck(rank, world, tp, pp, policy, reference):
+    """Step-0 self-check: passes with policy == reference, raises when they differ."""
+    trainer = make_trainer(tp, pp, policy, None)
+    metrics = trainer.train_step(rollout())
+    broken = make_trainer(tp, pp, policy, reference)
+    broken.reference_is_initial_policy = True  # pretend: the reference should equal the policy
+    try:
+        broken.train_step(rollout())
+    except RuntimeError as error:
+        return metrics, str(error)
+    return metrics, None

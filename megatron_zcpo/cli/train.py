@@ -360,6 +360,10 @@ def run_training(config: RunConfig) -> Dict[str, Any]:
                 metrics.update({"time/rollout": time_rollout, "time/weight_sync": time.perf_counter() - started_push,
                                 "time/step": time.perf_counter() - started})
                 logger.log(trainer.step, metrics)
+                gap = metrics.get("rollout/logprob_diff_max", 0.0)
+                if step == 0 and config.rollout.engine == "embedded" and not config.rollout.quantization and gap > 1e-3:
+                    logger.print(f"[yellow]warning: the embedded engine's log-probs differ from the trainer's by up "
+                                 f"to {gap:.2e} at step 0 (same weights: expected < 1e-3)")
             if config.eval.every and trainer.step % config.eval.every == 0 and trainer.step < config.train.steps:
                 last_eval = evaluate(trainer.step) or last_eval
             if config.checkpoint.every and trainer.step % config.checkpoint.every == 0:
@@ -388,6 +392,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to start on this machine when not launched by torchrun/srun "
                              "(default: TP*PP*CP)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config, print it with every default filled in, and exit")
     parser.set_defaults(func=run)
 
 
@@ -395,6 +401,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_zcpo.megatron.initialize import distributed_env_from_slurm
 
     config = load_run_config(args.config, args.overrides)  # validate before starting anything
+    if args.dry_run:
+        print(dump_run_config(config), end="")
+        return 0
     distributed_env_from_slurm()
     if "RANK" not in os.environ:
         nproc = world_size_needed(config, args.nproc)

@@ -126,7 +126,7 @@ class TrainConfig:
     kl_chunk_size: int = 1024
     reference_offload: bool = False
     recompute: Optional[str] = None  # None | "selective" | "full"
-    selfcheck_tolerance: float = 1e-4
+    selfcheck_tolerance: float = 1e-4  # step-0 policy == reference check; < 0 disables it
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     importance_sampling: ImportanceSamplingConfig = field(default_factory=ImportanceSamplingConfig)
 
@@ -301,6 +301,7 @@ class PolicyTrainer:
         self.step = 0
         self.last_coefficients: Optional[torch.Tensor] = None
         self.diagnostics = diagnostics
+        self.reference_is_initial_policy = reference_weights is None
         dtype = torch.bfloat16 if train.bf16 else torch.float32
         self.config = transformer_config(
             model_config, tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
@@ -650,6 +651,7 @@ class PolicyTrainer:
         plan = self.plan(samples)
         experience = self.experience(samples, plan)
         timings["time/experience"] = time.perf_counter() - started
+        selfcheck = self._selfcheck(experience) if self.step == 0 and self.reference_is_initial_policy else {}
 
         started = time.perf_counter()
         coefficients, stats = self.calibrate(samples, experience)
@@ -671,6 +673,7 @@ class PolicyTrainer:
         self.update(samples, plan, experience, coefficients, metrics)
         timings["time/update"] = time.perf_counter() - started
         out = metrics.reduce(contribute=self.reports_metrics)
+        out.update(selfcheck)
         out.update(diagnostics)
         out.update(timings)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -678,6 +681,32 @@ class PolicyTrainer:
         trained_tokens = sum(len(s.response_ids) + len(s.prompt_ids) for s in samples)
         out["train/tokens_per_s"] = trained_tokens / max(timings["time/experience"] + timings["time/update"], 1e-9)
         return out
+
+    def _selfcheck(self, experience: Dict[int, TokenStats]) -> Dict[str, float]:
+        """Step-0 check (as slime does): policy == reference must give KL 0 and equal log-probs.
+
+        Raises RuntimeError with the measured values when either exceeds
+        ``train.selfcheck_tolerance`` (a negative tolerance disables the check).
+        """
+        import torch.distributed as dist
+
+        worst = torch.zeros(2, dtype=torch.float64)
+        for stats in experience.values():
+            if stats.kl.numel():
+                worst[0] = max(worst[0], stats.kl.abs().max().double())
+                worst[1] = max(worst[1], (stats.old_logprob - stats.ref_logprob).abs().max().double())
+        if torch.cuda.is_available():
+            worst = worst.cuda()
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        kl_max, gap_max = worst.tolist()
+        tolerance = self.train_config.selfcheck_tolerance
+        if tolerance >= 0 and (kl_max > tolerance or gap_max > tolerance):
+            raise RuntimeError(
+                f"step-0 self-check failed: with policy == reference the conditional KL should be 0 and the "
+                f"log-probs equal, but max KL = {kl_max:.3e} and max |logprob - ref_logprob| = {gap_max:.3e} "
+                f"(train.selfcheck_tolerance = {tolerance}); the two models do not compute the same thing"
+            )
+        return {"selfcheck/kl_max": kl_max, "selfcheck/logprob_gap_max": gap_max}
 
     def _experience_metrics(self, samples, experience: Dict[int, TokenStats], metrics: MetricAccumulator) -> None:
         """Token-level KL / entropy / k3 and the trainer-vs-rollout log-prob gap of this rank."""
