@@ -11,10 +11,9 @@ from megatron_zcpo.algorithms.groups import Groups
 from megatron_zcpo.algorithms.surrogates import (
     Normalizer,
     PolicyLossOutput,
-    masked_fraction,
-    aggregate,
     check_clip_range,
     check_token_tensors,
+    gated_loss_output,
     per_token,
 )
 
@@ -70,15 +69,8 @@ def rpg_loss(
         dual_clipped = ~positive & (ratio >= clip_c) if clip_c is not None else torch.zeros_like(selected)
         gate = selected & ~(clipped_high | clipped_low | dual_clipped)
     token_losses = torch.where(gate, -weight * logprob, zeros)
-    if token_weight is not None:
-        token_losses = token_losses * token_weight.detach()
-    return PolicyLossOutput(
-        loss=aggregate(token_losses, mask, agg, normalizer),
-        clip_gate=gate,
-        clip_low_fraction=masked_fraction(clipped_low, selected),
-        clip_high_fraction=masked_fraction(clipped_high, selected),
-        dual_clip_fraction=masked_fraction(dual_clipped, selected),
-    )
+    return gated_loss_output(token_losses, mask, agg, normalizer, token_weight, gate,
+                             clipped_low, clipped_high, dual_clipped)
 
 
 def gvpo_loss(
