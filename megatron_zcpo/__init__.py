@@ -49,6 +49,9 @@ _EXPORTS = {
     "build_prompt_dataset": "megatron_zcpo.data.dataset",
     "sample_groups": "megatron_zcpo.rollout.dynamic_sampling",
     "evaluate": "megatron_zcpo.rollout.evaluation",
+    # diagnostics
+    "DiagnosticsConfig": "megatron_zcpo.diagnostics.config",
+    "build_diagnostics": "megatron_zcpo.diagnostics.runner",
     # the run configuration
     "RunConfig": "megatron_zcpo.cli.config",
     "load_run_config": "megatron_zcpo.cli.config",

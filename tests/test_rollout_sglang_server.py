@@ -8,11 +8,11 @@ import torch
 from megatron_zcpo.megatron.initialize import free_port
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rollout.engine import RolloutError, SamplingParams
+from megatron_zcpo.utils.slurm import expand_slurm_nodelist
 from megatron_zcpo.rollout.sglang_server import (
     ServerSpec,
     SGLangLauncher,
     SGLangServerConfig,
-    expand_slurm_nodelist,
     launch_sglang,
     plan_servers,
     router_command,

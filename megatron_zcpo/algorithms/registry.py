@@ -202,11 +202,11 @@ class ClippedSurrogateAlgorithm(Algorithm):
         metrics = _surrogate_metrics(surrogate)
         loss = surrogate.loss
         if config.kl_loss != "none":
-            kl_term = self._kl_loss(logprob, ref_logprob, current_kl, mask, surrogate.clip_gate, normalizer, metrics)
+            kl_term = self.kl_loss_term(logprob, ref_logprob, current_kl, mask, surrogate.clip_gate, normalizer, metrics)
             loss = loss + kl_term
         return AlgorithmLoss(loss=loss, metrics=metrics, clip_gate=surrogate.clip_gate)
 
-    def _kl_loss(self, logprob, ref_logprob, current_kl, mask, clip_gate, normalizer, metrics) -> Tensor:
+    def kl_loss_term(self, logprob, ref_logprob, current_kl, mask, clip_gate, normalizer, metrics) -> Tensor:
         """kl_coef * the aggregated per-token KL, masked (F1-B) or rescaled (F1-C) by the reward gate."""
         config = self.config
         if config.kl_loss == "full":

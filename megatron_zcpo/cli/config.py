@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.data.config import DataConfig
+from megatron_zcpo.diagnostics.config import DiagnosticsConfig
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.megatron.trainer import ParallelConfig, TrainConfig
 from megatron_zcpo.rewards.config import RewardConfig
@@ -171,9 +171,11 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
     def validate(self) -> None:
         """Cross-section checks (each section validates itself first)."""
+        self.diagnostics.check_algorithm(self.algorithm)
         if self.train.importance_sampling.enabled and self.algorithm.name == "gvpo":
             raise ValueError("train.importance_sampling: algorithm gvpo takes no per-token weights")
         if self.rollout.quantization and not self.train.importance_sampling.enabled:

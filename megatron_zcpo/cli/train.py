@@ -287,6 +287,7 @@ def run_training(config: RunConfig) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from megatron_zcpo.cli.metrics_log import MetricsLogger
+    from megatron_zcpo.diagnostics import build_diagnostics
     from megatron_zcpo.megatron.checkpoint import find_latest
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.trainer import PolicyTrainer
@@ -308,7 +309,8 @@ def run_training(config: RunConfig) -> Dict[str, Any]:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model_config.vocab_size}")
     trainer = PolicyTrainer(model_config, config.algorithm, config.train, config.parallel,
                             initial_weights=initial, reference_weights=reference,
-                            temperature=config.rollout.temperature)
+                            temperature=config.rollout.temperature,
+                            diagnostics=build_diagnostics(config.diagnostics, config.algorithm))
     rollout = Rollout(config, model_config, tokenizer) if rank == 0 else None
     start_step, loop_state = 0, {}
     resume = config.checkpoint.resume

@@ -552,8 +552,19 @@ class PolicyTrainer:
         self.optimizer.zero_grad()
         return run_schedule(model, micro_batches, forward_step, forward_only=False)
 
-    def update(self, samples, plan: RolloutPlan, experience: Dict[int, TokenStats], coefficients, metrics: MetricAccumulator):
-        """One optimizer step per mini-batch with the frozen ``coefficients``; fills ``metrics``."""
+    def _diagnostics_hook(self, samples, plan, experience, coefficients, stats, out: Dict[str, float]):
+        """A per-mini-batch callback running the diagnostics that need moved ratios (F1) into ``out``."""
+        def before_minibatch(index: int) -> None:
+            out.update(self.diagnostics.before_minibatch(self, samples, plan, experience, coefficients, stats, index))
+        return before_minibatch
+
+    def update(self, samples, plan: RolloutPlan, experience: Dict[int, TokenStats], coefficients,
+               metrics: MetricAccumulator, before_minibatch=None):
+        """One optimizer step per mini-batch with the frozen ``coefficients``; fills ``metrics``.
+
+        ``before_minibatch(index)``, when given, runs before each mini-batch's backward (the
+        diagnostics that need the ratios moved by earlier updates of this rollout).
+        """
         use_reference = self.algorithm.needs_current_kl
         grad_norms = []
         if use_reference:
@@ -570,7 +581,9 @@ class PolicyTrainer:
                 report[name] = (value, 0.0) if name.endswith("loss") else (value * tokens, tokens)
             return result.loss, report
 
-        for minibatch, my_share in zip(plan.minibatches, plan.mine):
+        for index, (minibatch, my_share) in enumerate(zip(plan.minibatches, plan.mine)):
+            if before_minibatch is not None:
+                before_minibatch(index)
             reports = self._backward(samples, my_share, experience, coefficients, self.normalizer(samples, minibatch),
                                      loss_fn, use_reference=use_reference)
             _, grad_norm, _ = self.optimizer.step()
@@ -664,13 +677,16 @@ class PolicyTrainer:
         timings["time/calibrate"] = time.perf_counter() - started
 
         diagnostics = {}
-        if self.diagnostics is not None and self.diagnostics.due(self.step):
+        due = self.diagnostics is not None and self.diagnostics.due(self.step)
+        if due:
             started = time.perf_counter()
             diagnostics = self.diagnostics.run(self, samples, plan, experience, coefficients, stats)
             timings["time/diagnostics"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        self.update(samples, plan, experience, coefficients, metrics)
+        self.update(samples, plan, experience, coefficients, metrics,
+                    before_minibatch=self._diagnostics_hook(samples, plan, experience, coefficients, stats,
+                                                            diagnostics) if due else None)
         timings["time/update"] = time.perf_counter() - started
         out = metrics.reduce(contribute=self.reports_metrics)
         out.update(selfcheck)

@@ -9,7 +9,6 @@ of its own GPUs (one launcher per node) and the first node also runs the router.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional
 
 from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.utils.slurm import expand_slurm_nodelist
 
 
 @dataclass

@@ -1,0 +1,343 @@
+"""``zcpo report RUN_DIR [RUN_DIR ...]``: a terminal summary and a PNG / HTML page of curves for one or several runs."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fnmatch
+import html
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+# The summary table: (key pattern, which value is best: "max", "min" or None for the final value only).
+SUMMARY = (
+    ("rollout/reward_mean", "max"),
+    ("rollout/accuracy", "max"),
+    ("eval/avg@*", "max"),
+    ("eval/pass@*", "max"),
+    ("experience/kl", None),
+    ("rollout/response_length_mean", None),
+    ("coef/coef_abs_mean", None),
+    ("coef/reward_flip_fraction", None),
+    ("coef/drift_peak_mean", None),
+    ("update/grad_norm", None),
+    ("diag/*", "mean"),
+)
+
+# Panels of curves: (title, key patterns); a panel is drawn when any run has any of its keys.
+PANELS = (
+    ("reward", ("rollout/reward_mean",)),
+    ("accuracy (train, eval)", ("rollout/accuracy", "eval/avg@*", "eval/pass@*")),
+    ("KL(pi || pi_ref) per token", ("experience/kl",)),
+    ("response length", ("rollout/response_length_mean",)),
+    ("coefficients: |C|, reward flips", ("coef/coef_abs_mean", "coef/reward_flip_fraction")),
+    ("drift: mean, beta*max|K|", ("coef/drift_mean", "coef/drift_peak_mean")),
+    ("gradient norm", ("update/grad_norm",)),
+    ("KL share of the gradient", ("diag/grad_kl_share",)),
+    ("cos(g_reward, g_KL)", ("diag/grad_cosine",)),
+    ("F1 closed-gate fraction", ("diag/f1_closed_fraction",)),
+    ("F1 KL share at closed gates", ("diag/f1_kl_share_closed",)),
+    ("F2 reward cancellation", ("diag/f2_cancellation", "diag/f2_group_cancellation_mean")),
+    ("F2 KL share: low / high cancellation",
+     ("diag/f2_kl_share_low_cancellation", "diag/f2_kl_share_high_cancellation")),
+    ("F3 tied groups", ("diag/f3_tied_group_fraction",)),
+    ("F3 tied-group gradient share", ("diag/f3_tied_grad_share",)),
+    ("F4 corr(length, drift)", ("diag/f4_corr_length_kl_sum", "diag/f4_corr_length_penalty")),
+    ("F5 KL share: short / long groups", ("diag/f5_kl_share_short", "diag/f5_kl_share_long")),
+    ("F6 KL share of the top tokens", ("diag/f6_kl_top*",)),
+    ("F6 KL by position", ("diag/f6_kl_pos_*",)),
+    ("F6 first-token KL share", ("diag/f6_first_token_share",)),
+    ("F7 negative k1 drift fraction", ("diag/f7_k1_negative_fraction",)),
+    ("F7 k1 coefficient residual RMS", ("diag/f7_k1_coef_residual_rms",)),
+    ("other diagnostics", ("diag/*",)),  # whatever the panels above did not draw
+)
+
+
+@dataclass
+class RunData:
+    """One run directory's metrics: ``records`` are one dict per step (train, eval and diag keys merged)."""
+
+    name: str
+    directory: Path
+    label: str
+    records: List[Dict[str, float]]
+
+    def keys(self) -> List[str]:
+        """The metric names with at least one finite value."""
+        return sorted({key for record in self.records for key, value in record.items()
+                       if key not in ("step", "time") and math.isfinite(value)})
+
+    def series(self, key: str) -> Tuple[List[float], List[float]]:
+        """(steps, values) of ``key``, skipping steps without a finite value."""
+        pairs = [(r["step"], r[key]) for r in self.records if math.isfinite(r.get(key, math.nan))]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``zcpo report`` on the ``zcpo`` parser's subparsers."""
+    parser = subparsers.add_parser(
+        "report", help="summarise runs: a terminal table and a PNG / HTML page of curves",
+        description="Summarise one or several run directories (metrics.jsonl + config.yaml): final and best "
+                    "values in a terminal table, and curves of reward, accuracy, KL, length, coefficient "
+                    "statistics and the F1-F7 diagnostics in report.png and report.html; several runs are "
+                    "drawn side by side in the same panels.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (logging.run_dir)")
+    parser.add_argument("--out", default=None,
+                        help="where report.png / report.html go (default: the run directory, or the runs' "
+                             "common parent)")
+    parser.add_argument("--no-plots", action="store_true", help="only print the table")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """``zcpo report``: returns the exit code (1 when no run directory holds metrics)."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    runs = load_runs(args.run_dirs)
+    if not runs:
+        print("zcpo report: none of the run directories holds metrics", file=sys.stderr)
+        return 1
+    console.print(summary_table(runs, summary_rows(runs)))
+    if not args.no_plots:
+        out = Path(args.out) if args.out else default_output_dir([r.directory for r in runs])
+        png, page = _write_pages(runs, out)
+        console.print(f"wrote {png} and {page}")
+    return 0
+
+
+def write_report(run_dirs: Sequence, out, names: Optional[Sequence[str]] = None) -> List[Path]:
+    """report.png and report.html of ``run_dirs`` (side by side) in ``out``; returns their paths.
+
+    names: the runs' labels (default: the directory names). [] when no run holds metrics. Used by
+    ``zcpo demo --compare``.
+    """
+    runs = load_runs(run_dirs, names)
+    return _write_pages(runs, Path(out)) if runs else []
+
+
+def _write_pages(runs: Sequence[RunData], out: Path) -> List[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    png = write_curves(runs, out / "report.png")
+    return [png, write_html(runs, summary_rows(runs), png, out / "report.html")]
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def load_runs(run_dirs: Sequence, names: Optional[Sequence[str]] = None) -> List[RunData]:
+    """The runs of ``run_dirs`` that hold metrics (the others are named on stderr and skipped)."""
+    runs = []
+    for position, directory in enumerate(run_dirs):
+        loaded = load_run(directory, names[position] if names else None)
+        if loaded is None:
+            print(f"zcpo report: {directory}: no metrics.jsonl with records, skipped", file=sys.stderr)
+        else:
+            runs.append(loaded)
+    return runs
+
+
+def load_run(directory, name: Optional[str] = None) -> Optional[RunData]:
+    """The metrics of ``directory`` as run ``name`` (default: the directory's name), None without records.
+
+    Lines of the same step are merged (train, eval and diagnostics keys of one step), a later value
+    of a key winning (a resumed run logs its steps again). Bad lines (a crashed writer's last) and
+    non-numeric values are skipped.
+    """
+    directory = Path(directory)
+    path = directory / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    by_step: Dict[int, Dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, TypeError, KeyError):
+            continue
+        numbers = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        by_step.setdefault(step, {}).update(numbers, step=step)
+    if not by_step:
+        return None
+    return RunData(name=name or directory.resolve().name, directory=directory, label=_algorithm_label(directory),
+                   records=[by_step[s] for s in sorted(by_step)])
+
+
+def _algorithm_label(directory: Path) -> str:
+    """A short description of the run's algorithm from its config.yaml ('' when unreadable)."""
+    import yaml
+
+    from megatron_zcpo.algorithms.config import AlgorithmConfig
+
+    try:
+        section = (yaml.safe_load((directory / "config.yaml").read_text()) or {}).get("algorithm") or {}
+        config = AlgorithmConfig.from_dict(section).resolved()
+    except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError):
+        return ""
+    parts = [config.name]
+    if config.name == "zcpo":
+        parts.append(f"beta={config.beta:g}")
+        parts += [f"{key}={getattr(config, key)}" for key, default in
+                  (("center", True), ("length_normalize", True), ("drift", "conditional_kl"), ("gate", True),
+                   ("reward_norm", "max_abs")) if getattr(config, key) != default]
+    elif config.name in ("dapo", "grpo"):
+        if config.kl_loss != "none":
+            parts.append(f"{config.kl_loss} KL {config.kl_coef:g}")
+        if config.f1_control != "none":
+            parts.append(config.f1_control)
+        if config.kl_in_reward_coef > 0:
+            parts.append(f"k1 in reward {config.kl_in_reward_coef:g}")
+    return " ".join(parts)
+
+
+def default_output_dir(directories: Sequence[Path]) -> Path:
+    """The run directory itself for one run, else the runs' common parent directory."""
+    if len(directories) == 1:
+        return Path(directories[0])
+    return Path(os.path.commonpath([str(Path(d).resolve()) for d in directories]))
+
+
+def _matching(runs: Sequence[RunData], pattern: str) -> List[str]:
+    return sorted({key for r in runs for key in r.keys() if fnmatch.fnmatchcase(key, pattern)})
+
+
+# ------------------------------------------------------------------------------------------ table
+
+
+@dataclass
+class SummaryRow:
+    """One metric of the summary: per run the final value and, by the row's rule, its best or mean."""
+
+    key: str
+    rule: Optional[str]
+    cells: List[Tuple[float, float, float]]  # per run: (final, best-or-mean, step of the best); NaN when absent
+
+
+def summary_rows(runs: Sequence[RunData]) -> List[SummaryRow]:
+    """The rows of the summary table, in SUMMARY's order (each key once)."""
+    rows, seen = [], set()
+    for pattern, rule in SUMMARY:
+        for key in _matching(runs, pattern):
+            if key in seen:
+                continue
+            seen.add(key)
+            cells = []
+            for r in runs:
+                steps, values = r.series(key)
+                if not values:
+                    cells.append((math.nan, math.nan, math.nan))
+                elif rule in ("max", "min"):
+                    best = (max if rule == "max" else min)(range(len(values)), key=values.__getitem__)
+                    cells.append((values[-1], values[best], steps[best]))
+                elif rule == "mean":
+                    cells.append((values[-1], sum(values) / len(values), math.nan))
+                else:
+                    cells.append((values[-1], math.nan, math.nan))
+            rows.append(SummaryRow(key, rule, cells))
+    return rows
+
+
+def _format(value: float) -> str:
+    if not math.isfinite(value):
+        return "-"
+    return f"{value:.4g}" if value == 0 or 1e-3 <= abs(value) < 1e5 else f"{value:.3e}"
+
+
+def _cell_text(row: SummaryRow, cell: Tuple[float, float, float]) -> Tuple[str, str]:
+    """(final, note): the note says the best (with its step) or the mean, when the row has one."""
+    final, other, step = cell
+    if not math.isfinite(other):
+        return _format(final), ""
+    if row.rule == "mean":
+        return _format(final), f"mean {_format(other)}"
+    return _format(final), f"best {_format(other)} @{int(step)}"
+
+
+def summary_table(runs: Sequence[RunData], rows: Sequence[SummaryRow]):
+    """A rich Table: one column per run (name, algorithm, steps), one row per metric."""
+    from rich.table import Table
+
+    table = Table(title="zcpo report: final values (best or mean)", title_justify="left")
+    table.add_column("metric", style="bold")
+    for r in runs:
+        table.add_column(f"{r.name}\n{r.label}\n{len(r.records)} steps, last {int(r.records[-1]['step'])}",
+                         justify="right")
+    for row in rows:
+        cells = []
+        for cell in row.cells:
+            final, note = _cell_text(row, cell)
+            cells.append(f"{final} [dim]({note})[/dim]" if note else final)
+        table.add_row(row.key, *cells)
+    return table
+
+
+# ------------------------------------------------------------------------------------------ curves and page
+
+
+def write_curves(runs: Sequence[RunData], path: Path) -> Path:
+    """PANELS as a PNG grid; each run in its own colour, each key of a panel in its own line style."""
+    from matplotlib.figure import Figure
+
+    panels, drawn = [], set()
+    for title, patterns in PANELS:
+        keys = [k for pattern in patterns for k in _matching(runs, pattern) if k not in drawn]
+        if keys:
+            drawn.update(keys)
+            panels.append((title, keys))
+    columns = 4
+    rows = max(1, math.ceil(len(panels) / columns))
+    figure = Figure(figsize=(4.2 * columns, 3.0 * rows), layout="constrained")
+    colours = [f"C{k % 10}" for k in range(len(runs))]
+    styles = ("-", "--", ":", "-.")
+    for position, (title, keys) in enumerate(panels):
+        axes = figure.add_subplot(rows, columns, position + 1)
+        axes.set_title(title, fontsize=9)
+        for r, colour in zip(runs, colours):
+            for k, key in enumerate(keys):
+                steps, values = r.series(key)
+                if not values:
+                    continue
+                label = " ".join(part for part in (r.name if len(runs) > 1 else "",
+                                                   key.split("/", 1)[1] if len(keys) > 1 else "") if part)
+                axes.plot(steps, values, color=colour, linestyle=styles[k % len(styles)],
+                          marker="o" if key.startswith("eval/") or len(values) < 3 else None, markersize=3,
+                          linewidth=1.2, label=label or None)
+        axes.set_xlabel("step", fontsize=8)
+        axes.tick_params(labelsize=7)
+        if axes.get_legend_handles_labels()[1]:
+            axes.legend(fontsize=6)
+    if not panels:
+        figure.add_subplot(1, 1, 1).text(0.5, 0.5, "no metrics to plot", ha="center")
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def write_html(runs: Sequence[RunData], rows: Sequence[SummaryRow], png: Path, path: Path) -> Path:
+    """A self-contained page: the runs, the summary table and the curves (the PNG inlined)."""
+    image = base64.b64encode(Path(png).read_bytes()).decode("ascii")
+    head = "".join(f"<th>{html.escape(r.name)}<br><small>{html.escape(r.label)}<br>{len(r.records)} steps"
+                   f"</small></th>" for r in runs)
+    body = []
+    for row in rows:
+        cells = "".join(f"<td>{html.escape(final)}" + (f" <small>({html.escape(note)})</small>" if note else "")
+                        + "</td>" for final, note in (_cell_text(row, c) for c in row.cells))
+        body.append(f"<tr><th>{html.escape(row.key)}</th>{cells}</tr>")
+    directories = "".join(f"<li>{html.escape(r.name)}: {html.escape(str(r.directory))}</li>" for r in runs)
+    page = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>zcpo report: {html.escape(', '.join(r.name for r in runs))}</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} tbody th{{text-align:left}}
+small{{color:#666}} img{{max-width:100%}}</style></head>
+<body><h1>zcpo report</h1><ul>{directories}</ul>
+<h2>Final values <small>(best with its step, or mean over the diagnosed steps)</small></h2>
+<table><thead><tr><th>metric</th>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>
+<h2>Curves</h2><img src="data:image/png;base64,{image}" alt="curves"></body></html>
+"""
+    path.write_text(page)
+    return path
