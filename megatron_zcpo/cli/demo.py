@@ -103,14 +103,14 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from megatron_zcpo.cli.metrics_log import make_console
 
     from megatron_zcpo.cli.config import build_run_config
     from megatron_zcpo.cli.demo_assets import build_demo_assets
     from megatron_zcpo.cli.report import write_report
     from megatron_zcpo.cli.train import relaunch_with_torchrun
 
-    console = Console(highlight=False)
+    console = make_console()
     started = time.perf_counter()
     assets = build_demo_assets(log=console.print)
     out = Path(args.out)

@@ -24,6 +24,15 @@ STEP_COLUMNS = (
 )
 
 
+def make_console():
+    """A rich console; when output is not a terminal (logs, CI) wide enough for the step table."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 132)
+
+
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -35,13 +44,11 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, console: str = "table", tensorboard: bool = True,
                  wandb_project: Optional[str] = None, total_steps: int = 0, start_step: int = 0,
                  run_name: Optional[str] = None):
-        from rich.console import Console
-
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self.console_mode = console
-        self.console = Console(highlight=False)
+        self.console = make_console()
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -97,9 +97,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``zcpo report``: returns the exit code (1 when no run directory holds metrics)."""
-    from rich.console import Console
+    from megatron_zcpo.cli.metrics_log import make_console
 
-    console = Console(highlight=False)
+    console = make_console()
     runs = load_runs(args.run_dirs)
     if not runs:
         print("zcpo report: none of the run directories holds metrics", file=sys.stderr)
