@@ -68,3 +68,17 @@ def test_step0_selfcheck(weights):
     for metrics, error in run_distributed(trainer_cases.selfcheck, 2, 2, 1, *weights):
         assert metrics["selfcheck/kl_max"] <= 1e-12 and metrics["selfcheck/logprob_gap_max"] == 0.0
         assert error is not None and "step-0 self-check failed" in error
+
+
+def test_importance_weights_truncate_mask_and_veto():
+    from megatron_zcpo.megatron.trainer import ImportanceSamplingConfig, importance_weights
+
+    old = torch.log(torch.full((2, 4), 0.5))
+    # pi_old / pi_rollout per token: row 0 = 10, 1, 0.5/0.9, (masked); row 1 has 5e-5 < veto 1e-4.
+    rollout = torch.log(torch.tensor([[0.05, 0.5, 0.9, 0.2], [0.5, 0.5, 1e4, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    truncated = importance_weights(old, rollout, mask, ImportanceSamplingConfig(enabled=True))
+    torch.testing.assert_close(truncated[0], torch.tensor([5.0, 1.0, 0.5 / 0.9, 0.0]))  # 10 -> upper 5
+    assert torch.all(truncated[1] == 0)  # the whole vetoed sequence
+    masked = importance_weights(old, rollout, mask, ImportanceSamplingConfig(enabled=True, mode="mask"))
+    torch.testing.assert_close(masked[0], torch.tensor([0.0, 1.0, 1.0, 0.0]))  # outside [0.5, 5] -> 0

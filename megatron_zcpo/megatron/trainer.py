@@ -60,11 +60,14 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1")
-        if (self.sequence_parallel or self.context > 1) and not torch.cuda.is_available():
-            raise ValueError(
-                "parallel.sequence_parallel / parallel.context need GPUs with Transformer Engine "
-                "(megatron-core's CPU layer spec has neither)"
-            )
+        if self.sequence_parallel and not torch.cuda.is_available():
+            raise ValueError("parallel.sequence_parallel needs GPUs with Transformer Engine "
+                             "(megatron-core's CPU layer spec has no sequence-parallel norms)")
+        if self.context > 1:
+            # The trainer's micro-batches are whole sequences; context parallelism also needs them
+            # split into 2*CP load-balanced chunks per rank (and the response positions with them).
+            raise ValueError("parallel.context > 1 is not supported yet: the trainer does not split "
+                             "sequences across context-parallel ranks")
 
 
 @dataclass
