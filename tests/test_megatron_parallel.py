@@ -126,3 +126,28 @@ def test_layout_matches_single_process(reference, tp, pp, world, distributed_opt
     # The step really moved the weights (the comparison above would be vacuous otherwise).
     moved = max((single["params"][n] - w).abs().max().item() for n, w in weights.items())
     assert moved > 1e-4
+
+
+def _stream_to_rank0(rank, world, tp, pp, model_config):
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
+    from megatron_zcpo.megatron.weights import gather_full_state_dict, iter_model_tensors_to_rank0
+
+    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, seed=3)
+    model = build_gpt_model(model_config, transformer_config(model_config, tensor_parallel=tp, pipeline_parallel=pp))
+    streamed = [(name, tensor.clone()) for name, tensor in iter_model_tensors_to_rank0(model)]
+    return streamed, gather_full_state_dict(model)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_weight_stream_reaches_rank0_whole(tied):
+    import dataclasses
+
+    model_config = dataclasses.replace(MODEL, tie_word_embeddings=tied)
+    results = run_distributed(_stream_to_rank0, 4, 2, 2, model_config)
+    streamed, full = results[0]
+    names = [name for name, _ in streamed]
+    assert len(names) == len(set(names)) and set(names) == set(full)  # every tensor once
+    for name, tensor in streamed:
+        torch.testing.assert_close(tensor, full[name], atol=0, rtol=0, msg=name)
+    assert all(not r[0] for r in results[1:])  # only rank 0 receives

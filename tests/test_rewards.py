@@ -32,8 +32,11 @@ FAR_APART = "\\boxed{3} was my first guess. " + "But wait, let me recheck every 
         (FAR_APART, "3", -1.0),
         ("\\boxed{35}", "34", -1.0),  # wrong
         ("\\boxed{3.14}", "\\pi", -1.0),  # close is not equal
-        ("The answer is 34.", "34", -1.0),  # no boxed answer
-        ("Answer: $34$", "34", -1.0),  # no boxed answer
+        ("The answer is 34.", "34", -1.0),  # neither a boxed answer nor an "Answer:" line
+        ("Work...\nAnswer: $34$", "34", 1.0),  # DAPO-Math-17K's requested last line
+        ("Answer: 12\nno wait\nanswer: \\frac{1}{2}", "0.5", 1.0),  # the last "Answer:" line decides
+        ("Answer: 35", "34", -1.0),
+        ("Answer:", "34", -1.0),  # empty answer
         ("\\boxed{}", "34", -1.0),  # empty box
         ("\\boxed{\\frac{1}{2}", "1/2", -1.0),  # unbalanced box
     ],

@@ -67,8 +67,15 @@ class SGLangSection:
     client: Dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
+        from megatron_zcpo.rollout.sglang_client import SGLangEngineConfig
+        from megatron_zcpo.rollout.sglang_server import SGLangServerConfig
+
         if self.launch is not None and self.server_urls:
             raise ValueError("rollout.sglang: give either server_urls (attach) or launch (start servers), not both")
+        # Catch misspelt keys now, not when rank 0 starts the engine.
+        from_dict(SGLangEngineConfig, {"server_urls": ["http://check"], **self.client}, prefix="rollout.sglang.client")
+        if self.launch is not None:
+            from_dict(SGLangServerConfig, self.launch, prefix="rollout.sglang.launch").validate("rollout.sglang.launch")
 
 
 @dataclass
@@ -102,8 +109,6 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"rollout.quantization must be null or 'fp8', got {self.quantization!r}")
-        if self.engine == "sglang" and not (self.sglang.server_urls or self.sglang.launch):
-            raise ValueError("rollout.engine=sglang needs rollout.sglang.server_urls or rollout.sglang.launch")
 
 
 @dataclass

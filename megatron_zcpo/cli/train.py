@@ -175,6 +175,9 @@ def make_engine(config: RunConfig, model_config, tokenizer):
         return EmbeddedEngine(model_config, seed=rollout.seed, quantization=rollout.quantization, pad_token_id=pad)
     from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 
+    if not (rollout.sglang.server_urls or rollout.sglang.launch):
+        raise ValueError("rollout.engine=sglang needs rollout.sglang.server_urls (attach to running servers) "
+                         "or rollout.sglang.launch (start them)")
     client = dict(rollout.sglang.client, quantization=rollout.quantization)
     if rollout.sglang.launch is not None:
         from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, launch_sglang
@@ -250,32 +253,26 @@ class Rollout:
         self.engine.shutdown()
 
 
-def push_weights(trainer, rollout: Optional[Rollout], version: int, engine_kind: str) -> None:
+def push_weights(trainer, rollout: Optional[Rollout], version: int) -> None:
     """Send the policy's weights to the rollout engine as ``version`` (collective over all ranks).
 
-    Embedded engine: the whole model is gathered and rank 0 converts and loads it. SGLang: each
-    rank streams its pipeline stage through the converter (collective over TP) and rank 0 pushes.
+    Every stage streams its tensors, TP-gathered one at a time, to rank 0, which converts each to
+    Hugging Face names on the fly (the checkpoint converter's mapping) and feeds the engine: no
+    rank holds more than one full tensor (plus the engine's bucket).
     """
     import torch.distributed as dist
 
     from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
+    from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0
 
-    model_config = trainer.model_config
-    if engine_kind == "embedded" or trainer.parallel.pipeline > 1:
-        state = trainer.global_state_dict()
-        if dist.get_rank() == 0:
-            rollout.engine.update_weights(
-                ((hf_name, tensor) for name, value in state.items()
-                 for hf_name, tensor in megatron_to_hf_tensors(name, value, model_config)), version)
+    stream = iter_model_tensors_to_rank0(trainer.policy)
+    if dist.get_rank() == 0:
+        rollout.engine.update_weights(
+            ((hf_name, tensor) for name, value in stream
+             for hf_name, tensor in megatron_to_hf_tensors(name, value, trainer.model_config)), version)
     else:
-        from megatron_zcpo.rollout.weight_sync import iter_hf_weights
-
-        stream = iter_hf_weights(trainer.policy, model_config)
-        if dist.get_rank() == 0:
-            rollout.engine.update_weights(stream, version)
-        else:
-            for _ in stream:  # collective over TP: every TP rank must walk the stream
-                pass
+        for _ in stream:  # collective: every rank walks its part
+            pass
     dist.barrier()
 
 
@@ -326,7 +323,7 @@ def run_training(config: RunConfig) -> Dict[str, Any]:
     if logger and checkpoint is not None:
         logger.print(f"resumed from {checkpoint} at step {start_step}")
     held_out = eval_records(config, tokenizer) if rank == 0 else []
-    push_weights(trainer, rollout, start_step, config.rollout.engine)
+    push_weights(trainer, rollout, start_step)
 
     def evaluate(step: int) -> Dict[str, float]:
         if rank != 0 or not held_out:
@@ -356,7 +353,7 @@ def run_training(config: RunConfig) -> Dict[str, Any]:
             samples = broadcast_samples(samples)
             metrics = trainer.train_step(samples)
             started_push = time.perf_counter()
-            push_weights(trainer, rollout, trainer.step, config.rollout.engine)
+            push_weights(trainer, rollout, trainer.step)
             if rank == 0:
                 metrics.update(rollout_stats)
                 metrics.update({"time/rollout": time_rollout, "time/weight_sync": time.perf_counter() - started_push,

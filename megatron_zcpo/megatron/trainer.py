@@ -60,9 +60,6 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1")
-        if self.sequence_parallel and not torch.cuda.is_available():
-            raise ValueError("parallel.sequence_parallel needs GPUs with Transformer Engine "
-                             "(megatron-core's CPU layer spec has no sequence-parallel norms)")
         if self.context > 1:
             # The trainer's micro-batches are whole sequences; context parallelism also needs them
             # split into 2*CP load-balanced chunks per rank (and the response positions with them).
@@ -296,6 +293,9 @@ class PolicyTrainer:
         from megatron_zcpo.megatron.checkpoint import load_model_checkpoint
         from megatron_zcpo.megatron.weights import gather_global_state_dict, load_global_state_dict
 
+        if parallel.sequence_parallel and not torch.cuda.is_available():
+            raise ValueError("parallel.sequence_parallel needs GPUs with Transformer Engine "
+                             "(megatron-core's CPU layer spec has no sequence-parallel norms)")
         self.model_config = model_config
         self.train_config = train
         self.parallel = parallel

@@ -148,6 +148,49 @@ def iter_global_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
         yield name, tensor
 
 
+def iter_model_tensors_to_rank0(model) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The whole model's global tensors, one at a time, on global rank 0; nothing elsewhere.
+
+    Pipeline stages are walked in order: inside a stage every TP rank walks
+    :func:`iter_global_tensors` (a TP collective), and the stage's lead (TP, CP and DP rank 0)
+    sends each tensor to rank 0, so no rank ever holds more than one full tensor. Data-parallel
+    replicas other than the first only wait. The last stage's copy of a tied embedding is not
+    sent twice. Collective over all ranks: every rank must exhaust the iterator.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    rank, pp_rank = dist.get_rank(), ps.get_pipeline_model_parallel_rank()
+    replica_lead = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    stage_lead = replica_lead and ps.get_tensor_model_parallel_rank() == 0
+    for stage in range(ps.get_pipeline_model_parallel_world_size()):
+        if stage == pp_rank and replica_lead:
+            for name, tensor in iter_global_tensors(model):
+                if stage > 0 and name == EMBEDDING:
+                    continue  # the tied output copy of the first stage's embedding
+                if rank == 0:
+                    yield name, tensor
+                elif stage_lead:
+                    dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=0)
+                    dist.send(tensor.contiguous(), dst=0)
+            if stage_lead and rank != 0:
+                dist.send_object_list([None], dst=0)
+        elif rank == 0:
+            # rank 0's pipeline group holds the leads (TP/CP/DP rank 0) of every stage, in order
+            source = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            while True:
+                header = [None]
+                dist.recv_object_list(header, src=source)
+                if header[0] is None:
+                    break
+                name, shape, dtype = header[0]
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(tensor, src=source)
+                yield name, tensor
+        dist.barrier()
+
+
 def gather_global_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
     """This pipeline stage's parameters, gathered across tensor-parallel ranks, by global name.
 

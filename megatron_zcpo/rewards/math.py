@@ -1,8 +1,9 @@
-"""DAPO correctness reward: the last \\boxed{} answer of a response checked against the ground truth by math-verify."""
+"""DAPO correctness reward: a response's final answer (boxed, or DAPO's "Answer:" line) checked by math-verify."""
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Mapping, Optional
 
 from math_verify import LatexExtractionConfig, parse, verify
@@ -20,15 +21,31 @@ _RESPONSE_EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0, try_extrac
 _GROUND_TRUTH_EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0)]
 
 
-def math_answer_is_correct(response: str, ground_truth: str) -> bool:
-    """Whether the last ``\\boxed{...}`` answer of ``response`` equals ``ground_truth`` mathematically.
+# DAPO-Math-17K's prompts ask for a last line "Answer: $Answer"; the answer runs to the end of its line.
+_ANSWER_LINE = re.compile(r"(?im)\banswer\s*:\s*(.+?)\s*$")
 
-    Equivalent forms count (``\\frac{1}{2}`` = ``0.5`` = ``1/2``, ``(x+1)^2`` = ``x^2+2x+1``); a response
-    without a ``\\boxed{}`` answer, or whose boxed answer does not parse, is wrong. Runs without
-    math-verify's signal-based timeouts, so it is safe on any thread; bound its time from outside
-    (:class:`megatron_zcpo.rewards.pool.RewardWorkerPool` kills a worker that overruns).
+
+def final_answer_text(response: str):
+    """The text math-verify should read: the response itself when it has a ``\\boxed{}`` answer,
+    else its last ``Answer: ...`` line boxed (``$`` delimiters dropped), else None."""
+    if "\\boxed" in response:
+        return response
+    lines = _ANSWER_LINE.findall(response)
+    answer = lines[-1].strip().strip("$").strip() if lines else ""
+    return f"\\boxed{{{answer}}}" if answer else None
+
+
+def math_answer_is_correct(response: str, ground_truth: str) -> bool:
+    """Whether the final answer of ``response`` equals ``ground_truth`` mathematically.
+
+    The final answer is the last ``\\boxed{...}``, or when there is none the last ``Answer: ...`` line
+    (the format DAPO-Math-17K's prompts ask for). Equivalent forms count (``\\frac{1}{2}`` = ``0.5`` =
+    ``1/2``, ``(x+1)^2`` = ``x^2+2x+1``); a response with neither, or whose answer does not parse, is
+    wrong. Runs without math-verify's signal-based timeouts, so it is safe on any thread; bound its
+    time from outside (:class:`megatron_zcpo.rewards.pool.RewardWorkerPool` kills a worker that overruns).
     """
-    if "\\boxed" not in response:
+    response = final_answer_text(response)
+    if response is None:
         return False
     gold = parse(f"\\boxed{{{ground_truth}}}", extraction_config=_GROUND_TRUTH_EXTRACTION, parsing_timeout=None)
     if not gold:
@@ -44,7 +61,7 @@ def math_answer_is_correct(response: str, ground_truth: str) -> bool:
 
 
 def dapo_math_reward(response: str, ground_truth: str, metadata: Optional[Mapping[str, Any]] = None) -> float:
-    """DAPO's rule-based correctness reward: +1.0 if the boxed answer is correct, else -1.0.
+    """DAPO's rule-based correctness reward: +1.0 if the final answer is correct, else -1.0.
 
     Follows the reward-function contract of :class:`megatron_zcpo.rewards.RewardConfig` (``function``):
     ``fn(response, ground_truth, metadata) -> float``; ``metadata`` (data source, uid, extra info) is unused.

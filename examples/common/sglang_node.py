@@ -1,0 +1,97 @@
+"""Start this node's SGLang servers (and, on the first rollout node, the sglang router) for a Slurm job.
+
+The train.sbatch scripts run it as one srun step with one task per rollout node; every task computes
+the same plan (megatron_zcpo.rollout.sglang_server.plan_servers: ``gpus_per_node // tp_size``
+servers per node, ports ``base_port + i * port_stride``) and starts the processes that belong to
+its node, then supervises them until the step is signalled. ``--print`` prints the plan's addresses
+instead, the server URLs as a JSON list on the first line and the router URL on the second, which
+the scripts pass to ``zcpo train`` as ``rollout.sglang.server_urls=[...]`` and
+``rollout.sglang.router_url=...``.
+
+    python examples/common/sglang_node.py --model-path HF_DIR --tp-size 4 --nodes n5,n6,n7,n8 \\
+        --gpus-per-node 8 --python /opt/sglang/bin/python [--print]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from typing import List, Optional
+
+from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, plan_servers
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True, help="Hugging Face model directory the servers load")
+    parser.add_argument("--nodes", required=True,
+                        help="rollout nodes, comma-separated (the first also runs the router)")
+    parser.add_argument("--tp-size", type=int, required=True, help="GPUs per SGLang server")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--python", default=sys.executable,
+                        help="interpreter with sglang and sglang-router (the image keeps them in their own venv)")
+    parser.add_argument("--context-length", type=int, default=None, help="prompt + response tokens")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.85)
+    parser.add_argument("--base-port", type=int, default=30000)
+    parser.add_argument("--router-port", type=int, default=29000)
+    parser.add_argument("--log-dir", default="sglang_logs")
+    parser.add_argument("--quantization", default=None, help="e.g. modelopt_fp8 (with rollout.quantization=fp8)")
+    parser.add_argument("--extra-args", default="", help="appended to every server command line (one string)")
+    parser.add_argument("--print", dest="show", action="store_true",
+                        help="print the plan's server URLs (a JSON list) and router URL on two lines, and exit")
+    return parser.parse_args(argv)
+
+
+def server_config(args: argparse.Namespace) -> SGLangServerConfig:
+    """The launcher config of ``args`` (explicit node list and GPU count: no dependence on the env)."""
+    return SGLangServerConfig(
+        model_path=args.model_path, tp_size=args.tp_size, gpus_per_node=args.gpus_per_node,
+        nodes=[node for node in args.nodes.split(",") if node], base_port=args.base_port,
+        mem_fraction_static=args.mem_fraction_static, context_length=args.context_length,
+        quantization=args.quantization, extra_args=args.extra_args.split(), router=True,
+        router_port=args.router_port, log_dir=args.log_dir, python=args.python,
+    )
+
+
+def planned_addresses(config: SGLangServerConfig) -> dict:
+    """{"server_urls": [...], "router_url": ...} of the whole job's plan."""
+    specs = plan_servers(config, env={})
+    return {"server_urls": [spec.url for spec in specs],
+            "router_url": f"http://{specs[0].node}:{config.router_port}"}
+
+
+def supervise(launcher: SGLangLauncher, poll_s: float = 5.0) -> int:
+    """Start this node's processes and wait: 0 after SIGTERM/SIGINT, 1 when a process exits by itself."""
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    launcher.start()
+    if not launcher.processes:
+        print(f"sglang_node: this host is not one of --nodes {launcher.config.nodes}", file=sys.stderr)
+        return 1
+    print(f"SGLang processes on this node: {', '.join(launcher.processes)}", flush=True)
+    while not stopping and launcher.alive():
+        time.sleep(poll_s)
+    failed = not stopping
+    if failed:
+        print(launcher.failure_report(), file=sys.stderr, flush=True)
+    launcher.stop()
+    return int(failed)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    config = server_config(args)
+    if args.show:
+        addresses = planned_addresses(config)
+        print(json.dumps(addresses["server_urls"], separators=(",", ":")))
+        print(addresses["router_url"])
+        return 0
+    return supervise(SGLangLauncher(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

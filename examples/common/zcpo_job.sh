@@ -1,0 +1,189 @@
+# The body of the examples' train.sbatch scripts (sourced, not run): one Slurm allocation split into
+# training nodes (the first TRAIN_NODES) and rollout nodes (the rest).
+#
+#   1. convert HF_MODEL to a Megatron checkpoint at MEGATRON_CKPT if it is not there (one task);
+#   2. plan the SGLang servers (examples/common/sglang_node.py --print) and validate the run config
+#      with every override (zcpo train --dry-run), before anything long starts;
+#   3. start the SGLang servers and the router on the rollout nodes (one srun step, one task per
+#      node) and wait until every server and the router answer /health_generate;
+#   4. run `zcpo train` with srun on the training nodes, one task per GPU: every task reads
+#      SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR is the first training node and
+#      MASTER_PORT comes from the job id; global rank 0 drives the rollout servers;
+#   5. stop the servers when training ends (or fails).
+#
+# The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
+# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, TRAIN_TP, TRAIN_PP,
+# ROLLOUT_TP, CONTEXT_LENGTH. Runtime, also from the environment:
+#   CONTAINER_IMAGE   enroot/pyxis image (e.g. a .sqsh of the repository's Dockerfile); empty: use VENV
+#   CONTAINER_MOUNTS  extra pyxis mounts (the file systems holding models, data and RUN_DIR)
+#   VENV              virtual environment with this package installed (default: $REPO_DIR/.venv)
+#   SGLANG_PYTHON     interpreter with sglang + sglang-router (the image: /opt/sglang/bin/python)
+#   SGLANG_NODE_ARGS  extra flags for sglang_node.py, space-separated (e.g. "--quantization modelopt_fp8")
+#   SGLANG_CONTAINER_IMAGE  run the rollout nodes in another image (e.g. SGLang's release image
+#                     lmsysorg/sglang:v0.5.3-cu129); the checkout is mounted and put on PYTHONPATH
+#   ZCPO_OVERRIDES    extra key=value overrides, space-separated (also: arguments of sbatch SCRIPT ...)
+#   SGLANG_STARTUP_TIMEOUT  seconds to wait for the servers (default 1800)
+#   SGLANG_SERVER_URLS, SGLANG_ROUTER_URL  attach to servers that already run (comma-separated
+#                     URLs; the router is optional): no rollout nodes are used, every node trains
+
+set -euo pipefail
+
+log() { echo "[$(date '+%F %T')] $*"; }
+die() { echo "error: $*" >&2; exit 1; }
+
+# "a,b" -> ["a","b"] (a YAML/JSON list for a key=value override)
+json_list() {
+    local IFS=, item out=""
+    for item in $1; do out+="${out:+,}\"${item}\""; done
+    echo "[${out}]"
+}
+
+zcpo_job_main() {
+    [[ -n "${SLURM_JOB_ID:-}" ]] || die "run this script with sbatch"
+    [[ -f "${REPO_DIR}/examples/common/sglang_node.py" ]] || die "REPO_DIR=${REPO_DIR} is not the repository root (submit from it or set REPO_DIR)"
+    local gpus_per_node="${SLURM_GPUS_ON_NODE:-8}"
+    local cpus_per_node="${SLURM_CPUS_ON_NODE:-$(nproc)}"
+
+    # ------------------------------------------------------------------ placement
+    local nodes train_hosts rollout_hosts train_list rollout_list
+    local attach="${SGLANG_SERVER_URLS:+yes}"
+    mapfile -t nodes < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
+    if [[ -n "${attach}" ]]; then
+        (( ${#nodes[@]} >= TRAIN_NODES )) || die "${#nodes[@]} nodes: TRAIN_NODES=${TRAIN_NODES} needs more"
+    else
+        (( ${#nodes[@]} > TRAIN_NODES )) || die "${#nodes[@]} nodes: need more than TRAIN_NODES=${TRAIN_NODES} (the rest serve rollouts)"
+    fi
+    train_hosts=("${nodes[@]:0:TRAIN_NODES}")
+    rollout_hosts=("${nodes[@]:TRAIN_NODES}")
+    train_list=$(IFS=,; echo "${train_hosts[*]}")
+    rollout_list=$(IFS=,; echo "${rollout_hosts[*]}")
+    local train_gpus=$(( TRAIN_NODES * gpus_per_node ))
+    log "training: ${train_list} (${train_gpus} GPUs, TP${TRAIN_TP} PP${TRAIN_PP} DP$(( train_gpus / (TRAIN_TP * TRAIN_PP) )))"
+    if [[ -n "${attach}" ]]; then
+        log "rollout:  attaching to ${SGLANG_SERVER_URLS} (router: ${SGLANG_ROUTER_URL:-none})"
+    else
+        log "rollout:  ${rollout_list} ($(( ${#rollout_hosts[@]} * gpus_per_node / ROLLOUT_TP )) SGLang servers at TP${ROLLOUT_TP})"
+    fi
+
+    # ------------------------------------------------------------------ runtime
+    local workdir runtime
+    if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+        # The image installs this package editable at /opt/megatron_zcpo: mounting the checkout
+        # there runs the checkout's code and configs with the image's libraries.
+        workdir=/opt/megatron_zcpo
+        runtime=(--container-image="${CONTAINER_IMAGE}" --container-name="zcpo-${SLURM_JOB_ID}"
+                 --container-workdir="${workdir}"
+                 --container-mounts="${REPO_DIR}:${workdir}${CONTAINER_MOUNTS:+,${CONTAINER_MOUNTS}}")
+        SGLANG_PYTHON="${SGLANG_PYTHON:-/opt/sglang/bin/python}"
+    else
+        workdir="${REPO_DIR}"
+        set +u  # some activate scripts read unset variables
+        # shellcheck disable=SC1091
+        source "${VENV:-${REPO_DIR}/.venv}/bin/activate"
+        set -u
+        runtime=(--chdir="${workdir}")
+        SGLANG_PYTHON="${SGLANG_PYTHON:-python}"
+    fi
+    local sglang_runtime=("${runtime[@]}") node_python=python  # node_python runs sglang_node.py itself
+    if [[ -n "${SGLANG_CONTAINER_IMAGE:-}" ]]; then
+        # Only torch and this checkout are needed next to SGLang to run sglang_node.py.
+        sglang_runtime=(--container-image="${SGLANG_CONTAINER_IMAGE}" --container-name="zcpo-sglang-${SLURM_JOB_ID}"
+                        --container-workdir=/opt/megatron_zcpo --export="ALL,PYTHONPATH=/opt/megatron_zcpo"
+                        --container-mounts="${REPO_DIR}:/opt/megatron_zcpo${CONTAINER_MOUNTS:+,${CONTAINER_MOUNTS}}")
+        SGLANG_PYTHON=python3 node_python=python3
+    fi
+    mkdir -p "${RUN_DIR}"
+
+    # ------------------------------------------------------------------ 1. checkpoint conversion
+    if [[ ! -f "${MEGATRON_CKPT}/model_config.json" ]]; then
+        log "converting ${HF_MODEL} -> ${MEGATRON_CKPT} (checked for TP${TRAIN_TP} PP${TRAIN_PP})"
+        rm -rf "${MEGATRON_CKPT}.partial"
+        srun "${runtime[@]}" --nodes=1 --ntasks=1 --nodelist="${train_hosts[0]}" --gpus-per-node="${gpus_per_node}" \
+            --cpus-per-task="${cpus_per_node}" \
+            python tools/convert_hf_to_megatron.py --hf-dir "${HF_MODEL}" --out "${MEGATRON_CKPT}.partial" \
+            --tp "${TRAIN_TP}" --pp "${TRAIN_PP}"
+        mv "${MEGATRON_CKPT}.partial" "${MEGATRON_CKPT}"  # a complete checkpoint or none
+    fi
+
+    # ------------------------------------------------------------------ 2. addresses and config check
+    local sglang_args=(--model-path "${HF_MODEL}" --nodes "${rollout_list}" --tp-size "${ROLLOUT_TP}"
+                       --gpus-per-node "${gpus_per_node}" --python "${SGLANG_PYTHON}"
+                       --context-length "${CONTEXT_LENGTH}" --log-dir "${RUN_DIR}/sglang_logs")
+    local node_args=()
+    read -r -a node_args <<< "${SGLANG_NODE_ARGS:-}"
+    sglang_args+=("${node_args[@]}")
+    local addresses server_urls router_url
+    if [[ -n "${attach}" ]]; then
+        server_urls=$(json_list "${SGLANG_SERVER_URLS}")
+        router_url="${SGLANG_ROUTER_URL:-null}"
+    else
+        addresses=$(srun "${runtime[@]}" --nodes=1 --ntasks=1 --nodelist="${rollout_hosts[0]}" \
+            python examples/common/sglang_node.py "${sglang_args[@]}" --print)
+        { read -r server_urls; read -r router_url; } <<< "${addresses}"
+        [[ "${server_urls}" == '["http'* && "${router_url}" == http* ]] || die "unexpected server plan: ${addresses}"
+    fi
+    log "servers: ${server_urls}; router: ${router_url}"
+
+    local overrides=(
+        "model.path=${MEGATRON_CKPT}"
+        "data.train_files=$(json_list "${TRAIN_DATA}")"
+        "eval.data.train_files=$(json_list "${EVAL_DATA}")"
+        "rollout.sglang.server_urls=${server_urls}"
+        "rollout.sglang.router_url=${router_url}"
+        "logging.run_dir=${RUN_DIR}"
+    )
+    local extra=()
+    read -r -a extra <<< "${ZCPO_OVERRIDES:-}"
+    overrides+=("${extra[@]}" "$@")
+    # On a training node: validation accepts parallel.sequence_parallel only where CUDA is visible.
+    srun "${runtime[@]}" --nodes=1 --ntasks=1 --nodelist="${train_hosts[0]}" --gpus-per-node="${gpus_per_node}" \
+        zcpo train "${CONFIG}" "${overrides[@]}" --dry-run > "${RUN_DIR}/config.resolved.yaml"
+    log "config valid: ${RUN_DIR}/config.resolved.yaml"
+
+    # ------------------------------------------------------------------ 3. SGLang servers + router
+    if [[ -z "${attach}" ]]; then
+        srun "${sglang_runtime[@]}" --nodes="${#rollout_hosts[@]}" --ntasks-per-node=1 --nodelist="${rollout_list}" \
+            --gpus-per-node="${gpus_per_node}" --cpus-per-task="${cpus_per_node}" \
+            "${node_python}" examples/common/sglang_node.py "${sglang_args[@]}" > "${RUN_DIR}/sglang_step.log" 2>&1 &
+        SGLANG_STEP_PID=$!
+        trap stop_sglang EXIT
+    fi
+    wait_for_health "${server_urls}" "${router_url/#null/}"
+
+    # ------------------------------------------------------------------ 4. training
+    export MASTER_ADDR="${train_hosts[0]}"
+    export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
+    export CUDA_DEVICE_MAX_CONNECTIONS=1          # megatron-core: TP/SP communication ordering
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # sequence lengths vary step to step
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+    log "training: zcpo train ${CONFIG} (MASTER_ADDR=${MASTER_ADDR} MASTER_PORT=${MASTER_PORT})"
+    srun "${runtime[@]}" --nodes="${TRAIN_NODES}" --ntasks-per-node="${gpus_per_node}" --nodelist="${train_list}" \
+        --gpus-per-node="${gpus_per_node}" --cpus-per-task=$(( cpus_per_node / gpus_per_node )) \
+        --kill-on-bad-exit=1 \
+        zcpo train "${CONFIG}" "${overrides[@]}"
+    log "training finished"
+}
+
+# Poll every server and the router until all answer /health_generate (what the client checks too).
+wait_for_health() {
+    local urls deadline=$(( SECONDS + ${SGLANG_STARTUP_TIMEOUT:-1800} )) url waiting
+    read -r -a urls <<< "$(echo "$1" | tr -d '[]"' | tr ',' ' ') $2"
+    while :; do
+        waiting=()
+        for url in "${urls[@]}"; do
+            curl -sf -o /dev/null --max-time 30 "${url}/health_generate" || waiting+=("${url}")
+        done
+        (( ${#waiting[@]} == 0 )) && { log "SGLang: ${#urls[@]} endpoints healthy"; return 0; }
+        [[ -z "${SGLANG_STEP_PID:-}" ]] || kill -0 "${SGLANG_STEP_PID}" 2>/dev/null || die "the SGLang step exited; see ${RUN_DIR}/sglang_step.log and ${RUN_DIR}/sglang_logs/"
+        (( SECONDS < deadline )) || die "not healthy after ${SGLANG_STARTUP_TIMEOUT:-1800}s: ${waiting[*]}"
+        sleep 15
+    done
+}
+
+stop_sglang() {
+    if [[ -n "${SGLANG_STEP_PID:-}" ]] && kill -0 "${SGLANG_STEP_PID}" 2>/dev/null; then
+        log "stopping the SGLang servers"
+        kill -TERM "${SGLANG_STEP_PID}" 2>/dev/null || true  # srun forwards SIGTERM to its tasks
+        wait "${SGLANG_STEP_PID}" 2>/dev/null || true
+    fi
+}
