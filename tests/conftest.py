@@ -1,7 +1,18 @@
-"""Shared pytest settings: quiet megatron's CPU fallback warnings, deterministic threads."""
+"""Shared pytest settings and fixtures: quiet CPU fallback warnings, threads, the trainer tests' weights."""
 
 import os
 import warnings
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) not installed.*")
+
+
+@pytest.fixture(scope="session")
+def weights():
+    """(policy, reference) global weights of the tiny trainer model (tests/trainer_cases.py), built once."""
+    from megatron_zcpo.testing import run_distributed
+    from tests import trainer_cases
+
+    return run_distributed(trainer_cases.policy_and_reference, 1)[0]

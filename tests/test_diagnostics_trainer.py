@@ -6,12 +6,7 @@ import pytest
 import torch
 
 from megatron_zcpo.testing import run_distributed
-from tests import diagnostics_cases, trainer_cases
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return run_distributed(trainer_cases.policy_and_reference, 1)[0]
+from tests import diagnostics_cases
 
 
 @pytest.fixture(scope="module")

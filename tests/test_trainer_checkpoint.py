@@ -37,11 +37,6 @@ def load_other_model(rank, world, weights, root):
 
 
 @pytest.fixture(scope="module")
-def weights():
-    return run_distributed(trainer_cases.policy_and_reference, 1)[0]
-
-
-@pytest.fixture(scope="module")
 def uninterrupted(weights):
     return run_distributed(run_steps, 2, 2, 1, weights, ROLLOUT_SEEDS)[0]
 

@@ -17,11 +17,6 @@ COMPARED = ("update/loss", "update/policy_loss", "update/grad_norm", "experience
 
 
 @pytest.fixture(scope="module")
-def weights():
-    return run_distributed(trainer_cases.policy_and_reference, 1)[0]
-
-
-@pytest.fixture(scope="module")
 def single(weights):
     return run_distributed(trainer_cases.one_update, 1, 1, 1, *weights)[0]
 
