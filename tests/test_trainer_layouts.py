@@ -77,3 +77,11 @@ def test_importance_weights_truncate_mask_and_veto():
     assert torch.all(truncated[1] == 0)  # the whole vetoed sequence
     masked = importance_weights(old, rollout, mask, ImportanceSamplingConfig(enabled=True, mode="mask"))
     torch.testing.assert_close(masked[0], torch.tensor([0.0, 1.0, 1.0, 0.0]))  # outside [0.5, 5] -> 0
+
+
+def test_bf16_training_with_distributed_optimizer():
+    dtypes, steps = run_distributed(trainer_cases.bf16_steps, 2, 2)[0]
+    assert dtypes == {torch.bfloat16}
+    first, second = steps
+    assert first["selfcheck/kl_max"] == 0.0  # identical bf16 policy and reference
+    assert first["update/grad_norm"] > 0 and second["experience/kl"] > 0  # the policy moved

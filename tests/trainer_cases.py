@@ -93,3 +93,17 @@ def selfcheck(rank, world, tp, pp, policy, reference):
     except RuntimeError as error:
         return metrics, str(error)
     return metrics, None
+
+
+def bf16_steps(rank, world, tp):
+    """Two bf16 steps with the distributed optimizer (Float16 optimizer, fp32 main params)."""
+    from megatron_zcpo.algorithms import AlgorithmConfig
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.trainer import OptimizerSettings, ParallelConfig, PolicyTrainer, TrainConfig
+
+    setup_megatron(tensor_parallel=tp, seed=1)
+    trainer = PolicyTrainer(MODEL, AlgorithmConfig(name="zcpo"),
+                            TrainConfig(bf16=True, optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0)),
+                            ParallelConfig(tensor=tp, distributed_optimizer=True))
+    dtypes = {p.dtype for p in trainer.policy.parameters()}
+    return dtypes, [trainer.train_step(rollout(seed=seed)) for seed in (0, 1)]

@@ -86,10 +86,10 @@ class PolicyWithReference(torch.nn.Module):
         unwrap(self.policy).set_input_tensor(policy_in)
         unwrap(self.reference).set_input_tensor(reference_in)
 
-    def forward(self, input_ids, position_ids, attention_mask):
-        policy_out = self.policy(input_ids, position_ids, attention_mask)
+    def forward(self, input_ids, position_ids, attention_mask, **kwargs):
+        policy_out = self.policy(input_ids, position_ids, attention_mask, **kwargs)
         with torch.no_grad():
-            reference_out = self.reference(input_ids, position_ids, attention_mask)
+            reference_out = self.reference(input_ids, position_ids, attention_mask, **kwargs)
         return torch.cat([policy_out, reference_out.detach()], dim=-1)
 
 

@@ -20,9 +20,10 @@ One rollout step, identical on a laptop CPU and on a 1,000-GPU cluster:
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -279,8 +280,8 @@ class PolicyTrainer:
         train: TrainConfig,
         parallel: ParallelConfig,
         *,
-        initial_weights: Optional[Dict[str, torch.Tensor]] = None,
-        reference_weights: Optional[Dict[str, torch.Tensor]] = None,
+        initial_weights: Union[Dict[str, torch.Tensor], str, os.PathLike, None] = None,
+        reference_weights: Union[Dict[str, torch.Tensor], str, os.PathLike, None] = None,
         temperature: float = 1.0,
         diagnostics=None,
     ):
@@ -324,6 +325,14 @@ class PolicyTrainer:
                 load_model_checkpoint(model, source)
         for model in (policy, reference):
             install_hidden_state_head(model)
+        if train.bf16:
+            # megatron's mixed precision: the whole module in bf16 (norms included), inputs cast on
+            # the first stage; the last stage keeps its bf16 hidden states (fp32_output=False): the
+            # fused op computes exact fp32 logits from bf16 operands, as the output layer would see.
+            from megatron.core.transformer.module import Float16Module
+
+            policy, reference = Float16Module(self.config, policy), Float16Module(self.config, reference)
+        self.forward_kwargs = {"fp32_output": False} if train.bf16 else {}
         reference.eval()
         for param in reference.parameters():
             param.requires_grad_(False)
@@ -404,7 +413,7 @@ class PolicyTrainer:
         results: Dict[int, TokenStats] = {}
 
         def forward_step(mb: MicroBatch, m):
-            output = m(mb.tokens, mb.position_ids, None)
+            output = m(mb.tokens, mb.position_ids, None, **self.forward_kwargs)
 
             def loss_func(hidden_pair):
                 positions = self._response_positions(mb)
@@ -542,7 +551,7 @@ class PolicyTrainer:
         scale = len(micro_batches) * self.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
 
         def forward_step(mb: MicroBatch, m):
-            output = m(mb.tokens, mb.position_ids, None)
+            output = m(mb.tokens, mb.position_ids, None, **self.forward_kwargs)
 
             def loss_func(hidden_out):
                 inputs = self._loss_inputs(mb, hidden_out, samples, experience, coefficients, normalizer, use_reference)
