@@ -15,23 +15,18 @@ def _hf_weights(path: Path):
     Megatron checkpoints (converted, a training run's ``weights/``, or a training checkpoint
     ``step_*`` directory) are read one tensor at a time and converted on the fly.
     """
-    from megatron_zcpo.convert.mapping import megatron_to_hf_tensors, model_config_from_hf
-    from megatron_zcpo.megatron.checkpoint import MODEL_CONFIG_FILE, read_model_config
+    from megatron_zcpo.convert.checkpoint import megatron_checkpoint_dir, model_config_at, read_checkpoint_tensors
+    from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint
+    from megatron_zcpo.convert.mapping import megatron_to_hf_stream
 
-    if (path / "weights" / MODEL_CONFIG_FILE).is_file():
-        path = path / "weights"
-    if (path / MODEL_CONFIG_FILE).is_file():
-        from megatron_zcpo.convert.checkpoint import read_checkpoint_tensors
+    model, checkpoint = model_config_at(path), megatron_checkpoint_dir(path)
+    if checkpoint is not None:
         from megatron_zcpo.megatron.initialize import setup_megatron
 
         setup_megatron()
-        model = read_model_config(path)
-        return model, ((hf_name, tensor) for name, value in read_checkpoint_tensors(path, model)
-                       for hf_name, tensor in megatron_to_hf_tensors(name, value, model))
-    from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint, read_hf_config
-
-    checkpoint = SafetensorsCheckpoint(path)
-    return model_config_from_hf(read_hf_config(path)), ((name, checkpoint.tensor(name)) for name in checkpoint.names())
+        return model, megatron_to_hf_stream(read_checkpoint_tensors(checkpoint, model), model)
+    safetensors = SafetensorsCheckpoint(path)
+    return model, ((name, safetensors.tensor(name)) for name in safetensors.names())
 
 
 def add_parser(subparsers) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from megatron_zcpo.cli.config import RunConfig, load_run_config
 
@@ -13,15 +12,9 @@ def model_config_of(config: RunConfig):
     """The architecture of the run: model.architecture, or read from model.path (HF or Megatron)."""
     if config.model.architecture is not None:
         return config.model.architecture
-    from megatron_zcpo.megatron.checkpoint import MODEL_CONFIG_FILE, read_model_config
+    from megatron_zcpo.convert.checkpoint import model_config_at
 
-    path = Path(config.model.path)
-    if (path / MODEL_CONFIG_FILE).is_file():
-        return read_model_config(path)
-    from megatron_zcpo.convert.hf_checkpoint import read_hf_config
-    from megatron_zcpo.convert.mapping import model_config_from_hf
-
-    return model_config_from_hf(read_hf_config(path))
+    return model_config_at(config.model.path)
 
 
 def plan_inputs(config: RunConfig, gpus: int):

@@ -62,18 +62,16 @@ def load_tokenizer(config: RunConfig):
 
 
 def resolve_model(path: str):
-    """(ModelConfig, initial weights) from an HF directory (global state dict, converted in
-    memory) or a Megatron model checkpoint (its path: each rank loads its own shard)."""
-    from megatron_zcpo.megatron.checkpoint import MODEL_CONFIG_FILE, read_model_config
+    """(ModelConfig, initial weights) from a Megatron model checkpoint (its directory: each rank
+    loads its own shard) or an HF directory (a global state dict, converted in memory)."""
+    from megatron_zcpo.convert.checkpoint import megatron_checkpoint_dir, model_config_at
+    from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint
+    from megatron_zcpo.convert.mapping import hf_to_megatron_tensors
 
-    if (Path(path) / MODEL_CONFIG_FILE).is_file():
-        return read_model_config(path), path
-    from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint, read_hf_config
-    from megatron_zcpo.convert.mapping import hf_to_megatron_tensors, model_config_from_hf
-
-    model_config = model_config_from_hf(read_hf_config(path))
-    checkpoint = SafetensorsCheckpoint(path)
-    return model_config, dict(hf_to_megatron_tensors(checkpoint.tensor, model_config))
+    model_config, checkpoint = model_config_at(path), megatron_checkpoint_dir(path)
+    if checkpoint is not None:
+        return model_config, str(checkpoint)
+    return model_config, dict(hf_to_megatron_tensors(SafetensorsCheckpoint(path).tensor, model_config))
 
 
 def eval_records(config: RunConfig, tokenizer):
@@ -262,14 +260,12 @@ def push_weights(trainer, rollout: Optional[Rollout], version: int) -> None:
     """
     import torch.distributed as dist
 
-    from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
+    from megatron_zcpo.convert.mapping import megatron_to_hf_stream
     from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0
 
     stream = iter_model_tensors_to_rank0(trainer.policy)
     if dist.get_rank() == 0:
-        rollout.engine.update_weights(
-            ((hf_name, tensor) for name, value in stream
-             for hf_name, tensor in megatron_to_hf_tensors(name, value, trainer.model_config)), version)
+        rollout.engine.update_weights(megatron_to_hf_stream(stream, trainer.model_config), version)
     else:
         for _ in stream:  # collective: every rank walks its part
             pass

@@ -256,6 +256,25 @@ def _single_piece_target(piece: _StoredPiece, full: torch.Tensor):
 # ----------------------------------------------------------------------------- conversions
 
 
+def megatron_checkpoint_dir(path: str | os.PathLike) -> Optional[Path]:
+    """The model-checkpoint directory at ``path`` (itself, or a training step's ``weights/``), or
+    None when ``path`` is not a Megatron model checkpoint (e.g. a Hugging Face directory)."""
+    from megatron_zcpo.megatron.checkpoint import MODEL_CONFIG_FILE
+
+    for candidate in (Path(path), Path(path) / "weights"):
+        if (candidate / MODEL_CONFIG_FILE).is_file():
+            return candidate
+    return None
+
+
+def model_config_at(path: str | os.PathLike) -> ModelConfig:
+    """The architecture stored at ``path``: a Megatron model checkpoint or a Hugging Face directory."""
+    checkpoint = megatron_checkpoint_dir(path)
+    if checkpoint is not None:
+        return read_model_config(checkpoint)
+    return mapping.model_config_from_hf(hf_checkpoint.read_hf_config(path))
+
+
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelConfig:
     """Convert a Hugging Face model directory into a Megatron checkpoint loadable at any TP/PP.
 
@@ -313,13 +332,13 @@ def convert_megatron_to_hf(
     base = hf_checkpoint.read_hf_config(hf_files) if (hf_files / hf_checkpoint.CONFIG_FILE).is_file() else None
     stored_dtypes: set = set()
 
-    def hf_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
+    def stored_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
         for name, tensor in read_checkpoint_tensors(ckpt_dir, model):
             stored_dtypes.add(tensor.dtype)
-            for hf_name, hf_tensor in mapping.megatron_to_hf_tensors(name, tensor, model):
-                yield hf_name, hf_tensor if dtype is None else hf_tensor.to(dtype)
+            yield name, tensor
 
-    hf_checkpoint.write_safetensors_shards(out_dir, hf_tensors(), max_shard_bytes)
+    hf_checkpoint.write_safetensors_shards(out_dir, mapping.megatron_to_hf_stream(stored_tensors(), model, dtype),
+                                           max_shard_bytes)
     config = mapping.hf_config_from_model_config(model, base)
     written = {dtype} if dtype is not None else stored_dtypes
     if len(written) == 1:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -334,6 +334,16 @@ def megatron_to_hf_tensors(name: str, tensor: torch.Tensor, model: ModelConfig) 
     # Fresh storage per piece: safetensors and NCCL need tensors that share no memory.
     return [(hf_name, piece.clone(memory_format=torch.contiguous_format))
             for hf_name, piece in zip(hf_names, pieces)]
+
+
+def megatron_to_hf_stream(named_tensors: Iterable[Tuple[str, torch.Tensor]], model: ModelConfig,
+                          dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """A stream of global Megatron tensors as ``(hf_name, tensor)``, converted one tensor at a
+    time by :func:`megatron_to_hf_tensors`, optionally cast to ``dtype`` (checkpoint export and
+    the rollout weight push)."""
+    for name, tensor in named_tensors:
+        for hf_name, hf_tensor in megatron_to_hf_tensors(name, tensor, model):
+            yield hf_name, hf_tensor if dtype is None else hf_tensor.to(dtype)
 
 
 def hf_to_megatron_tensor(name: str, get_hf_tensor: Callable[[str], torch.Tensor], model: ModelConfig) -> torch.Tensor:

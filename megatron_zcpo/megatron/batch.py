@@ -53,10 +53,6 @@ class MicroBatch:
     response_starts: List[int]  # index in the row where the first response target sits
     response_lengths: List[int]
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.numel())
-
 
 def split_minibatches(group_ids: Sequence[int], num_minibatches: int) -> List[List[int]]:
     """Split sample indices into ``num_minibatches`` lists that keep every group whole.

@@ -156,14 +156,3 @@ def current_layout() -> ParallelLayout:
         cp_rank=ps.get_context_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
     )
-
-
-def teardown_megatron() -> None:
-    """Destroy megatron-core's parallel state and the default process group."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()

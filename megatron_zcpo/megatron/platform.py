@@ -334,11 +334,6 @@ def _patch_adam_state_init() -> None:
     MegatronOptimizer.__init__ = init
 
 
-def is_active() -> bool:
-    """True once :func:`activate` has installed the CPU patches in this process."""
-    return _ACTIVE
-
-
 def activate() -> bool:
     """Install the CPU platform patches if (and only if) CUDA is unavailable.
 

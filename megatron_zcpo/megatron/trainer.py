@@ -145,7 +145,6 @@ class RolloutPlan:
 
     minibatches: List[List[int]]  # global indices per mini-batch
     mine: List[List[int]]  # this DP rank's share of each mini-batch
-    lengths: List[int]  # model sequence length per sample (global)
 
     @property
     def my_indices(self) -> List[int]:
@@ -382,7 +381,7 @@ class PolicyTrainer:
         whole = self.algorithm.needs_whole_groups
         mine = [assign_data_parallel(units_of(mb, group_ids, whole), lengths, self.dp_size)[self.dp_rank]
                 for mb in minibatches]
-        return RolloutPlan(minibatches=minibatches, mine=mine, lengths=lengths)
+        return RolloutPlan(minibatches=minibatches, mine=mine)
 
     def _micro_batches(self, samples, indices) -> List[MicroBatch]:
         lengths = [s.sequence_length for s in samples]

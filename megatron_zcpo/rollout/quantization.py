@@ -17,11 +17,6 @@ import torch
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The quant config SGLang's ModelOptFp8Config reads (hf_quant_config.json in the model directory).
-MODELOPT_FP8_QUANT_CONFIG = {
-    "producer": {"name": "modelopt"},
-    "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
-}
 
 
 def is_fp8_quantized(hf_name: str) -> bool:

@@ -17,12 +17,10 @@ def iter_hf_weights(model, model_config, dtype: Optional[torch.dtype] = None) ->
     :func:`megatron_zcpo.convert.mapping.megatron_to_hf_tensors` (the same code the
     checkpoint tools use), optionally cast to ``dtype``. Collective over the TP group.
     """
-    from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
+    from megatron_zcpo.convert.mapping import megatron_to_hf_stream
     from megatron_zcpo.megatron.weights import iter_global_tensors
 
-    for name, tensor in iter_global_tensors(model):
-        for hf_name, hf_tensor in megatron_to_hf_tensors(name, tensor, model_config):
-            yield hf_name, hf_tensor if dtype is None else hf_tensor.to(dtype)
+    return megatron_to_hf_stream(iter_global_tensors(model), model_config, dtype)
 
 
 def bucket_tensors(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
