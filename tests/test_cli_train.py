@@ -113,3 +113,24 @@ def test_eval_and_plan_on_the_trained_checkpoint(tmp_path, tiny_model, capsys):
     assert main(["plan", str(path), "--gpus", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["plan"]["fits"] and plan["suggested"]["fits"]
+
+
+def _broadcast(rank, world):
+    from megatron_zcpo.cli.train import broadcast_samples
+    from megatron_zcpo.megatron.batch import RolloutSample
+    from megatron_zcpo.megatron.initialize import setup_megatron
+
+    setup_megatron()
+    samples = [RolloutSample([1, 2], [3, 4, 5], 7, 1.0, True, [-0.5, -0.25, -1.0], {"uid": "a"}),
+               RolloutSample([9], [8], 8, -1.0, False, None, {})]
+    return broadcast_samples(samples if rank == 0 else None)
+
+
+def test_rollout_broadcast_reaches_every_rank_intact():
+    from megatron_zcpo.testing import run_distributed
+
+    on_sender, received = run_distributed(_broadcast, 2)
+    assert received == on_sender
+    assert [s.rollout_logprobs for s in received] == [[-0.5, -0.25, -1.0], None]
+    assert [(s.prompt_ids, s.response_ids, s.group_id, s.trainable) for s in received] == \
+        [([1, 2], [3, 4, 5], 7, True), ([9], [8], 8, False)]

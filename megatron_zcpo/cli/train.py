@@ -129,7 +129,12 @@ def rollout_metrics(samples: Sequence[RolloutSample]) -> Dict[str, float]:
 
 
 def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> List[RolloutSample]:
-    """Send rank ``src``'s rollout to every rank: token ids as one int32 tensor, the rest as objects."""
+    """Send rank ``src``'s rollout to every rank.
+
+    Per-token data travel as two flat tensors (int32 token ids, float32 rollout log-probs);
+    only the small per-sample fields go through the object broadcast. Returns the rollout as
+    every rank (the sender included) now holds it.
+    """
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -137,20 +142,26 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     header = [None]
     if rank == src:
         header[0] = [(len(s.prompt_ids), len(s.response_ids), s.group_id, s.reward, s.trainable,
-                      s.rollout_logprobs, s.info) for s in samples]
+                      s.rollout_logprobs is not None, s.info) for s in samples]
     dist.broadcast_object_list(header, src=src)
-    total = sum(p + r for p, r, *_ in header[0])
-    tokens = torch.empty(total, dtype=torch.int32, device=device)
+    tokens = torch.empty(sum(p + r for p, r, *_ in header[0]), dtype=torch.int32, device=device)
+    logprobs = torch.empty(sum(r for _, r, _, _, _, has, _ in header[0] if has), dtype=torch.float32, device=device)
     if rank == src:
         tokens.copy_(torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.int32))
+        logprobs.copy_(torch.tensor([x for s in samples for x in (s.rollout_logprobs or ())], dtype=torch.float32))
     dist.broadcast(tokens, src=src)
-    if rank == src:
-        return samples
-    flat, offset, out = tokens.cpu().tolist(), 0, []
-    for prompt_len, response_len, group_id, reward, trainable, rollout_logprobs, info in header[0]:
-        prompt = flat[offset:offset + prompt_len]
-        response = flat[offset + prompt_len:offset + prompt_len + response_len]
-        offset += prompt_len + response_len
+    dist.broadcast(logprobs, src=src)
+    # Every rank, the sender too, rebuilds from the tensors: identical (float32) values everywhere.
+    flat_tokens, flat_logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()
+    token_offset, logprob_offset, out = 0, 0, []
+    for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info in header[0]:
+        prompt = flat_tokens[token_offset:token_offset + prompt_len]
+        response = flat_tokens[token_offset + prompt_len:token_offset + prompt_len + response_len]
+        token_offset += prompt_len + response_len
+        rollout_logprobs = None
+        if has_logprobs:
+            rollout_logprobs = flat_logprobs[logprob_offset:logprob_offset + response_len]
+            logprob_offset += response_len
         out.append(RolloutSample(prompt, response, group_id, reward, trainable, rollout_logprobs, info))
     return out
 
