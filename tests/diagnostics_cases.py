@@ -1,5 +1,6 @@
 """Diagnostics runs on the tiny trainer for the diagnostics tests (module-level so spawned ranks can import them)."""
 
+import dataclasses
 import math
 
 import torch
@@ -83,7 +84,6 @@ def clipped_last_minibatch(policy, reference):
     """F1 with known closed gates: in the last mini-batch, the old log-probs of every positive-coefficient
     response move by -log 2 (ratio 2 > 1 + clip_high: clipped high) and of the first negative one by
     +log 2 (ratio 1/2 < 1 - clip_low: clipped low); every other token keeps ratio 1 (gate open)."""
-    from megatron_zcpo.megatron.trainer import TokenStats
 
     out = {}
     for name, algorithm, overrides in (("zcpo", "zcpo", {}), ("grpo", "grpo", {}),
@@ -101,8 +101,7 @@ def clipped_last_minibatch(policy, reference):
         for index in closed:
             token = experience[index]
             sign = float(torch.sign(coefficients[index]))
-            shifted[index] = TokenStats(token.old_logprob - sign * math.log(2.0), token.ref_logprob, token.entropy,
-                                        token.kl)
+            shifted[index] = dataclasses.replace(token, old_logprob=token.old_logprob - sign * math.log(2.0))
         hook = diagnostics(families=["f1"])
         out[name] = {"metrics": hook.before_minibatch(trainer, samples, plan, shifted, coefficients, stats, last),
                      "first": hook.before_minibatch(trainer, samples, plan, shifted, coefficients, stats, 0),

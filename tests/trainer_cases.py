@@ -42,23 +42,44 @@ def policy_and_reference(rank, world):
 
 
 def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, micro_batch_tokens=24,
-                 distributed_optimizer=False, **algorithm_overrides):
+                 distributed_optimizer=False, cp=1, packing="thd", importance_sampling=False, **algorithm_overrides):
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
-    from megatron_zcpo.megatron.trainer import OptimizerSettings, ParallelConfig, PolicyTrainer, TrainConfig
+    from megatron_zcpo.megatron.trainer import (
+        ImportanceSamplingConfig,
+        OptimizerSettings,
+        ParallelConfig,
+        PolicyTrainer,
+        TrainConfig,
+    )
 
-    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, seed=9)
-    train = TrainConfig(steps=4, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens,
-                        optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0, adam_eps=1e-6, weight_decay=0.0))
+    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, seed=9)
+    train = TrainConfig(steps=4, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens, packing=packing,
+                        optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0, adam_eps=1e-6, weight_decay=0.0),
+                        importance_sampling=ImportanceSamplingConfig(enabled=bool(importance_sampling),
+                                                                     **(importance_sampling or {})))
     return PolicyTrainer(MODEL, AlgorithmConfig(name=algorithm, **algorithm_overrides), train,
-                         ParallelConfig(tensor=tp, pipeline=pp, distributed_optimizer=distributed_optimizer),
+                         ParallelConfig(tensor=tp, pipeline=pp, context=cp, distributed_optimizer=distributed_optimizer),
                          initial_weights=policy, reference_weights=reference)
 
 
-def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distributed_optimizer=False):
+def with_rollout_logprobs(samples, seed=3):
+    """The samples with engine log-probs in [-12, -1] (the tiny model's are near -5.3): ratios from
+    about 0.01 (vetoed at veto=0.05) to past the upper threshold."""
+    rng = random.Random(seed)
+    for sample in samples:
+        sample.rollout_logprobs = [rng.uniform(-12.0, -1.0) for _ in sample.response_ids]
+    return samples
+
+
+def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distributed_optimizer=False, cp=1,
+               packing="thd", importance_sampling=False):
     """Coefficients, metrics and the updated global weights after one rollout step."""
-    trainer = make_trainer(tp, pp, policy, reference, algorithm, distributed_optimizer=distributed_optimizer)
+    trainer = make_trainer(tp, pp, policy, reference, algorithm, distributed_optimizer=distributed_optimizer, cp=cp,
+                           packing=packing, importance_sampling=importance_sampling)
     samples = rollout()
+    if importance_sampling:
+        samples = with_rollout_logprobs(samples)
     plan = trainer.plan(samples)
     metrics = trainer.train_step(samples)
     return {"coefficients": trainer.last_coefficients, "metrics": metrics, "params": trainer.global_state_dict(),
@@ -107,3 +128,8 @@ def bf16_steps(rank, world, tp):
                             ParallelConfig(tensor=tp, distributed_optimizer=True))
     dtypes = {p.dtype for p in trainer.policy.parameters()}
     return dtypes, [trainer.train_step(rollout(seed=seed)) for seed in (0, 1)]
+
+
+def build(rank, world, tp, pp, policy, reference, **options):
+    """Only construct the trainer (start-up validation); returns nothing."""
+    make_trainer(tp, pp, policy, reference, **options)

@@ -99,6 +99,7 @@ class Algorithm:
     needs_current_kl = False
     needs_whole_groups = False
     supports_token_weight = True
+    token_separable = False  # see ClippedSurrogateAlgorithm.token_separable
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config.resolved()
@@ -182,6 +183,12 @@ class ClippedSurrogateAlgorithm(Algorithm):
     def needs_current_kl(self) -> bool:
         """True for kl_loss='full': loss() needs the differentiable conditional KL [N, T]."""
         return self.config.kl_loss == "full"
+
+    @property
+    def token_separable(self) -> bool:
+        """The loss is a sum of per-token terms over the global normaliser (no per-row token count,
+        no batch-level rescaling), so a response's tokens may sit on different context-parallel ranks."""
+        return self.config.agg != "seq-mean-token-mean" and self.config.f1_control != "match_masked_norm"
 
     @property
     def _needs_ref_logprob_in_loss(self) -> bool:

@@ -1,9 +1,10 @@
-"""Rollout batches: mini-batches that keep groups whole, data-parallel shares, packed micro-batches."""
+"""Rollout batches: mini-batches that keep groups whole, data-parallel shares, padded or packed (THD) micro-batches."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -34,24 +35,39 @@ class RolloutSample:
 
 @dataclass
 class MicroBatch:
-    """A padded micro-batch of whole sequences, right-padded to its longest member.
+    """One micro-batch as this rank's model sees it.
 
-    ``tokens``/``position_ids``/``targets``: [b, S] int64 (targets[t] = token at t+1).
-    ``response_mask``: [b, S] float, 1 where ``targets`` is a response token.
-    ``loss_mask``: [b, S] float, ``response_mask`` of trainable samples only.
-    ``rollout_logprobs``: [b, S] float aligned with ``targets`` (0 elsewhere), or None.
-    ``sample_indices``: which rollout samples the rows are (positions in the global batch).
+    Padded: ``tokens``/``position_ids``/``targets`` are [b, S], whole sequences right-padded to the
+    longest (targets[t] = token at t+1). Packed (THD, padding-free): [1, T], the sequences
+    concatenated (on a context-parallel rank: its two chunks of each), with ``packed_seq_params``.
+    ``response_positions`` [R]: flat indices into [b*S] of this rank's response targets, sample by
+    sample; ``response_token_index`` [R]: each one's index within its sample's response;
+    ``response_lengths``: per sample, how many of its response tokens are here (all of them
+    without context parallelism); ``rollout_logprobs`` [R] aligned with ``response_positions``, or
+    None; ``sample_indices``: which rollout samples (positions in the global batch).
     """
 
     tokens: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
-    response_mask: torch.Tensor
-    loss_mask: torch.Tensor
-    rollout_logprobs: Optional[torch.Tensor]
-    sample_indices: List[int]
-    response_starts: List[int]  # index in the row where the first response target sits
+    response_positions: torch.Tensor
+    response_token_index: torch.Tensor
     response_lengths: List[int]
+    sample_indices: List[int]
+    rollout_logprobs: Optional[torch.Tensor] = None
+    packed_seq_params: Any = None
+
+    def to(self, device) -> "MicroBatch":
+        """The model inputs (tokens, positions, packed-sequence boundaries) on ``device``."""
+        packed = self.packed_seq_params
+        if packed is not None:
+            packed = dataclasses.replace(packed, **{
+                name: getattr(packed, name).to(device)
+                for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+                if getattr(packed, name) is not None
+            })
+        return dataclasses.replace(self, tokens=self.tokens.to(device), position_ids=self.position_ids.to(device),
+                                   packed_seq_params=packed)
 
 
 def split_minibatches(group_ids: Sequence[int], num_minibatches: int) -> List[List[int]]:
@@ -117,55 +133,112 @@ def assign_data_parallel(units: Sequence[Sequence[int]], lengths: Sequence[int],
     return [sorted(share) for share in shares]
 
 
-def pack_micro_batches(units: Sequence[Sequence[int]], lengths: Sequence[int], token_budget: int) -> List[List[int]]:
-    """Group units into micro-batches of at most ``token_budget`` padded tokens.
+def pack_micro_batches(units: Sequence[Sequence[int]], lengths: Sequence[int], token_budget: int,
+                       padded: bool = True) -> List[List[int]]:
+    """Group units into micro-batches of at most ``token_budget`` tokens.
 
-    Units are sorted by their longest sample (longest first) so rows of similar length share a
-    micro-batch and padding stays small; a unit over the budget gets a micro-batch of its own.
+    ``padded``: a micro-batch costs its longest length times its rows (right-padded rows);
+    otherwise the sum of its lengths (padding-free THD packing). Units are sorted by their
+    longest sample (longest first) so padded rows of similar length share a micro-batch; a unit
+    over the budget gets a micro-batch of its own.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+
+    def cost(batch: Sequence[int]) -> int:
+        return max(lengths[i] for i in batch) * len(batch) if padded else sum(lengths[i] for i in batch)
+
     batches: List[List[int]] = []
     for unit in sorted(units, key=lambda u: (-max(lengths[i] for i in u), u[0])):
-        if batches:
-            current = batches[-1]
-            longest = max(lengths[i] for i in current)
-            if longest * (len(current) + len(unit)) <= token_budget:
-                current.extend(unit)
-                continue
-        batches.append(list(unit))
+        if batches and cost(batches[-1] + list(unit)) <= token_budget:
+            batches[-1].extend(unit)
+        else:
+            batches.append(list(unit))
     return batches
 
 
+def _sequence(sample: RolloutSample, index: int):
+    """(inputs [n], targets [n], first response target, response length, rollout log-probs or None)."""
+    sequence = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)
+    start, length = len(sample.prompt_ids) - 1, len(sample.response_ids)
+    rollout = None
+    if sample.rollout_logprobs is not None:
+        if len(sample.rollout_logprobs) != length:
+            raise ValueError(f"sample {index}: {len(sample.rollout_logprobs)} rollout log-probs for {length} response tokens")
+        rollout = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+    return sequence[:-1], sequence[1:], start, length, rollout
+
+
 def collate(samples: Sequence[RolloutSample], indices: Sequence[int], pad_id: int = 0) -> MicroBatch:
-    """Build the padded :class:`MicroBatch` of ``samples[i] for i in indices``."""
-    rows = [samples[i] for i in indices]
-    width = max(s.sequence_length for s in rows)
-    b = len(rows)
-    tokens = torch.full((b, width), pad_id, dtype=torch.long)
-    targets = torch.full((b, width), pad_id, dtype=torch.long)
-    response_mask = torch.zeros(b, width)
-    loss_mask = torch.zeros(b, width)
-    with_rollout = all(s.rollout_logprobs is not None for s in rows)
-    rollout = torch.zeros(b, width) if with_rollout else None
-    starts, lengths = [], []
-    for row, sample in enumerate(rows):
-        sequence = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)
-        n = sequence.numel() - 1
-        tokens[row, :n] = sequence[:-1]
-        targets[row, :n] = sequence[1:]
-        start, length = len(sample.prompt_ids) - 1, len(sample.response_ids)
-        response_mask[row, start:start + length] = 1.0
-        if sample.trainable:
-            loss_mask[row, start:start + length] = 1.0
-        if rollout is not None:
-            if len(sample.rollout_logprobs) != length:
-                raise ValueError(
-                    f"sample {indices[row]}: {len(sample.rollout_logprobs)} rollout log-probs for "
-                    f"{length} response tokens"
-                )
-            rollout[row, start:start + length] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
-        starts.append(start)
-        lengths.append(length)
-    position_ids = torch.arange(width).unsqueeze(0).expand(b, width).contiguous()
-    return MicroBatch(tokens, position_ids, targets, response_mask, loss_mask, rollout, list(indices), starts, lengths)
+    """The padded :class:`MicroBatch` of ``samples[i] for i in indices``: rows [b, longest]."""
+    rows = [_sequence(samples[i], i) for i in indices]
+    width = max(inputs.numel() for inputs, *_ in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions, token_index = [], []
+    for row, (inputs, shifted, start, length, _) in enumerate(rows):
+        tokens[row, :inputs.numel()] = inputs
+        targets[row, :inputs.numel()] = shifted
+        positions.append(row * width + torch.arange(start, start + length))
+        token_index.append(torch.arange(length))
+    rollout = [r for *_, r in rows]
+    return MicroBatch(
+        tokens=tokens, position_ids=torch.arange(width).unsqueeze(0).expand(len(rows), width).contiguous(),
+        targets=targets, response_positions=torch.cat(positions), response_token_index=torch.cat(token_index),
+        response_lengths=[length for *_, length, _ in rows], sample_indices=list(indices),
+        rollout_logprobs=torch.cat(rollout) if all(r is not None for r in rollout) else None,
+    )
+
+
+def packed_length(sequence_length: int, cp_size: int = 1) -> int:
+    """A sequence's length in a packed micro-batch: padded to a multiple of 2*CP under context parallelism."""
+    if cp_size == 1:
+        return sequence_length
+    return -(-sequence_length // (2 * cp_size)) * 2 * cp_size
+
+
+def collate_packed(samples: Sequence[RolloutSample], indices: Sequence[int], cp_rank: int = 0, cp_size: int = 1,
+                   pad_id: int = 0) -> MicroBatch:
+    """The padding-free (THD) :class:`MicroBatch` of ``samples[i] for i in indices`` on one CP rank.
+
+    The sequences are concatenated into one row [1, T]; with context parallelism each is padded
+    to :func:`packed_length` and only this rank's two chunks of it are kept
+    (:func:`~megatron_zcpo.megatron.attention.context_parallel_positions`), so T = sum of padded
+    lengths / CP. ``packed_seq_params`` carries the global boundaries megatron's RoPE and the
+    attention (TE's or :class:`~megatron_zcpo.megatron.attention.PackedCausalAttention`) use.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_zcpo.megatron.attention import context_parallel_positions
+
+    pieces, targets, positions, response_positions, token_index, lengths, rollout = [], [], [], [], [], [], []
+    actual, padded, offset = [0], [0], 0
+    for i in indices:
+        inputs, shifted, start, length, logprobs = _sequence(samples[i], i)
+        full = packed_length(inputs.numel(), cp_size)
+        held = context_parallel_positions(full, cp_rank, cp_size)  # global positions kept here
+        pad = full - inputs.numel()
+        pieces.append(torch.cat([inputs, torch.full((pad,), pad_id, dtype=torch.long)])[held])
+        targets.append(torch.cat([shifted, torch.full((pad,), pad_id, dtype=torch.long)])[held])
+        positions.append(held)
+        mine = torch.nonzero((held >= start) & (held < start + length)).reshape(-1)
+        response_positions.append(offset + mine)
+        token_index.append(held[mine] - start)
+        lengths.append(int(mine.numel()))
+        rollout.append(None if logprobs is None else logprobs[held[mine] - start])
+        actual.append(actual[-1] + inputs.numel())
+        padded.append(padded[-1] + full)
+        offset += held.numel()
+    cu_actual = torch.tensor(actual, dtype=torch.int32)
+    cu_padded = torch.tensor(padded, dtype=torch.int32) if cp_size > 1 else None
+    longest = max(b - a for a, b in zip(padded, padded[1:]))
+    return MicroBatch(
+        tokens=torch.cat(pieces).unsqueeze(0), position_ids=torch.cat(positions).unsqueeze(0),
+        targets=torch.cat(targets).unsqueeze(0), response_positions=torch.cat(response_positions),
+        response_token_index=torch.cat(token_index), response_lengths=lengths, sample_indices=list(indices),
+        rollout_logprobs=torch.cat(rollout) if all(r is not None for r in rollout) else None,
+        packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_actual, cu_seqlens_kv=cu_actual, cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest,
+        ),
+    )

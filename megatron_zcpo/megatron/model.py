@@ -162,14 +162,17 @@ def have_transformer_engine() -> bool:
 
 
 def layer_spec(config, use_te: Optional[bool] = None):
-    """The TE layer spec when Transformer Engine is present (and ``use_te`` not False), else local."""
+    """The TE layer spec when Transformer Engine is present (and ``use_te`` not False), else the
+    local spec with packed-sequence / context-parallel core attention (megatron_zcpo.megatron.attention)."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron_zcpo.megatron.attention import local_layer_spec
 
     if use_te is None:
         use_te = have_transformer_engine()
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    return local_layer_spec()
 
 
 def build_gpt_model(

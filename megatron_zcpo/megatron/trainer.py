@@ -32,7 +32,9 @@ from megatron_zcpo.megatron.batch import (
     RolloutSample,
     assign_data_parallel,
     collate,
+    collate_packed,
     pack_micro_batches,
+    packed_length,
     split_minibatches,
     units_of,
 )
@@ -61,11 +63,6 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1")
-        if self.context > 1:
-            # The trainer's micro-batches are whole sequences; context parallelism also needs them
-            # split into 2*CP load-balanced chunks per rank (and the response positions with them).
-            raise ValueError("parallel.context > 1 is not supported yet: the trainer does not split "
-                             "sequences across context-parallel ranks")
 
 
 @dataclass
@@ -122,7 +119,8 @@ class TrainConfig:
     steps: int = 10
     seed: int = 1234
     mini_batches: int = 1
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 4096  # per micro-batch, before the context-parallel split
+    packing: str = "thd"  # thd: padding-free packed sequences | padded: right-padded rows
     bf16: bool = False
     kl_chunk_size: int = 1024
     reference_offload: bool = False
@@ -135,6 +133,8 @@ class TrainConfig:
         for key in ("steps", "mini_batches", "micro_batch_tokens", "kl_chunk_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.packing not in ("thd", "padded"):
+            raise ValueError(f"train.packing must be 'thd' or 'padded', got {self.packing!r}")
         if self.recompute not in (None, "selective", "full"):
             raise ValueError(f"train.recompute must be null, 'selective' or 'full', got {self.recompute!r}")
 
@@ -153,12 +153,14 @@ class RolloutPlan:
 
 @dataclass
 class TokenStats:
-    """Per-response token vectors from the experience pass (last pipeline stage only)."""
+    """Per-response token vectors from the experience pass (last pipeline stage only); with context
+    parallelism, of this rank's tokens of the response (``token_index`` says which)."""
 
     old_logprob: torch.Tensor  # [R] log pi_old(y_t) at the sampling temperature
     ref_logprob: torch.Tensor  # [R] log pi_ref(y_t) at the sampling temperature (k1 = old - ref)
     entropy: torch.Tensor  # [R] entropy of pi_old at the sampling temperature
     kl: torch.Tensor  # [R] conditional KL(pi_old || pi_ref) over the full vocabulary, temperature 1
+    token_index: torch.Tensor  # [R] int64 positions in the response (all of them without context parallelism)
 
 
 class MetricAccumulator:
@@ -227,14 +229,19 @@ class LossInputs:
     group_ids: torch.Tensor
 
 
-def importance_weights(old_logprob, rollout_logprob, mask, config: ImportanceSamplingConfig):
+def importance_weights(old_logprob, rollout_logprob, mask, config: ImportanceSamplingConfig, any_rank=None):
     """Truncated importance-sampling weights pi_old / pi_rollout per token, [N, T] -> [N, T].
 
     ``mask`` marks response tokens. Sequences with any token ratio below ``config.veto`` get
     weight 0; "truncate" clamps the rest into [lower, upper], "mask" zeroes tokens outside it.
+    ``any_rank`` ([N] bool -> [N] bool), when given, ORs the veto over the ranks holding the
+    other tokens of the same sequences (context parallelism).
     """
     ratio = torch.exp((old_logprob - rollout_logprob).clamp(max=20.0)) * mask
-    vetoed = ((ratio < config.veto) & (mask > 0)).any(dim=-1, keepdim=True)
+    vetoed = ((ratio < config.veto) & (mask > 0)).any(dim=-1)
+    if any_rank is not None:
+        vetoed = any_rank(vetoed)
+    vetoed = vetoed.unsqueeze(-1)
     if config.mode == "truncate":
         weight = ratio.clamp(config.lower, config.upper)
     else:
@@ -296,11 +303,13 @@ class PolicyTrainer:
         if parallel.sequence_parallel and not torch.cuda.is_available():
             raise ValueError("parallel.sequence_parallel needs GPUs with Transformer Engine "
                              "(megatron-core's CPU layer spec has no sequence-parallel norms)")
+        self.algorithm = build_algorithm(algorithm_config)
+        if parallel.context > 1:
+            self._check_context_parallel(train, diagnostics)
         self.model_config = model_config
         self.train_config = train
         self.parallel = parallel
         self.temperature = float(temperature)
-        self.algorithm = build_algorithm(algorithm_config)
         self.step = 0
         self.last_coefficients: Optional[torch.Tensor] = None
         self.diagnostics = diagnostics
@@ -364,8 +373,26 @@ class PolicyTrainer:
         self.is_last_stage = ps.is_pipeline_last_stage()
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
-        # Only one replica of every value reports metrics (TP ranks compute the same numbers).
-        self.reports_metrics = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        # Only one replica of every value reports metrics (TP ranks compute the same numbers;
+        # context-parallel ranks hold disjoint tokens, so they all report).
+        self.reports_metrics = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+        # Values every rank of a (DP x CP) replica knows whole (coefficients) are counted once.
+        self.counts_once = self.dp_rank == 0 and self.cp_rank == 0
+
+    def _check_context_parallel(self, train: TrainConfig, diagnostics) -> None:
+        """Refuse what context parallelism cannot do: every response is spread over CP ranks."""
+        if train.packing != "thd":
+            raise ValueError("parallel.context > 1 needs train.packing = 'thd' (sequences are split into "
+                             "2*CP load-balanced chunks of a packed micro-batch)")
+        if not self.algorithm.token_separable:
+            raise ValueError(
+                f"parallel.context > 1 needs a loss that is a sum over tokens; algorithm {self.algorithm.name!r} "
+                f"(agg={self.algorithm.config.agg!r}, f1_control={self.algorithm.config.f1_control!r}) needs whole "
+                "responses on one rank (use agg token-mean or seq-mean-token-sum, and no match_masked_norm)")
+        if diagnostics is not None:
+            raise ValueError("diagnostics need whole responses on one rank: set diagnostics.enabled = false "
+                             "with parallel.context > 1")
 
     # ----------------------------------------------------------------------------- planning
     def plan(self, samples: Sequence[RolloutSample]) -> RolloutPlan:
@@ -384,16 +411,20 @@ class PolicyTrainer:
         return RolloutPlan(minibatches=minibatches, mine=mine)
 
     def _micro_batches(self, samples, indices) -> List[MicroBatch]:
-        lengths = [s.sequence_length for s in samples]
-        units = units_of(indices, [s.group_id for s in samples], self.algorithm.needs_whole_groups)
-        return [collate(samples, chunk) for chunk in pack_micro_batches(units, lengths, self.train_config.micro_batch_tokens)]
+        """This rank's micro-batches of ``indices`` under the token budget, on the model's device.
 
-    @staticmethod
-    def _response_positions(mb: MicroBatch) -> torch.Tensor:
-        """Flat indices into [b*S] of every response target, row by row: [R_total]."""
-        width = mb.tokens.shape[1]
-        return torch.cat([row * width + torch.arange(start, start + length)
-                          for row, (start, length) in enumerate(zip(mb.response_starts, mb.response_lengths))])
+        Deterministic in (samples, indices): the experience pass and every update see the same
+        micro-batches, so per-token statistics line up (on a CP rank: its chunks of each response).
+        """
+        units = units_of(indices, [s.group_id for s in samples], self.algorithm.needs_whole_groups)
+        budget = self.train_config.micro_batch_tokens
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        if self.train_config.packing == "padded":
+            lengths = [s.sequence_length for s in samples]
+            return [collate(samples, chunk).to(device) for chunk in pack_micro_batches(units, lengths, budget)]
+        lengths = [packed_length(s.sequence_length, self.cp_size) for s in samples]
+        return [collate_packed(samples, chunk, self.cp_rank, self.cp_size).to(device)
+                for chunk in pack_micro_batches(units, lengths, budget, padded=False)]
 
     # ----------------------------------------------------------------------------- experience
     def _set_reference_device(self, device: str) -> None:
@@ -412,13 +443,13 @@ class PolicyTrainer:
         results: Dict[int, TokenStats] = {}
 
         def forward_step(mb: MicroBatch, m):
-            output = m(mb.tokens, mb.position_ids, None, **self.forward_kwargs)
+            output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **self.forward_kwargs)
 
             def loss_func(hidden_pair):
-                positions = self._response_positions(mb)
+                positions = mb.response_positions.to(hidden_pair.device)
                 flat = hidden_pair.reshape(-1, 2 * hidden_size).index_select(0, positions)
                 hidden, ref_hidden = flat.split(hidden_size, dim=-1)
-                targets = mb.targets.reshape(-1).index_select(0, positions)
+                targets = mb.targets.reshape(-1).to(positions.device).index_select(0, positions)
                 stats = _token_stats(hidden, output_weight(self.policy), targets, ref_hidden, output_weight(self.reference),
                                      vocab_size=self.model_config.vocab_size,
                                      chunk_size=self.train_config.kl_chunk_size, temperature=self.temperature)
@@ -428,6 +459,7 @@ class PolicyTrainer:
                     results[index] = TokenStats(
                         stats.logprob[span].float().cpu(), stats.ref_logprob[span].float().cpu(),
                         stats.entropy[span].float().cpu(), stats.kl[span].float().cpu(),
+                        mb.response_token_index[span],
                     )
                     offset += length
                 return torch.zeros((), device=hidden_pair.device), {}
@@ -484,6 +516,17 @@ class PolicyTrainer:
             return float(sum(counted))
         return float(sum(1 for c in counted if c > 0))  # seq-mean modes: sequences with a token
 
+    def _any_over_context_parallel(self, flags: torch.Tensor) -> torch.Tensor:
+        """[N] bool ORed over the context-parallel group (identity without CP). Collective over CP."""
+        if self.cp_size == 1:
+            return flags
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        counts = flags.to(torch.float32)
+        dist.all_reduce(counts, group=ps.get_context_parallel_group())
+        return counts > 0
+
     def _rows(self, flat: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """Flat response-token vector [R_total] -> right-padded rows [b, max(lengths)]."""
         return torch.nn.utils.rnn.pad_sequence(list(flat.split(list(lengths))), batch_first=True)
@@ -493,10 +536,10 @@ class PolicyTrainer:
         """The loss inputs of one micro-batch from the last stage's hidden states (policy, or both)."""
         hidden_size = self.config.hidden_size
         vocab_size, chunk = self.model_config.vocab_size, self.train_config.kl_chunk_size
-        positions = self._response_positions(mb)
+        positions = mb.response_positions.to(hidden_out.device)
         width = 2 * hidden_size if use_reference else hidden_size
         flat = hidden_out.reshape(-1, width).index_select(0, positions)
-        targets = mb.targets.reshape(-1).index_select(0, positions)
+        targets = mb.targets.reshape(-1).to(positions.device).index_select(0, positions)
         weight = output_weight(self.policy)
         lengths = mb.response_lengths
         current_kl = None
@@ -509,25 +552,26 @@ class PolicyTrainer:
             current = _token_stats(flat, weight, targets, vocab_size=vocab_size, chunk_size=chunk,
                                    temperature=self.temperature)
         stats = [experience[i] for i in mb.sample_indices]
-        old = self._rows(torch.cat([s.old_logprob for s in stats]), lengths)
+        device = flat.device  # the experience pass's statistics are kept on the CPU between passes
+        old = self._rows(torch.cat([s.old_logprob for s in stats]), lengths).to(device)
         mask = self._rows(torch.cat([torch.full((n,), float(samples[i].trainable))
-                                     for i, n in zip(mb.sample_indices, lengths)]), lengths)
+                                     for i, n in zip(mb.sample_indices, lengths)]), lengths).to(device)
         token_weight = None
         is_config = self.train_config.importance_sampling
         if is_config.enabled and mb.rollout_logprobs is not None and self.algorithm.supports_token_weight:
-            rollout = self._rows(mb.rollout_logprobs.reshape(-1).index_select(0, positions), lengths)
-            token_weight = importance_weights(old, rollout, mask, is_config)
+            rollout = self._rows(mb.rollout_logprobs, lengths).to(device)
+            token_weight = importance_weights(old, rollout, mask, is_config, self._any_over_context_parallel)
         return LossInputs(
             sample_indices=list(mb.sample_indices),
             logprob=self._rows(current.logprob, lengths),
             old_logprob=old,
-            ref_logprob=self._rows(torch.cat([s.ref_logprob for s in stats]), lengths),
+            ref_logprob=self._rows(torch.cat([s.ref_logprob for s in stats]), lengths).to(device),
             mask=mask,
-            coefficients=coefficients[mb.sample_indices],
+            coefficients=coefficients[mb.sample_indices].to(device),
             normalizer=normalizer,
             current_kl=current_kl,
             token_weight=token_weight,
-            group_ids=torch.tensor([samples[i].group_id for i in mb.sample_indices], dtype=torch.long),
+            group_ids=torch.tensor([samples[i].group_id for i in mb.sample_indices], dtype=torch.long, device=device),
         )
 
     def algorithm_loss(self, inputs: "LossInputs"):
@@ -550,7 +594,7 @@ class PolicyTrainer:
         scale = len(micro_batches) * self.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
 
         def forward_step(mb: MicroBatch, m):
-            output = m(mb.tokens, mb.position_ids, None, **self.forward_kwargs)
+            output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **self.forward_kwargs)
 
             def loss_func(hidden_out):
                 inputs = self._loss_inputs(mb, hidden_out, samples, experience, coefficients, normalizer, use_reference)
@@ -602,7 +646,7 @@ class PolicyTrainer:
             for report in reports:
                 for name, (total, count) in report.items():
                     metrics.add(f"update/{name}", total, count)
-                    if name.endswith("loss") and self.dp_rank == 0:
+                    if name.endswith("loss") and self.counts_once:
                         metrics.add(f"update/{name}", 0.0, 1.0 / len(reports))  # mean over mini-batches
         if use_reference:
             self._set_reference_device("cpu")
@@ -682,7 +726,7 @@ class PolicyTrainer:
         self.last_coefficients = coefficients
         if self.is_last_stage:
             self._experience_metrics(samples, experience, metrics)
-            if self.dp_rank == 0:  # coefficients are identical on every DP rank: count once
+            if self.counts_once:  # coefficients are identical on every DP and CP rank: count once
                 for name, value in coefficient_metrics(stats, coefficients, self.algorithm.config).items():
                     metrics.add(f"coef/{name}", value, 1.0)
         timings["time/calibrate"] = time.perf_counter() - started
@@ -753,8 +797,9 @@ class PolicyTrainer:
             metrics.add("experience/logprob_ref_gap", gap.sum(), n)
             metrics.add_max("experience/logprob_ref_gap_max", gap.max())
             rollout = samples[index].rollout_logprobs
-            if rollout is not None and len(rollout) == n:
-                gap = (stats.old_logprob - torch.tensor(rollout, dtype=torch.float32)).abs()
+            if rollout is not None and len(rollout) == len(samples[index].response_ids):
+                rollout = torch.tensor(rollout, dtype=torch.float32)[stats.token_index]
+                gap = (stats.old_logprob - rollout).abs()
                 metrics.add("rollout/logprob_diff", gap.sum(), n)
                 metrics.add_max("rollout/logprob_diff_max", gap.max())
 

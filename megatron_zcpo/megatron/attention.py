@@ -1,0 +1,167 @@
+"""Core attention for megatron-core's local layer spec: padding-free (THD) packing and context parallelism.
+
+megatron-core's ``DotProductAttention`` (the local spec) refuses packed sequences and context
+parallelism; both live in Transformer Engine's attention, which needs a GPU. This module is the
+local spec's core attention so that the trainer's padding-free micro-batches and its
+context-parallel layout run (and are tested) on CPUs too, with the same data layout TE uses:
+
+- THD: the micro-batch is one row of concatenated sequences; ``packed_seq_params.cu_seqlens_q``
+  (or ``cu_seqlens_q_padded``) gives the global sequence boundaries; each sequence attends
+  causally to itself only (RoPE positions restart per sequence in megatron's rope_utils).
+- Context parallelism (THD only): every sequence, padded to a multiple of 2*CP, is cut into 2*CP
+  chunks and rank r holds chunks r and 2*CP-1-r (TE's load-balanced layout). Keys and values are
+  all-gathered over the context-parallel group (megatron's sequence-parallel gather: its backward
+  reduce-scatters the key/value gradients), and each local query attends to the keys at global
+  positions <= its own. This is O(sequence) memory per rank for keys and values, which is what a
+  CPU test needs; TE's ring attention is what runs at scale.
+
+Without packing and context parallelism the computation is megatron's own ``DotProductAttention``.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+import torch.nn.functional as F
+
+
+def context_parallel_positions(length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Global positions [length / cp_size] that context-parallel rank ``cp_rank`` holds, in local order.
+
+    ``length`` must be a multiple of 2 * ``cp_size`` when ``cp_size > 1``: the sequence is cut
+    into 2*CP equal chunks and the rank holds chunks ``cp_rank`` and ``2*CP-1-cp_rank`` (the
+    causal-attention load balance of megatron/TE). With ``cp_size == 1`` it is ``arange(length)``.
+    """
+    if cp_size == 1:
+        return torch.arange(length)
+    if length % (2 * cp_size):
+        raise ValueError(f"a context-parallel sequence length must be a multiple of 2*CP={2 * cp_size}, got {length}")
+    chunk = length // (2 * cp_size)
+    mirrored = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+                      torch.arange(mirrored * chunk, (mirrored + 1) * chunk)])
+
+
+def _batched(tokens, index):
+    """tokens [t, heads, d] gathered at index [n, L] -> [n, heads, L, d]."""
+    return tokens.index_select(0, index.reshape(-1)).reshape(*index.shape, *tokens.shape[1:]).transpose(1, 2)
+
+
+def _packed_attention(query, key, value, lengths, offsets, scale, cp_rank, cp_size, local_tokens):
+    """Causal attention of the packed sequences ``lengths``/``offsets`` (one length bucket).
+
+    query [t, heads, d] (this rank's tokens); key/value [t, heads, d], or [cp * t, heads, d]
+    gathered over the CP group; lengths [n] global (padded) sequence lengths, offsets [n] where
+    each sequence's local tokens start. The sequences are laid out as a padded batch
+    [n, heads, longest, d] for one SDPA call; returns (this bucket's attention output
+    [tokens, heads, d], their indices into the t local tokens).
+    """
+    local = lengths // cp_size
+    j = torch.arange(int(local.max()), device=query.device).unsqueeze(0)
+    query_valid = j < local.unsqueeze(1)
+    query_index = torch.where(query_valid, offsets.unsqueeze(1) + j, torch.zeros_like(j))
+    queries = _batched(query, query_index)
+    if cp_size == 1:
+        # Padding rows sit after each sequence's tokens: causal masking keeps real queries off them.
+        out = F.scaled_dot_product_attention(queries, _batched(key, query_index), _batched(value, query_index),
+                                             is_causal=True, scale=scale)
+    else:
+        chunk = (lengths // (2 * cp_size)).unsqueeze(1)
+        mirrored = 2 * cp_size - 1 - cp_rank
+        query_position = torch.where(j < chunk, cp_rank * chunk + j, mirrored * chunk + j - chunk)
+        query_position = torch.where(query_valid, query_position, torch.zeros_like(j))
+        p = torch.arange(int(lengths.max()), device=query.device).unsqueeze(0)
+        key_valid = p < lengths.unsqueeze(1)
+        which = p // chunk  # the chunk holding global position p; its owner and offset there:
+        owner = torch.where(which < cp_size, which, 2 * cp_size - 1 - which)
+        within = torch.where(which < cp_size, p - which * chunk, chunk + p - which * chunk)
+        key_index = torch.where(key_valid, owner * local_tokens + offsets.unsqueeze(1) + within, torch.zeros_like(p))
+        mask = (p.unsqueeze(1) <= query_position.unsqueeze(2)) & key_valid.unsqueeze(1)
+        out = F.scaled_dot_product_attention(queries, _batched(key, key_index), _batched(value, key_index),
+                                             attn_mask=mask.unsqueeze(1), scale=scale)
+    return out.transpose(1, 2)[query_valid], query_index[query_valid]
+
+
+class PackedCausalAttention(torch.nn.Module):
+    """Causal core attention accepting megatron's THD ``packed_seq_params`` and context parallelism.
+
+    Built by megatron's ``SelfAttention`` from the layer spec (see :func:`local_layer_spec`), with
+    the ``CoreAttentionBuilder`` keywords. Forward: sbhd ``[s, b, heads, d]`` tensors without
+    packing (delegated to megatron's DotProductAttention; context parallelism refused), THD
+    ``[t, heads, d]`` with packing. Returns ``[s, b, heads*d]`` or ``[t, heads*d]``.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.enums import AttnMaskType
+
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"PackedCausalAttention has no attention dropout (got {dropout}); RL training uses 0")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"PackedCausalAttention is causal only, got {attn_mask_type}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.config = config
+        self.cp_group = pg_collection.cp
+        tp = pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        # The unpacked path is megatron's own module (it asserts context_parallel_size == 1).
+        self.unpacked = None
+        if config.context_parallel_size == 1:
+            self.unpacked = DotProductAttention(config, layer_number, attn_mask_type, attention_type,
+                                                attention_dropout, softmax_scale, cp_comm_type, pg_collection)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            if self.unpacked is None:
+                raise ValueError("context parallelism needs packed (THD) micro-batches on the local layer spec")
+            return self.unpacked(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                 attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if attention_bias is not None:
+            raise ValueError("PackedCausalAttention takes no attention_bias")
+        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+        if cu_seqlens is None:
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
+        if self.heads != self.groups:  # grouped-query attention: share each key/value head
+            key = key.repeat_interleave(self.heads // self.groups, dim=1)
+            value = value.repeat_interleave(self.heads // self.groups, dim=1)
+        if cp_size > 1:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            # [cp * t, heads, d]; the backward reduce-scatters: each rank's keys serve every rank's queries.
+            key = gather_from_sequence_parallel_region(key, True, group=self.cp_group)
+            value = gather_from_sequence_parallel_region(value, True, group=self.cp_group)
+        local = lengths // cp_size
+        if int(local.sum()) != query.shape[0]:
+            raise ValueError(f"packed_seq_params cover {int(local.sum())} tokens per rank, the micro-batch has {query.shape[0]}")
+        offsets = torch.cumsum(local, 0) - local
+        # Sequences of similar length (same power of two) share one batched call: padding within a
+        # bucket stays under 4x the causal work, and a few calls replace a loop over sequences.
+        bucket = torch.floor(torch.log2(lengths.double())).long()
+        outputs, indices = [], []
+        for value_of_bucket in torch.unique(bucket).tolist():
+            chosen = torch.nonzero(bucket == value_of_bucket).reshape(-1)
+            out, index = _packed_attention(query, key, value, lengths[chosen], offsets[chosen], self.scale,
+                                           cp_rank, cp_size, query.shape[0])
+            outputs.append(out)
+            indices.append(index)
+        out = torch.cat(outputs).index_select(0, torch.argsort(torch.cat(indices)))
+        return out.reshape(query.shape[0], -1)
+
+
+def local_layer_spec():
+    """megatron-core's local GPT layer spec (RMSNorm) with :class:`PackedCausalAttention` as core attention."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
+    return spec
