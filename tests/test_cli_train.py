@@ -67,6 +67,11 @@ def test_config_errors_name_the_key(tmp_path, tiny_model, capsys):
     assert "rollout.samples_per_prompt must be >= 2" in capsys.readouterr().err
     assert main(["train", str(path), "algorithm.kl_loss=k3"]) == 2
     assert "algorithm.kl_loss" in capsys.readouterr().err
+    # Context parallelism is checked at start-up, before any process is launched.
+    assert main(["train", str(path), "parallel.context=2", "algorithm.agg=seq-mean-token-mean"]) == 2
+    assert "algorithm.agg='seq-mean-token-mean'" in capsys.readouterr().err
+    assert main(["train", str(path), "parallel.context=2", "train.packing=padded"]) == 2
+    assert "parallel.context > 1 needs train.packing = 'thd'" in capsys.readouterr().err
 
 
 def _train(path, *overrides):

@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_zcpo.algorithms import build_algorithm
 from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.data.config import DataConfig
 from megatron_zcpo.diagnostics.config import DiagnosticsConfig
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.megatron.trainer import ParallelConfig, TrainConfig
+from megatron_zcpo.megatron.trainer import ParallelConfig, TrainConfig, check_context_parallel
 from megatron_zcpo.rewards.config import RewardConfig
 from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingConfig
 from megatron_zcpo.utils.config_loader import (
@@ -181,6 +182,7 @@ class RunConfig:
     def validate(self) -> None:
         """Cross-section checks (each section validates itself first)."""
         self.diagnostics.check_algorithm(self.algorithm)
+        check_context_parallel(self.parallel, self.train, build_algorithm(self.algorithm), self.diagnostics.enabled)
         if self.train.importance_sampling.enabled and self.algorithm.name == "gvpo":
             raise ValueError("train.importance_sampling: algorithm gvpo takes no per-token weights")
         if self.rollout.quantization and not self.train.importance_sampling.enabled:

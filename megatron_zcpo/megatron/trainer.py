@@ -139,6 +139,27 @@ class TrainConfig:
             raise ValueError(f"train.recompute must be null, 'selective' or 'full', got {self.recompute!r}")
 
 
+def check_context_parallel(parallel: ParallelConfig, train: TrainConfig, algorithm, diagnostics: bool) -> None:
+    """Refuse what context parallelism cannot do (each response is spread over the CP ranks).
+
+    ``algorithm``: a built registry Algorithm; ``diagnostics``: whether diagnostics will run.
+    Raises ValueError naming the key; a no-op when ``parallel.context == 1``.
+    """
+    if parallel.context == 1:
+        return
+    if train.packing != "thd":
+        raise ValueError("parallel.context > 1 needs train.packing = 'thd' (sequences are split into "
+                         "2*CP load-balanced chunks of a packed micro-batch)")
+    if not algorithm.token_separable:
+        raise ValueError(
+            f"parallel.context > 1 needs a loss that is a sum over tokens; algorithm {algorithm.name!r} "
+            f"(algorithm.agg={algorithm.config.agg!r}, algorithm.f1_control={algorithm.config.f1_control!r}) "
+            "needs whole responses on one rank (use agg token-mean or seq-mean-token-sum, and no match_masked_norm)")
+    if diagnostics:
+        raise ValueError("diagnostics need whole responses on one rank: set diagnostics.enabled = false "
+                         "with parallel.context > 1")
+
+
 @dataclass
 class RolloutPlan:
     """Which samples this rank trains on: per mini-batch, this DP rank's indices."""
@@ -304,8 +325,7 @@ class PolicyTrainer:
             raise ValueError("parallel.sequence_parallel needs GPUs with Transformer Engine "
                              "(megatron-core's CPU layer spec has no sequence-parallel norms)")
         self.algorithm = build_algorithm(algorithm_config)
-        if parallel.context > 1:
-            self._check_context_parallel(train, diagnostics)
+        check_context_parallel(parallel, train, self.algorithm, diagnostics is not None)
         self.model_config = model_config
         self.train_config = train
         self.parallel = parallel
@@ -379,20 +399,6 @@ class PolicyTrainer:
         self.reports_metrics = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
         # Values every rank of a (DP x CP) replica knows whole (coefficients) are counted once.
         self.counts_once = self.dp_rank == 0 and self.cp_rank == 0
-
-    def _check_context_parallel(self, train: TrainConfig, diagnostics) -> None:
-        """Refuse what context parallelism cannot do: every response is spread over CP ranks."""
-        if train.packing != "thd":
-            raise ValueError("parallel.context > 1 needs train.packing = 'thd' (sequences are split into "
-                             "2*CP load-balanced chunks of a packed micro-batch)")
-        if not self.algorithm.token_separable:
-            raise ValueError(
-                f"parallel.context > 1 needs a loss that is a sum over tokens; algorithm {self.algorithm.name!r} "
-                f"(agg={self.algorithm.config.agg!r}, f1_control={self.algorithm.config.f1_control!r}) needs whole "
-                "responses on one rank (use agg token-mean or seq-mean-token-sum, and no match_masked_norm)")
-        if diagnostics is not None:
-            raise ValueError("diagnostics need whole responses on one rank: set diagnostics.enabled = false "
-                             "with parallel.context > 1")
 
     # ----------------------------------------------------------------------------- planning
     def plan(self, samples: Sequence[RolloutSample]) -> RolloutPlan:
