@@ -21,6 +21,7 @@ Without packing and context parallelism the computation is megatron's own ``DotP
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 
@@ -105,7 +106,6 @@ class PackedCausalAttention(torch.nn.Module):
             raise ValueError(f"PackedCausalAttention is causal only, got {attn_mask_type}")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        self.config = config
         self.cp_group = pg_collection.cp
         tp = pg_collection.tp.size()
         self.heads = config.num_attention_heads // tp

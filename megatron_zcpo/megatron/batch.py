@@ -58,7 +58,8 @@ class MicroBatch:
     packed_seq_params: Any = None
 
     def to(self, device) -> "MicroBatch":
-        """The model inputs (tokens, positions, packed-sequence boundaries) on ``device``."""
+        """The model inputs (tokens, positions, packed-sequence boundaries) and what the loss indexes
+        on the device (targets, response positions); CPU-side bookkeeping stays."""
         packed = self.packed_seq_params
         if packed is not None:
             packed = dataclasses.replace(packed, **{
@@ -67,7 +68,8 @@ class MicroBatch:
                 if getattr(packed, name) is not None
             })
         return dataclasses.replace(self, tokens=self.tokens.to(device), position_ids=self.position_ids.to(device),
-                                   packed_seq_params=packed)
+                                   targets=self.targets.to(device),
+                                   response_positions=self.response_positions.to(device), packed_seq_params=packed)
 
 
 def split_minibatches(group_ids: Sequence[int], num_minibatches: int) -> List[List[int]]:
@@ -145,15 +147,18 @@ def pack_micro_batches(units: Sequence[Sequence[int]], lengths: Sequence[int], t
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
 
-    def cost(batch: Sequence[int]) -> int:
-        return max(lengths[i] for i in batch) * len(batch) if padded else sum(lengths[i] for i in batch)
-
     batches: List[List[int]] = []
+    longest = total = 0  # of the open (last) micro-batch
     for unit in sorted(units, key=lambda u: (-max(lengths[i] for i in u), u[0])):
-        if batches and cost(batches[-1] + list(unit)) <= token_budget:
+        unit_longest, unit_total = max(lengths[i] for i in unit), sum(lengths[i] for i in unit)
+        rows = len(batches[-1]) + len(unit) if batches else 0
+        cost = max(longest, unit_longest) * rows if padded else total + unit_total
+        if batches and cost <= token_budget:
             batches[-1].extend(unit)
+            longest, total = max(longest, unit_longest), total + unit_total
         else:
             batches.append(list(unit))
+            longest, total = unit_longest, unit_total
     return batches
 
 

@@ -452,10 +452,10 @@ class PolicyTrainer:
             output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **self.forward_kwargs)
 
             def loss_func(hidden_pair):
-                positions = mb.response_positions.to(hidden_pair.device)
+                positions = mb.response_positions
                 flat = hidden_pair.reshape(-1, 2 * hidden_size).index_select(0, positions)
                 hidden, ref_hidden = flat.split(hidden_size, dim=-1)
-                targets = mb.targets.reshape(-1).to(positions.device).index_select(0, positions)
+                targets = mb.targets.reshape(-1).index_select(0, positions)
                 stats = _token_stats(hidden, output_weight(self.policy), targets, ref_hidden, output_weight(self.reference),
                                      vocab_size=self.model_config.vocab_size,
                                      chunk_size=self.train_config.kl_chunk_size, temperature=self.temperature)
@@ -542,10 +542,10 @@ class PolicyTrainer:
         """The loss inputs of one micro-batch from the last stage's hidden states (policy, or both)."""
         hidden_size = self.config.hidden_size
         vocab_size, chunk = self.model_config.vocab_size, self.train_config.kl_chunk_size
-        positions = mb.response_positions.to(hidden_out.device)
+        positions = mb.response_positions
         width = 2 * hidden_size if use_reference else hidden_size
         flat = hidden_out.reshape(-1, width).index_select(0, positions)
-        targets = mb.targets.reshape(-1).to(positions.device).index_select(0, positions)
+        targets = mb.targets.reshape(-1).index_select(0, positions)
         weight = output_weight(self.policy)
         lengths = mb.response_lengths
         current_kl = None
