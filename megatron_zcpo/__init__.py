@@ -1,6 +1,6 @@
 """megatron_zcpo: RL post-training of LLMs on megatron-core with ZCPO.
 
-The public names of ../shared/API.md are importable from here. They load lazily, so that
+The public names of the package's outside interface (listed in ``_EXPORTS`` below) are importable from here. They load lazily, so that
 ``import megatron_zcpo`` stays light and never imports CUDA-only packages (Transformer Engine,
 apex, SGLang); megatron-core itself is imported only by the names that need it.
 """
@@ -24,7 +24,7 @@ _EXPORTS = {
     "policy_loss": "megatron_zcpo.algorithms.surrogates",
     "AlgorithmConfig": "megatron_zcpo.algorithms.config",
     "build_algorithm": "megatron_zcpo.algorithms.registry",
-    "ResponseStats": "megatron_zcpo.algorithms.registry",
+    "ResponseStats": "megatron_zcpo.algorithms.response_stats",
     # vocab-parallel token statistics
     "vocab_parallel_token_stats": "megatron_zcpo.ops.token_stats",
     "fused_token_stats": "megatron_zcpo.ops.token_stats",
@@ -53,8 +53,8 @@ _EXPORTS = {
     "DiagnosticsConfig": "megatron_zcpo.diagnostics.config",
     "build_diagnostics": "megatron_zcpo.diagnostics.runner",
     # the run configuration
-    "RunConfig": "megatron_zcpo.cli.config",
-    "load_run_config": "megatron_zcpo.cli.config",
+    "RunConfig": "megatron_zcpo.recipe.config",
+    "load_run_config": "megatron_zcpo.recipe.config",
 }
 
 

@@ -11,8 +11,8 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) 
 
 @pytest.fixture(scope="session")
 def weights():
-    """(policy, reference) global weights of the tiny trainer model (tests/trainer_cases.py), built once."""
+    """(policy, reference) global weights of the tiny trainer model (tests/cases/trainer_cases.py), built once."""
     from megatron_zcpo.testing import run_distributed
-    from tests import trainer_cases
+    from tests.cases import trainer_cases
 
     return run_distributed(trainer_cases.policy_and_reference, 1)[0]

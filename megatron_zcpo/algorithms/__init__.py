@@ -4,7 +4,8 @@ from megatron_zcpo.algorithms.advantages import active_groups, group_advantages
 from megatron_zcpo.algorithms.baselines import gvpo_loss, rpg_loss
 from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.algorithms.kl import kl_penalty
-from megatron_zcpo.algorithms.registry import Algorithm, AlgorithmLoss, ResponseStats, build_algorithm
+from megatron_zcpo.algorithms.registry import Algorithm, AlgorithmLoss, build_algorithm
+from megatron_zcpo.algorithms.response_stats import ResponseStats
 from megatron_zcpo.algorithms.surrogates import PolicyLossOutput, loss_normalizer, policy_loss
 from megatron_zcpo.algorithms.zcpo import sequence_drift, zcpo_coefficients
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Union
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -11,8 +11,10 @@ from torch import Tensor
 from megatron_zcpo.algorithms.advantages import group_advantages
 from megatron_zcpo.algorithms.baselines import gvpo_loss, rpg_loss
 from megatron_zcpo.algorithms.config import AlgorithmConfig
-from megatron_zcpo.algorithms.groups import Groups, float_dtype
+from megatron_zcpo.algorithms.groups import float_dtype
 from megatron_zcpo.algorithms.kl import KL_ESTIMATORS, kl_penalty, masked_gradient_norm_ratio
+from megatron_zcpo.algorithms.metrics import coefficient_metrics
+from megatron_zcpo.algorithms.response_stats import ResponseStats
 from megatron_zcpo.algorithms.surrogates import (
     Normalizer,
     PolicyLossOutput,
@@ -22,66 +24,22 @@ from megatron_zcpo.algorithms.surrogates import (
     policy_loss,
     weighted_sum,
 )
-from megatron_zcpo.algorithms.zcpo import zcpo_coefficients
-
-
-@dataclass
-class ResponseStats:
-    """Per-response scalars of a whole rollout (gathered over data-parallel ranks), all [N].
-
-    group_ids: int prompt ids; rewards; lengths: response token counts T_i; kl_sum: sum over the
-    response of the conditional KL(pi_old || pi_ref) at the sampling snapshot (ZCPO's D_i);
-    k1_sum: sum over the response of old_logprob - ref_logprob (k1 drift, KL in the reward).
-    """
-
-    group_ids: Tensor
-    rewards: Tensor
-    lengths: Tensor
-    kl_sum: Optional[Tensor] = None
-    k1_sum: Optional[Tensor] = None
-
-    def validate(self, required: tuple = ()) -> None:
-        """Raise naming the field, row and group id for a missing required field, a shape mismatch,
-        a negative length or a NaN/inf reward or required value of a non-empty response."""
-        groups = Groups.of(self.group_ids)
-        for name in ("rewards", "lengths") + tuple(required):
-            value = getattr(self, name)
-            if value is None:
-                raise ValueError(f"ResponseStats.{name} is required by this algorithm and is missing")
-            groups.check_rows(f"ResponseStats.{name}", value)
-        if bool((self.lengths < 0).any()):
-            row = int((self.lengths < 0).nonzero()[0, 0])
-            raise ValueError(f"ResponseStats.lengths[{row}] = {self.lengths[row].item()} is negative "
-                             f"(group id {int(self.group_ids[row])})")
-        nonempty = self.lengths > 0  # an empty response's drift is undefined and never used
-        for name in ("rewards",) + tuple(required):
-            value = getattr(self, name)
-            groups.check_finite(f"ResponseStats.{name}", torch.where(nonempty, value, torch.zeros_like(value)))
-
-    def rows(self, keep: Tensor) -> "ResponseStats":
-        """The responses where ``keep`` [N] bool is True."""
-        return ResponseStats(**{name: (value[keep] if value is not None else None)
-                                for name, value in vars(self).items()})
-
-
-def response_drift(stats: ResponseStats, drift: str = "conditional_kl", length_normalize: bool = True) -> Tensor:
-    """ZCPO's per-response drift [N] from rollout stats: D_i = kl_sum (or k1_sum for drift='k1'),
-    divided by the length T_i when ``length_normalize`` (0 for empty responses)."""
-    drift_sum = stats.kl_sum if drift == "conditional_kl" else stats.k1_sum
-    values = drift_sum.to(float_dtype(stats.rewards))
-    if not length_normalize:
-        return values
-    lengths = stats.lengths.to(values.dtype)
-    return torch.where(lengths > 0, values / lengths.clamp(min=1.0), torch.zeros_like(values))
+from megatron_zcpo.algorithms.zcpo import drift_metrics, response_drift, zcpo_coefficients
 
 
 @dataclass
 class AlgorithmLoss:
-    """One micro-batch's loss (scalar, differentiable), detached 0-dim metrics and the clip gate [N, T]."""
+    """One micro-batch's loss (scalar, differentiable), detached 0-dim metrics and the clip gate [N, T].
+
+    ``summed_metrics`` names the metrics that are partial sums (loss terms under the global
+    normaliser: they add up over micro-batches and data-parallel ranks to the mini-batch's value);
+    every other metric is a per-token fraction, averaged over tokens.
+    """
 
     loss: Tensor
     metrics: Dict[str, Tensor] = field(default_factory=dict)
     clip_gate: Optional[Tensor] = None
+    summed_metrics: Tuple[str, ...] = ()
 
 
 class Algorithm:
@@ -139,6 +97,21 @@ class Algorithm:
         result = torch.zeros(stats.rewards.shape, dtype=float_dtype(stats.rewards), device=stats.rewards.device)
         result[nonempty] = self._coefficients(stats.rows(nonempty)).to(result.dtype)
         return result
+
+    def coefficient_metrics(self, stats: ResponseStats, coefficients: Tensor) -> Dict[str, float]:
+        """Scalars describing one rollout's coefficients [N] (``coefficients(stats)``), over its
+        non-empty responses: the shared ones of :func:`megatron_zcpo.algorithms.metrics.coefficient_metrics`
+        plus this algorithm's own (ZCPO: the drift's scale). {} when every response is empty."""
+        nonempty = stats.lengths > 0
+        kept = stats.rows(nonempty)
+        metrics = coefficient_metrics(kept, coefficients[nonempty])
+        if metrics:
+            metrics.update(self._coefficient_metrics(kept))
+        return metrics
+
+    def _coefficient_metrics(self, stats: ResponseStats) -> Dict[str, float]:
+        """This algorithm's own per-rollout metrics of the non-empty responses ``stats`` (none by default)."""
+        return {}
 
     def _coefficients(self, stats: ResponseStats) -> Tensor:
         """Group advantages (reward_norm) of non-empty responses; ZCPO and the KL-in-reward baselines override."""
@@ -211,7 +184,8 @@ class ClippedSurrogateAlgorithm(Algorithm):
         if config.kl_loss != "none":
             kl_term = self.kl_loss_term(logprob, ref_logprob, current_kl, mask, surrogate.clip_gate, normalizer, metrics)
             loss = loss + kl_term
-        return AlgorithmLoss(loss=loss, metrics=metrics, clip_gate=surrogate.clip_gate)
+        return AlgorithmLoss(loss=loss, metrics=metrics, clip_gate=surrogate.clip_gate,
+                             summed_metrics=("policy_loss", "kl_loss"))
 
     def kl_loss_term(self, logprob, ref_logprob, current_kl, mask, clip_gate, normalizer, metrics) -> Tensor:
         """kl_coef * the aggregated per-token KL, masked (F1-B) or rescaled (F1-C) by the reward gate."""
@@ -253,6 +227,10 @@ class ZCPO(ClippedSurrogateAlgorithm):
         drift = response_drift(stats, config.drift, config.length_normalize)
         return zcpo_coefficients(stats.rewards, drift, stats.group_ids, config.beta, reward_norm=config.reward_norm,
                                  center=config.center, gate=config.gate, eps=config.eps)
+
+    def _coefficient_metrics(self, stats: ResponseStats) -> Dict[str, float]:
+        """drift_mean, drift_peak_mean, drift_peak_max (see :func:`megatron_zcpo.algorithms.zcpo.drift_metrics`)."""
+        return drift_metrics(stats, self.config)
 
 
 class GroupAdvantageAlgorithm(ClippedSurrogateAlgorithm):
@@ -296,7 +274,8 @@ class RPG(Algorithm):
                              ref_logprob=ref_logprob if config.rpg_reference == "ref" else None,
                              clip_low=config.clip_low, clip_high=config.clip_high, clip_c=config.clip_c,
                              agg=config.agg, normalizer=normalizer, token_weight=token_weight)
-        return AlgorithmLoss(loss=surrogate.loss, metrics=_surrogate_metrics(surrogate), clip_gate=surrogate.clip_gate)
+        return AlgorithmLoss(loss=surrogate.loss, metrics=_surrogate_metrics(surrogate), clip_gate=surrogate.clip_gate,
+                             summed_metrics=("policy_loss",))
 
 
 class GVPO(Algorithm):
@@ -321,7 +300,7 @@ class GVPO(Algorithm):
         self._check_inputs(ref_logprob, current_kl, token_weight, group_ids)
         loss = gvpo_loss(logprob, old_logprob, coefficients, mask, group_ids, beta=self.config.gvpo_beta,
                          normalizer=normalizer)
-        return AlgorithmLoss(loss=loss, metrics={"policy_loss": loss.detach()})
+        return AlgorithmLoss(loss=loss, metrics={"policy_loss": loss.detach()}, summed_metrics=("policy_loss",))
 
 
 def _surrogate_metrics(surrogate: PolicyLossOutput) -> Dict[str, Tensor]:

@@ -51,7 +51,7 @@ def demo_config(assets: Path, run_dir: Path, changes: dict, steps: int = 0) -> d
 
 def eval_points(run_dir: Path, k: int) -> List[Tuple[int, float, int]]:
     """(step, avg@k, number of samples) of every evaluation of a run."""
-    from megatron_zcpo.cli.metrics_log import read_metrics
+    from megatron_zcpo.recipe.metrics_log import read_metrics
 
     return [(int(r["step"]), r[f"eval/avg@{k}"], int(r.get("eval/num_samples", 0)))
             for r in read_metrics(run_dir) if f"eval/avg@{k}" in r]
@@ -59,7 +59,7 @@ def eval_points(run_dir: Path, k: int) -> List[Tuple[int, float, int]]:
 
 def summarize(runs: Dict[str, Path], k: int) -> List[dict]:
     """One row per run: held-out accuracy before/after, final reward, KL and length."""
-    from megatron_zcpo.cli.metrics_log import read_metrics
+    from megatron_zcpo.recipe.metrics_log import read_metrics
 
     rows = []
     for name, run_dir in runs.items():
@@ -103,12 +103,12 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zcpo.cli.metrics_log import make_console
+    from megatron_zcpo.recipe.metrics_log import make_console
 
-    from megatron_zcpo.cli.config import build_run_config
-    from megatron_zcpo.cli.demo_assets import build_demo_assets
+    from megatron_zcpo.recipe.config import build_run_config
+    from megatron_zcpo.recipe.demo_assets import build_demo_assets
     from megatron_zcpo.cli.report import write_report
-    from megatron_zcpo.cli.train import relaunch_with_torchrun
+    from megatron_zcpo.recipe.launch import relaunch_with_torchrun
 
     console = make_console()
     started = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_zcpo.cli.config import RunConfig, load_run_config
+from megatron_zcpo.recipe.config import RunConfig, load_run_config
 
 
 def model_config_of(config: RunConfig):
@@ -19,7 +19,7 @@ def model_config_of(config: RunConfig):
 
 def plan_inputs(config: RunConfig, gpus: int):
     """(Layout, Workload) of ``config`` on ``gpus`` GPUs (DP = gpus / (TP*PP*CP))."""
-    from megatron_zcpo.megatron.planner import Layout, Workload
+    from megatron_zcpo.megatron.memory_model import Layout, Workload
 
     parallel = config.parallel
     model_parallel = parallel.tensor * parallel.pipeline * parallel.context
@@ -51,7 +51,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zcpo.megatron.planner import Hardware, plan_memory, render_plan, suggest_layout
+    from megatron_zcpo.megatron.memory_model import Hardware
+    from megatron_zcpo.megatron.planner import plan_memory, render_plan, suggest_layout
 
     config = load_run_config(args.config, args.overrides)
     model = model_config_of(config)

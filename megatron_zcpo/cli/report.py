@@ -97,7 +97,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``zcpo report``: returns the exit code (1 when no run directory holds metrics)."""
-    from megatron_zcpo.cli.metrics_log import make_console
+    from megatron_zcpo.recipe.metrics_log import make_console
 
     console = make_console()
     runs = load_runs(args.run_dirs)

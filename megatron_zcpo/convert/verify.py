@@ -56,7 +56,7 @@ def megatron_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_zcpo.megatron.pipeline import unwrap
+    from megatron_zcpo.utils.runtime import unwrap
 
     device = next(model.parameters()).device
     tokens = tokens.to(device)
@@ -98,7 +98,7 @@ def checkpoint_logits(ckpt_dir: str | os.PathLike, tokens: torch.Tensor, tensor_
 
     Runs ``tensor_parallel * pipeline_parallel`` local processes (gloo on CPU, NCCL on GPUs).
     """
-    from megatron_zcpo.testing import run_distributed
+    from megatron_zcpo.utils.spawn import run_distributed
 
     results = run_distributed(_checkpoint_logits_on_rank, tensor_parallel * pipeline_parallel,
                               str(ckpt_dir), tensor_parallel, pipeline_parallel, tokens, timeout=3600)

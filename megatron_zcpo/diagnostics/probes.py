@@ -21,14 +21,15 @@ class GradientProbe:
     runs one of its own samples of the same mini-batch with a zero loss, so the collectives match.
     """
 
-    def __init__(self, trainer, samples, plan, experience, coefficients):
+    def __init__(self, trainer, step):
+        """trainer: the PolicyTrainer; step: the RolloutStep whose samples the passes run over."""
         self.trainer = trainer
-        self.samples = samples
-        self.plan = plan
-        self.experience = experience
-        self.coefficients = coefficients
-        self.minibatch_of = {index: k for k, minibatch in enumerate(plan.minibatches) for index in minibatch}
-        self.mine = [set(share) for share in plan.mine]
+        self.step = step
+        self.samples = step.samples
+        assignment = step.assignment
+        self.minibatches = assignment.minibatches
+        self.minibatch_of = {index: k for k, minibatch in enumerate(assignment.minibatches) for index in minibatch}
+        self.mine = [set(share) for share in assignment.mine]
 
     def gradient(self, indices: Sequence[int], loss: Callable, select: Optional[Selector] = None,
                  use_reference: bool = False) -> Tensor:
@@ -55,9 +56,8 @@ class GradientProbe:
             selection = (inputs.mask != 0) if select is None else select(inputs)
             return loss(restrict(inputs, selection)) + anchor
 
-        normalizer = self.trainer.normalizer(self.samples, self.plan.minibatches[minibatch])
-        return self.trainer.gradient_vector(self.samples, mine, self.experience, self.coefficients, normalizer,
-                                            loss_fn, use_reference=use_reference)
+        normalizer = self.trainer.normalizer(self.samples, self.minibatches[minibatch])
+        return self.trainer.gradient_vector(self.step, mine, normalizer, loss_fn, use_reference=use_reference)
 
     def norm(self, vector: Tensor) -> float:
         """Full-model norm of a gradient vector (collective)."""

@@ -63,6 +63,7 @@ from megatron_zcpo.algorithms.advantages import active_groups
 from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.algorithms.groups import Groups
 from megatron_zcpo.algorithms.kl import kl_penalty
+from megatron_zcpo.megatron.platform import compute_device
 from megatron_zcpo.algorithms.zcpo import sequence_drift
 from megatron_zcpo.diagnostics.branches import BranchSplit, has_kl_branch
 from megatron_zcpo.diagnostics.config import BRANCH_ALGORITHMS, DiagnosticsConfig
@@ -84,15 +85,16 @@ Metrics = Dict[str, Union[float, Tensor]]  # 0-dim tensors or floats; floats onc
 class _Rollout:
     """One diagnosed rollout step: the hook's arguments plus the derived split, probe and reductions."""
 
-    def __init__(self, config: DiagnosticsConfig, trainer, samples, plan, experience, coefficients, stats):
-        self.trainer, self.samples, self.plan = trainer, samples, plan
-        self.experience, self.stats = experience, stats
+    def __init__(self, config: DiagnosticsConfig, trainer, step):
+        self.trainer, self.samples = trainer, step.samples
+        self.experience, self.stats = step.experience, step.stats
+        stats = step.stats
         self.algorithm = trainer.algorithm.config
         config.check_algorithm(self.algorithm)
         # stats exist on the last pipeline stage only; the losses below run only there
         self.split = BranchSplit(trainer.algorithm, stats) \
             if stats is not None and self.algorithm.name in BRANCH_ALGORITHMS else None
-        self.probe = GradientProbe(trainer, samples, plan, experience, coefficients)
+        self.probe = GradientProbe(trainer, step)
         # one replica of each value: TP ranks and non-last stages add nothing
         self.contributes = trainer.reports_metrics
         self.primary = trainer.reports_metrics and trainer.dp_rank == 0
@@ -107,8 +109,7 @@ class _Rollout:
         tensor = tensor.to(torch.float64)
         if not self.contributes:
             tensor = torch.zeros_like(tensor)
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        tensor = tensor.to(device)
+        tensor = tensor.to(compute_device())
         dist.all_reduce(tensor)
         return tensor.cpu()
 
@@ -158,16 +159,16 @@ class KLDiagnostics:
         """Whether diagnostics run at trainer step ``step`` (0-based: step % every == 0)."""
         return self.config.enabled and step % self.config.every == 0
 
-    def run(self, trainer, samples, plan, experience, coefficients, stats) -> Dict[str, float]:
+    def run(self, trainer, step) -> Dict[str, float]:
         """Every enabled family but F1, between calibration and the update (see module doc).
 
-        samples, plan, experience, coefficients, stats: as PolicyTrainer.train_step has them
+        trainer: the PolicyTrainer; step: the RolloutStep as PolicyTrainer.train_step has it
         (experience, coefficients and stats on the last pipeline stage only). Collective.
         """
-        rollout = _Rollout(self.config, trainer, samples, plan, experience, coefficients, stats)
+        rollout = _Rollout(self.config, trainer, step)
         families = self.families
         metrics: Metrics = {}
-        first = plan.minibatches[0]
+        first = step.assignment.minibatches[0]
         if families & {"grad_share", "f2", "f3"}:
             geometry = rollout.branches(first)
             metrics.update(grad_reward_norm=geometry.reward_norm, grad_kl_norm=geometry.kl_norm,
@@ -187,7 +188,7 @@ class KLDiagnostics:
             metrics.update(_sampling_noise(rollout))
         return _shared(metrics, rollout.primary)
 
-    def before_minibatch(self, trainer, samples, plan, experience, coefficients, stats, index: int) -> Dict[str, float]:
+    def before_minibatch(self, trainer, step, index: int) -> Dict[str, float]:
         """F1 on mini-batch ``index`` under the current parameters, when it is the rollout's last one.
 
         Meant to be called by the trainer on a due step just before the backward of each
@@ -195,10 +196,11 @@ class KLDiagnostics:
         previous updates have moved the ratios, so reward gates close. Returns {} for other
         mini-batches or when F1 is off. Collective.
         """
-        if "f1" not in self.families or index != len(plan.minibatches) - 1:
+        minibatches = step.assignment.minibatches
+        if "f1" not in self.families or index != len(minibatches) - 1:
             return {}
-        rollout = _Rollout(self.config, trainer, samples, plan, experience, coefficients, stats)
-        return _shared(_clipped_tokens(rollout, plan.minibatches[index]), rollout.primary)
+        rollout = _Rollout(self.config, trainer, step)
+        return _shared(_clipped_tokens(rollout, minibatches[index]), rollout.primary)
 
 
 def build_diagnostics(config: Union[DiagnosticsConfig, Mapping, None],

@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.megatron.pipeline import unwrap
+from megatron_zcpo.megatron.platform import has_cuda
+from megatron_zcpo.utils.runtime import unwrap
 
 STEP_PREFIX = "step_"
 LATEST = "latest"
@@ -159,7 +160,7 @@ def _rng_state() -> Dict[str, Any]:
         state["numpy"] = np.random.get_state()
     except ImportError:
         pass
-    if torch.cuda.is_available():
+    if has_cuda():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -174,7 +175,7 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and has_cuda():
         torch.cuda.set_rng_state(state["cuda"])
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 from dataclasses import dataclass
 
 import torch
+
+from megatron_zcpo.megatron.platform import has_cuda
+from megatron_zcpo.utils.runtime import free_port
 
 
 @dataclass(frozen=True)
@@ -25,13 +27,6 @@ class ParallelLayout:
     pp_rank: int
     cp_rank: int
     dp_rank: int
-
-
-def free_port() -> int:
-    """An unused TCP port on localhost (for single-process or test rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def distributed_env_from_slurm(environ=None) -> bool:
@@ -66,7 +61,7 @@ def _init_process_group(timeout_minutes: float) -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
         os.environ.setdefault("LOCAL_RANK", "0")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if has_cuda() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(

@@ -10,6 +10,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_zcpo.megatron.platform import has_cuda
+
 SUPPORTED_FAMILIES = ("qwen2", "llama")
 
 
@@ -106,7 +108,7 @@ def transformer_config(
     """The megatron-core ``TransformerConfig`` for ``model`` at the given parallelism."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    on_gpu = torch.cuda.is_available()
+    on_gpu = has_cuda()
     kwargs = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -158,7 +160,7 @@ def have_transformer_engine() -> bool:
         import transformer_engine  # noqa: F401
     except Exception:  # ImportError, or a broken CUDA install
         return False
-    return torch.cuda.is_available()
+    return has_cuda()
 
 
 def layer_spec(config, use_te: Optional[bool] = None):
@@ -214,6 +216,6 @@ def build_gpt_model(
         rope_scaling_factor=float(rope.get("factor", 8.0)),
     )
     gpt.zcpo_model_config = model  # the true vocabulary and architecture, for weights and checkpoints
-    if torch.cuda.is_available() and not next(gpt.parameters()).is_meta:
+    if has_cuda() and not next(gpt.parameters()).is_meta:
         gpt = gpt.cuda()
     return gpt

@@ -19,12 +19,7 @@ from typing import Callable, List
 
 import torch
 
-
-def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+from megatron_zcpo.utils.runtime import unwrap
 
 
 def _hidden_state_forward(layer, input_, weight=None, runtime_gather_output=None):

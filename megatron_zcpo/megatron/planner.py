@@ -1,31 +1,7 @@
 """Per-GPU memory planner for ZCPO training with megatron-core: breakdown, fit check, layout search.
 
-Pure arithmetic on a :class:`~megatron_zcpo.megatron.model.ModelConfig`, a :class:`Layout`, a
-:class:`Workload` and a :class:`Hardware`; it starts no process group and needs no GPU.
-
-What is modelled, for the most loaded pipeline stage (first and last stage are both evaluated):
-
-* Weights and optimizer (mixed-precision Adam, megatron-core DDP + optimizer): bf16 parameters in
-  the DDP param buffer (2 B), fp32 gradients in the DDP grad buffer (4 B, ``grad_reduce_in_fp32``,
-  Megatron's default for bf16), fp32 main parameters (4 B) and Adam's two moments (8 B): 18 bytes
-  per parameter. The distributed optimizer shards only the main parameters and moments over the
-  data-parallel x context-parallel group (megatron-core builds it on ``intra_dp_cp_group``); the
-  param and grad buffers stay whole on every rank: 6 + 12/(DP*CP) bytes per parameter (the table
-  in megatron-core's "Distributed Optimizer" guide).
-* Activations per transformer layer: Korthikanti et al. 2022, "Reducing Activation Recomputation in
-  Large Transformer Models" (arXiv:2205.05198), Sec. 4, re-derived tensor by tensor for this
-  architecture (see :func:`layer_activation_bytes`), times the layers a 1F1B / interleaved schedule
-  keeps in flight on the stage (see :func:`layers_in_flight`).
-* Logits and KL: the chunked vocab-parallel ops hold fp32 ``[chunk_tokens, V_pad/TP]`` blocks, the
-  gathered final hidden states of the micro-batch and a few fp32 vectors per token.
-* Reference model: a bf16 copy of the stage's parameters, resident, offloaded to CPU between
-  experience passes, or absent (methods without a reference).
-* Overhead: a fraction of the GPU reserved for the CUDA context, NCCL buffers, allocator
-  fragmentation and the transient buckets of the weight push to the rollout servers.
-
-Two phases are evaluated per stage and the larger one is reported: ``train`` (forward and backward
-of a mini-batch) and ``experience`` (no-grad forward of policy and reference to get log-probs and
-the conditional KL).
+The memory model (what is counted, and how) is :mod:`megatron_zcpo.megatron.memory_model`; this
+module totals it per (stage, phase) into a :class:`MemoryPlan` and searches the layouts that fit.
 """
 
 from __future__ import annotations
@@ -35,366 +11,18 @@ import io
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron_zcpo.megatron.model import ModelConfig, padded_vocab_size
-
-GIB = 2 ** 30
-# nvidia-smi reports 81,559 MiB on an H100 SXM 80GB: the capacity the allocator can see.
-H100_80GB_GIB = 81559 / 1024
-
-RECOMPUTE_CHOICES = ("none", "selective", "full")
-REFERENCE_CHOICES = ("resident", "offloaded", "none")
-COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits_kl",
-              "reference_model", "overhead")
-
-BYTES_BF16 = 2
-BYTES_FP32 = 4
-ADAM_MOMENTS = 2
-# megatron_zcpo.ops.token_stats works in tiles of [chunk tokens, at most KL_VOCAB_TILE columns] of
-# this rank's vocabulary shard and keeps six fp32 buffers of that size (policy and reference
-# logits and the element-wise temporaries), in forward and in backward.
-KL_FP32_BLOCKS = 6
-KL_VOCAB_TILE = 32768  # the op's GPU default of columns per tile
-# fp32 values kept per token of the micro-batch by those ops: log-prob, entropy, reference
-# log-prob, KL, both maxima, S, S_r, B, G, sum e^u u, target logits (policy and reference).
-PER_TOKEN_FP32_VECTORS = 13
-
-
-def _divisors(n: int) -> List[int]:
-    """Positive divisors of ``n``, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A megatron-core parallel layout of the training job.
-
-    ``data_parallel`` counts model replicas, so the job uses TP * PP * CP * DP GPUs.
-    ``virtual_pipeline``: model chunks per pipeline rank (interleaved 1F1B), None for plain 1F1B.
-    ``recompute``: "none", "selective" (megatron-core's default ``core_attn`` module) or "full"
-    (uniform, one layer per checkpoint).
-    """
-
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    context_parallel: int = 1
-    data_parallel: int = 1
-    virtual_pipeline: Optional[int] = None
-    sequence_parallel: bool = True
-    distributed_optimizer: bool = True
-    recompute: str = "selective"
-
-    @property
-    def model_parallel_size(self) -> int:
-        """GPUs holding one model replica: TP * PP * CP."""
-        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-
-    @property
-    def num_gpus(self) -> int:
-        """GPUs of the training job: TP * PP * CP * DP."""
-        return self.model_parallel_size * self.data_parallel
-
-    def validate(self, model: ModelConfig, prefix: str = "layout") -> None:
-        """Raise ``ValueError`` naming the offending key when ``model`` cannot use this layout."""
-        for key in ("tensor_parallel", "pipeline_parallel", "context_parallel", "data_parallel"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"{prefix}.{key} must be at least 1, got {getattr(self, key)}")
-        if self.recompute not in RECOMPUTE_CHOICES:
-            raise ValueError(f"{prefix}.recompute={self.recompute!r}: choose one of {RECOMPUTE_CHOICES}")
-        tp = self.tensor_parallel
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if getattr(model, key) % tp:
-                raise ValueError(
-                    f"{prefix}.tensor_parallel={tp} must divide model.{key}={getattr(model, key)}"
-                )
-        chunks = self.pipeline_parallel
-        if self.virtual_pipeline is not None:
-            if self.virtual_pipeline < 1:
-                raise ValueError(f"{prefix}.virtual_pipeline must be at least 1, got {self.virtual_pipeline}")
-            if self.pipeline_parallel < 2:
-                raise ValueError(
-                    f"{prefix}.virtual_pipeline={self.virtual_pipeline} needs "
-                    f"{prefix}.pipeline_parallel >= 2, got {self.pipeline_parallel}"
-                )
-            chunks *= self.virtual_pipeline
-        if model.num_layers % chunks:
-            raise ValueError(
-                f"{prefix}.pipeline_parallel={self.pipeline_parallel} x virtual_pipeline="
-                f"{self.virtual_pipeline} must divide model.num_layers={model.num_layers}"
-            )
-
-    def describe(self) -> str:
-        """Short human-readable form, e.g. ``TP8 PP2 CP1 DP4 SP distopt recompute=full``."""
-        parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
-        if self.virtual_pipeline:
-            parts.append(f"VPP{self.virtual_pipeline}")
-        parts += [f"CP{self.context_parallel}", f"DP{self.data_parallel}"]
-        if self.sequence_parallel and self.tensor_parallel > 1:
-            parts.append("SP")
-        parts.append("distopt" if self.distributed_optimizer else "no-distopt")
-        parts.append(f"recompute={self.recompute}")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one training rank processes.
-
-    ``micro_batch_tokens``: tokens packed into one micro-batch of one model replica (before the
-    context-parallel split); it must hold the longest sequence, ``max_sequence_length`` (prompt +
-    response). ``kl_chunk_tokens``: tokens per chunk of the vocab-parallel log-prob / KL ops.
-    ``num_microbatches``: micro-batches per optimizer step and pipeline; None plans for the worst
-    case (at least as many as the pipeline keeps in flight). ``reference``: "resident" on the GPU,
-    "offloaded" to CPU outside the experience pass, or "none".
-    """
-
-    micro_batch_tokens: int
-    max_sequence_length: int
-    kl_chunk_tokens: int = 4096
-    num_microbatches: Optional[int] = None
-    reference: str = "resident"
-
-    def validate(self, prefix: str = "workload") -> None:
-        """Raise ``ValueError`` naming the offending key on a bad value."""
-        for key in ("micro_batch_tokens", "max_sequence_length", "kl_chunk_tokens"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"{prefix}.{key} must be positive, got {getattr(self, key)}")
-        if self.micro_batch_tokens < self.max_sequence_length:
-            raise ValueError(
-                f"{prefix}.micro_batch_tokens={self.micro_batch_tokens} must be at least "
-                f"{prefix}.max_sequence_length={self.max_sequence_length} "
-                "(a micro-batch holds whole sequences)"
-            )
-        if self.num_microbatches is not None and self.num_microbatches < 1:
-            raise ValueError(f"{prefix}.num_microbatches must be positive, got {self.num_microbatches}")
-        if self.reference not in REFERENCE_CHOICES:
-            raise ValueError(f"{prefix}.reference={self.reference!r}: choose one of {REFERENCE_CHOICES}")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """The GPUs: usable memory per GPU (GiB), the fraction kept free as headroom, GPUs per node."""
-
-    gpu_memory_gib: float = H100_80GB_GIB
-    headroom_fraction: float = 0.10
-    gpus_per_node: int = 8
-
-    def validate(self, prefix: str = "hardware") -> None:
-        """Raise ``ValueError`` naming the offending key on a bad value."""
-        if self.gpu_memory_gib <= 0:
-            raise ValueError(f"{prefix}.gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
-        if not 0.0 <= self.headroom_fraction < 1.0:
-            raise ValueError(f"{prefix}.headroom_fraction must be in [0, 1), got {self.headroom_fraction}")
-        if self.gpus_per_node < 1:
-            raise ValueError(f"{prefix}.gpus_per_node must be at least 1, got {self.gpus_per_node}")
-
-
-def bytes_per_parameter(distributed_optimizer: bool, optimizer_shards: int = 1) -> Dict[str, float]:
-    """Bytes per parameter of bf16 mixed-precision Adam, by component.
-
-    ``parameters`` 2 (bf16), ``gradients`` 4 (fp32 grad buffer), ``optimizer_states`` 12 (fp32 main
-    parameter + two Adam moments), divided by ``optimizer_shards`` (= DP * CP) under the distributed
-    optimizer: 18 in all without sharding, 6 + 12/d with it.
-    """
-    optimizer = BYTES_FP32 * (1 + ADAM_MOMENTS)
-    if distributed_optimizer:
-        optimizer = optimizer / optimizer_shards
-    return {"parameters": BYTES_BF16, "gradients": BYTES_FP32, "optimizer_states": optimizer}
-
-
-def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank.
-
-    QKV (with Qwen's bias), output projection and the SwiGLU MLP are split over TP; the two RMSNorm
-    weights are replicated on every TP rank.
-    """
-    h = model.hidden_size
-    q = model.num_attention_heads * model.head_dim
-    kv = 2 * model.num_key_value_heads * model.head_dim
-    split = h * (q + kv) + q * h + 3 * h * model.intermediate_size
-    if model.qkv_bias:
-        split += q + kv
-    return split // tensor_parallel + 2 * h
-
-
-def stage_parameters(model: ModelConfig, layout: Layout, stage: str) -> int:
-    """Parameters held by one GPU of pipeline stage ``stage`` ("first" or "last").
-
-    Each pipeline rank holds num_layers / PP layers (over all its virtual chunks). The first stage
-    adds the word embedding, the last the final norm and the output layer; with tied embeddings
-    and PP > 1 the last stage keeps its own copy of the embedding as output weight (megatron-core
-    keeps the two in sync by an all-reduce of their gradients). With PP = 1 the single stage holds
-    everything, the tied weight once. Vocabulary rows are Megatron's padded ones.
-    """
-    if stage not in ("first", "last"):
-        raise ValueError(f"stage={stage!r}: choose 'first' or 'last'")
-    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
-    vocab_rows = padded_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by)
-    vocab_shard = vocab_rows * model.hidden_size // tp
-    count = model.num_layers // pp * layer_parameters(model, tp)
-    holds_embedding = stage == "first" or pp == 1
-    holds_output = stage == "last" or pp == 1
-    if holds_embedding:
-        count += vocab_shard
-    if holds_output:
-        count += model.hidden_size  # final norm
-        if not (model.tie_word_embeddings and holds_embedding):
-            count += vocab_shard
-    return count
-
-
-def layer_activation_bytes(
-    tokens: float,
-    *,
-    hidden_size: int,
-    query_width: int,
-    kv_width: int,
-    ffn_hidden_size: int,
-    num_heads: int,
-    attention_span: float = 0.0,
-    gated_mlp: bool = True,
-    dropout: bool = False,
-    flash_attention: bool = True,
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-) -> float:
-    """Bytes one transformer layer keeps from its forward pass until its backward pass.
-
-    ``tokens``: tokens of the micro-batch on this rank (s*b, already divided by CP).
-    ``query_width`` = heads * head_dim; ``kv_width`` = 2 * kv_heads * head_dim (K and V together).
-    ``attention_span``: keys per query whose probabilities are stored when attention is not flash
-    (s in Korthikanti's 5as^2b).
-
-    Tensor by tensor (16-bit activations, 2 bytes; masks 1 byte):
-
-    * hidden-sized, replicated over TP unless sequence parallel: each norm's input and its output
-      (the input of QKV / FC1): 2 x (2h + 2h) = 8h; with dropout the two 1-byte masks: 2h.
-    * split over TP: Q, K, V after RoPE, 2(q + kv); the attention output, the input of the output
-      projection, 2q; the MLP: SwiGLU keeps FC1's output (2 x ffn wide) for its backward and its
-      own output (ffn wide) as FC2's input, 6 ffn; a GeLU MLP keeps 2 ffn + 2 ffn.
-    * attention probabilities, only without flash attention and without selective recompute:
-      2 bytes per head and key (softmax output), plus a 1-byte mask and a 2-byte dropout output
-      with dropout: a * span * (2 [+ 3]). Flash attention keeps instead one fp32 log-sum-exp per
-      head and token: 4a.
-
-    With GPT's choices (q = h, kv = 2h, GeLU ffn = 4h, dropout, no flash) this is exactly the
-    paper's sbh(34 + 5as/h); with TP and no SP sbh(10 + 24/t + 5as/(ht)); with TP + SP everything
-    is divided by t. ``recompute="selective"`` drops the attention probabilities (megatron-core
-    recomputes ``core_attn``), the paper's sbh * 34/t. ``recompute="full"`` keeps only the layer
-    input, 2sbh (/t with SP); the transient cost of recomputing one layer in the backward is added
-    by the caller. For Qwen2/Llama (GQA, SwiGLU, no dropout, flash): sbh(8 + (4q + 2kv + 6 ffn +
-    4a)/h) divided by t with SP.
-    """
-    if recompute not in RECOMPUTE_CHOICES:
-        raise ValueError(f"recompute={recompute!r}: choose one of {RECOMPUTE_CHOICES}")
-    tp = tensor_parallel
-    hidden_divisor = tp if sequence_parallel else 1
-    if recompute == "full":
-        return tokens * BYTES_BF16 * hidden_size / hidden_divisor
-    hidden_bytes = 4 * BYTES_BF16 * hidden_size + (2 * hidden_size if dropout else 0)
-    mlp_bytes = (3 if gated_mlp else 2) * BYTES_BF16 * ffn_hidden_size
-    split_bytes = BYTES_BF16 * (2 * query_width + kv_width) + mlp_bytes
-    if flash_attention:
-        split_bytes += BYTES_FP32 * num_heads
-    elif recompute == "none":
-        split_bytes += num_heads * attention_span * (BYTES_BF16 + (3 if dropout else 0))
-    return tokens * (hidden_bytes / hidden_divisor + split_bytes / tp)
-
-
-def model_layer_activation_bytes(model: ModelConfig, layout: Layout, tokens: float, recompute: str) -> float:
-    """:func:`layer_activation_bytes` for ``model`` (GQA, SwiGLU, no dropout, flash attention)."""
-    return layer_activation_bytes(
-        tokens,
-        hidden_size=model.hidden_size,
-        query_width=model.num_attention_heads * model.head_dim,
-        kv_width=2 * model.num_key_value_heads * model.head_dim,
-        ffn_hidden_size=model.intermediate_size,
-        num_heads=model.num_attention_heads,
-        tensor_parallel=layout.tensor_parallel,
-        sequence_parallel=layout.sequence_parallel,
-        recompute=recompute,
-    )
-
-
-def layers_in_flight(
-    num_layers: int,
-    pipeline_parallel: int,
-    pipeline_rank: int,
-    virtual_pipeline: Optional[int] = None,
-    num_microbatches: Optional[int] = None,
-) -> float:
-    """Transformer layers whose activations pipeline rank ``pipeline_rank`` holds at its peak.
-
-    megatron-core's schedules (``get_pp_rank_microbatches``) run W warm-up forwards before the
-    first backward, so W + 1 (model chunk, micro-batch) pairs are in flight: W = PP - rank - 1 for
-    1F1B, W = 2(PP - rank - 1) + (VPP - 1) * PP for the interleaved schedule; never more than the
-    number of pairs, num_microbatches * VPP. Each pair holds num_layers / (PP * VPP) layers. On the
-    first rank this is num_layers for 1F1B and num_layers * (1 + (PP - 1)/(PP * VPP)) interleaved,
-    Korthikanti et al.'s Sec. 4.2.3 factor.
-    """
-    chunks = virtual_pipeline or 1
-    if pipeline_parallel == 1:
-        in_flight = 1
-    elif virtual_pipeline is None:
-        in_flight = pipeline_parallel - pipeline_rank
-    else:
-        in_flight = 2 * (pipeline_parallel - pipeline_rank - 1) + (chunks - 1) * pipeline_parallel + 1
-    if num_microbatches is not None:
-        in_flight = min(in_flight, num_microbatches * chunks)
-    return in_flight * num_layers / (pipeline_parallel * chunks)
-
-
-def _logits_kl_bytes(model: ModelConfig, layout: Layout, workload: Workload, tokens: float,
-                     phase: str) -> float:
-    """The chunked log-prob / KL ops on the last stage: fp32 vocab blocks, hidden states, vectors.
-
-    The output layer is column-parallel over the vocabulary, so every TP rank needs the final hidden
-    states of all the micro-batch's tokens (gathered, bf16). Training also accumulates their fp32
-    gradient over the chunks, and the fused op accumulates the output weight's gradient in an fp32
-    [V/TP, h] buffer; the experience pass holds the policy's and the reference's hidden states.
-    """
-    vocab_shard = padded_vocab_size(model.vocab_size, layout.tensor_parallel,
-                                    model.make_vocab_size_divisible_by) // layout.tensor_parallel
-    chunk = min(workload.kl_chunk_tokens, tokens)
-    blocks = KL_FP32_BLOCKS * chunk * min(KL_VOCAB_TILE, vocab_shard) * BYTES_FP32
-    hidden_per_token = (BYTES_BF16 + BYTES_FP32) if phase == "train" else 2 * BYTES_BF16
-    per_token = hidden_per_token * model.hidden_size + PER_TOKEN_FP32_VECTORS * BYTES_FP32
-    weight_grad = vocab_shard * model.hidden_size * BYTES_FP32 if phase == "train" else 0
-    return blocks + tokens * per_token + weight_grad
-
-
-def _stage_phase_components(model: ModelConfig, layout: Layout, workload: Workload, hardware: Hardware,
-                            stage: str, phase: str) -> Dict[str, float]:
-    """Bytes per component on one GPU of ``stage`` ("first"/"last") in ``phase`` ("train"/"experience")."""
-    params = stage_parameters(model, layout, stage)
-    per_param = bytes_per_parameter(layout.distributed_optimizer,
-                                    layout.data_parallel * layout.context_parallel)
-    components = {key: params * value for key, value in per_param.items()}
-    tokens = workload.micro_batch_tokens / layout.context_parallel
-    pp = layout.pipeline_parallel
-    holds_output = stage == "last" or pp == 1
-    one_layer_working_set = model_layer_activation_bytes(model, layout, tokens, "none")
-    if phase == "train":
-        rank = 0 if stage == "first" else pp - 1
-        in_flight = layers_in_flight(model.num_layers, pp, rank, layout.virtual_pipeline,
-                                     workload.num_microbatches)
-        activations = in_flight * model_layer_activation_bytes(model, layout, tokens, layout.recompute)
-        # The backward of a layer briefly holds the gradients of its intermediates, about one
-        # layer's activations; full recompute first rebuilds those activations too.
-        activations += one_layer_working_set * (2 if layout.recompute == "full" else 1)
-        if holds_output:  # the final norm's input and output
-            hidden_divisor = layout.tensor_parallel if layout.sequence_parallel else 1
-            activations += tokens * 2 * BYTES_BF16 * model.hidden_size / hidden_divisor
-        reference_on_gpu = workload.reference == "resident"
-    else:
-        activations = one_layer_working_set  # no-grad forward: one layer's tensors at a time
-        reference_on_gpu = workload.reference != "none"
-    components["activations"] = activations
-    components["logits_kl"] = (_logits_kl_bytes(model, layout, workload, tokens, phase)
-                               if holds_output else 0.0)
-    components["reference_model"] = params * BYTES_BF16 if reference_on_gpu else 0.0
-    components["overhead"] = hardware.headroom_fraction * hardware.gpu_memory_gib * GIB
-    return components
+from megatron_zcpo.megatron.memory_model import (
+    COMPONENTS,
+    GIB,
+    RECOMPUTE_CHOICES,
+    Hardware,
+    Layout,
+    Workload,
+    divisors,
+    stage_phase_components,
+    stage_parameters,
+)
+from megatron_zcpo.megatron.model import ModelConfig
 
 
 @dataclass
@@ -462,7 +90,7 @@ def plan_memory(model: ModelConfig, layout: Layout, workload: Workload,
     hardware.validate()
     stages = ("first",) if layout.pipeline_parallel == 1 else ("first", "last")
     evaluated = {
-        (stage, phase): _stage_phase_components(model, layout, workload, hardware, stage, phase)
+        (stage, phase): stage_phase_components(model, layout, workload, hardware, stage, phase)
         for stage in stages
         for phase in ("train", "experience")
     }
@@ -496,8 +124,8 @@ def candidate_layouts(model: ModelConfig, num_gpus: int, *, hardware: Hardware =
             raise ValueError(f"recompute_options: {option!r} is not one of {RECOMPUTE_CHOICES}")
     powers_of_two = [2 ** k for k in range(num_gpus.bit_length()) if num_gpus % 2 ** k == 0]
     candidates = []
-    for tp in _divisors(hardware.gpus_per_node):
-        for pp in _divisors(model.num_layers):
+    for tp in divisors(hardware.gpus_per_node):
+        for pp in divisors(model.num_layers):
             for cp in powers_of_two:
                 if num_gpus % (tp * pp * cp):
                     continue

@@ -1,12 +1,13 @@
 """CPU platform layer: lets unmodified megatron-core run over gloo on a machine without CUDA.
 
-megatron-core assumes a CUDA device in a handful of places (SPEC section 4): the RNG tracker reads
+megatron-core assumes a CUDA device in a handful of places: the RNG tracker reads
 and writes CUDA generator state, `torch.cuda.current_device()` is used as a device, some schedules,
 grad-clipping and optimizer code allocate with a hard-coded ``device="cuda"``, p2p calls
 ``torch.cuda.synchronize``, tied embeddings under PP call ``.cuda()``, and the optimizers compare
 ``param.type()`` with ``'torch.cuda.FloatTensor'``. Everything that handles those assumptions lives
 in this one module, and :func:`activate` does nothing when CUDA is available, so on a GPU machine
-megatron-core runs exactly as shipped.
+megatron-core runs exactly as shipped. It is also the one module that asks whether CUDA is there:
+the rest of the package calls :func:`has_cuda` and :func:`compute_device`.
 
 How it works, in one place each:
 - every loaded ``megatron.core`` module sees a proxy in place of its global ``torch`` whose
@@ -31,6 +32,16 @@ from typing import Any, Callable
 import torch
 
 _ACTIVE = False
+
+
+def has_cuda() -> bool:
+    """Whether this process computes on a CUDA GPU (the only place that asks torch)."""
+    return torch.cuda.is_available()
+
+
+def compute_device() -> torch.device:
+    """Where models and collective buffers live: ``cuda`` (the current device) with CUDA, else ``cpu``."""
+    return torch.device("cuda") if has_cuda() else torch.device("cpu")
 
 # megatron-core modules to import before patching, so the proxy reaches them; anything else
 # under megatron.core that is already imported gets it too.
@@ -343,7 +354,7 @@ def activate() -> bool:
     global _ACTIVE
     if _ACTIVE:
         return True
-    if torch.cuda.is_available():
+    if has_cuda():
         return False
     for name in _MEGATRON_MODULES:
         try:

@@ -17,6 +17,9 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
+from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.utils.runtime import unwrap
+
 # Transformer Engine fuses the pre-norms into the following linear; the global names are local-spec.
 _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -46,19 +49,13 @@ def global_name(local_name: str, layer_offset: int) -> str:
     return f"decoder.layers.{index + layer_offset}.{rest}"
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def named_global_parameters(model) -> Iterator[Tuple[str, torch.nn.Parameter]]:
     """Yield ``(global_name, local_parameter)`` for this rank's stage of a GPTModel (DDP-wrapped ok).
 
     With tied embeddings, the last pipeline stage's copy of the embedding (``output_layer.weight``)
     is reported under the embedding's global name.
     """
-    model = _unwrap(model)
+    model = unwrap(model)
     offset = _layer_offset(model)
     for name, param in model.named_parameters():
         name = global_name(name, offset)
@@ -85,7 +82,7 @@ def _tp_merge(shards, param) -> torch.Tensor:
 
 
 def _true_vocab_size(model) -> Optional[int]:
-    config = getattr(_unwrap(model), "zcpo_model_config", None)
+    config = getattr(unwrap(model), "zcpo_model_config", None)
     return None if config is None else config.vocab_size
 
 
@@ -178,7 +175,7 @@ def iter_model_tensors_to_rank0(model) -> Iterator[Tuple[str, torch.Tensor]]:
         elif rank == 0:
             # rank 0's pipeline group holds the leads (TP/CP/DP rank 0) of every stage, in order
             source = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
-            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            device = compute_device()
             while True:
                 header = [None]
                 dist.recv_object_list(header, src=source)

@@ -78,6 +78,21 @@ class RewardBatch:
         }
 
 
+def _check_shapes(responses, ground_truths, response_lengths: torch.Tensor, truncated: torch.Tensor) -> None:
+    """Raise ValueError unless P groups of G responses match ground_truths [P] and the [P, G] tensors."""
+    num_groups, group_size = response_lengths.shape
+    if len(responses) != num_groups or len(ground_truths) != num_groups:
+        raise ValueError(
+            f"responses ({len(responses)} groups) and ground_truths ({len(ground_truths)}) must match "
+            f"response_lengths [{num_groups}, {group_size}]"
+        )
+    if truncated.shape != response_lengths.shape:
+        raise ValueError(f"truncated {tuple(truncated.shape)} must match response_lengths {(num_groups, group_size)}")
+    for p, group in enumerate(responses):
+        if len(group) != group_size:
+            raise ValueError(f"group {p} has {len(group)} responses, expected {group_size}")
+
+
 class RewardScorer:
     """Scores groups of responses with ``config.function`` in a :class:`RewardWorkerPool`.
 
@@ -114,21 +129,35 @@ class RewardScorer:
         Raises:
             RewardError: a NaN or non-number result, or a failure under ``on_failure="error"``.
         """
+        _check_shapes(responses, ground_truths, response_lengths, truncated)
         num_groups, group_size = response_lengths.shape
-        if len(responses) != num_groups or len(ground_truths) != num_groups:
-            raise ValueError(
-                f"responses ({len(responses)} groups) and ground_truths ({len(ground_truths)}) must match "
-                f"response_lengths [{num_groups}, {group_size}]"
-            )
-        if truncated.shape != response_lengths.shape:
-            raise ValueError(f"truncated {tuple(truncated.shape)} must match response_lengths {(num_groups, group_size)}")
-        for p, group in enumerate(responses):
-            if len(group) != group_size:
-                raise ValueError(f"group {p} has {len(group)} responses, expected {group_size}")
         metadata = metadata if metadata is not None else [{} for _ in range(num_groups)]
         if scorable is None:
             scorable = torch.ones(num_groups, group_size, dtype=torch.bool)
+        score, failed, valid = self._run_function(responses, ground_truths, metadata, scorable)
+        if self.config.overlong_penalty:
+            penalty = overlong_penalty(
+                response_lengths,
+                self.config.max_response_length,
+                self.config.overlong_buffer,
+                self.config.overlong_penalty_factor,
+            )
+        else:
+            penalty = torch.zeros(num_groups, group_size, dtype=torch.float32)
+        loss_mask = (valid & overlong_loss_mask(truncated)) if self.config.overlong_filter else valid.clone()
+        return RewardBatch(
+            reward=torch.where(valid, score + penalty, torch.zeros_like(score)),
+            score=score,
+            overlong_penalty=penalty,
+            truncated=truncated.clone(),
+            failed=failed,
+            valid=valid,
+            loss_mask=loss_mask,
+        )
 
+    def _run_function(self, responses, ground_truths, metadata, scorable: torch.Tensor):
+        """(score, failed, valid), each [P, G], of the reward function on the ``scorable`` [P, G] responses."""
+        num_groups, group_size = scorable.shape
         positions = [(p, j) for p in range(num_groups) for j in range(group_size) if scorable[p, j]]
         outcomes = self.pool.map(
             [(responses[p][j], ground_truths[p], dict(metadata[p])) for p, j in positions]
@@ -156,26 +185,7 @@ class RewardScorer:
                 failures.append((where, outcome))
         if failures:
             self._handle_failures(failures, score, failed, valid)
-
-        if self.config.overlong_penalty:
-            penalty = overlong_penalty(
-                response_lengths,
-                self.config.max_response_length,
-                self.config.overlong_buffer,
-                self.config.overlong_penalty_factor,
-            )
-        else:
-            penalty = torch.zeros(num_groups, group_size, dtype=torch.float32)
-        loss_mask = (valid & overlong_loss_mask(truncated)) if self.config.overlong_filter else valid.clone()
-        return RewardBatch(
-            reward=torch.where(valid, score + penalty, torch.zeros_like(score)),
-            score=score,
-            overlong_penalty=penalty,
-            truncated=truncated.clone(),
-            failed=failed,
-            valid=valid,
-            loss_mask=loss_mask,
-        )
+        return score, failed, valid
 
     def score_completions(self, records: Sequence[Any], completions: Sequence[Sequence[Any]], tokenizer) -> RewardBatch:
         """Score engine completions: ``completions[p]`` are the G :class:`Completion` s of ``records[p]``.

@@ -1,4 +1,4 @@
-"""Rollouts from SGLang servers over HTTP: async /generate with retries, weight pushes, versions.
+"""Rollouts from SGLang servers over HTTP: async /generate with retries, health, served weight versions.
 
 Follows the native HTTP API of SGLang v0.5.3 (python/sglang/srt/entrypoints/http_server.py,
 managers/io_struct.py, sampling/sampling_params.py):
@@ -13,29 +13,21 @@ managers/io_struct.py, sampling/sampling_params.py):
   group_name, flush_cache, weight_version} (the tensors then arrive by broadcast from rank 0, in
   order), ``POST /destroy_weights_update_group`` {group_name};
 - ``POST /update_weights_from_disk`` {model_path, weight_version}.
-Each returns {success, message} with 200, or 400 with the reason.
+Each returns {success, message} with 200, or 400 with the reason. The HTTP plumbing lives in
+:mod:`megatron_zcpo.rollout.sglang_http`, the weight transports in :mod:`megatron_zcpo.rollout.update_weight`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import datetime
 import logging
-import os
-import random
-import shutil
-import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-import aiohttp
 import torch
 
-from megatron_zcpo.megatron.initialize import free_port
 from megatron_zcpo.rollout.engine import (
     Completion,
     RolloutEngine,
@@ -43,12 +35,8 @@ from megatron_zcpo.rollout.engine import (
     SamplingParams,
     validate_prompts,
 )
-from megatron_zcpo.rollout.weight_sync import (
-    bucket_tensors,
-    dtype_name,
-    init_custom_process_group,
-    start_broadcast,
-)
+from megatron_zcpo.rollout.sglang_http import RETRYABLE, SGLangHTTP, SGLangHTTPError
+from megatron_zcpo.rollout.update_weight import weight_update_for
 
 logger = logging.getLogger(__name__)
 
@@ -111,22 +99,6 @@ class SGLangEngineConfig:
             raise ValueError(f"{prefix}.max_retries must be >= 0, got {self.max_retries}")
 
 
-class SGLangHTTPError(RolloutError):
-    """An SGLang server answered a request with a 4xx status (not retried)."""
-
-    def __init__(self, method: str, url: str, status: int, body: str):
-        super().__init__(f"{method} {url} -> HTTP {status}: {body[:500]}")
-        self.status = status
-
-
-class _ServerError(Exception):
-    """A 5xx answer: retried like a dropped connection."""
-
-
-# asyncio.TimeoutError is TimeoutError from Python 3.11 on; aiohttp raises the former.
-_RETRYABLE = (_ServerError, TimeoutError, asyncio.TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
-
-
 def sglang_sampling_params(params: SamplingParams, seed: Optional[int] = None) -> Dict[str, Any]:
     """SGLang's ``sampling_params`` for ``params`` (``seed`` becomes ``sampling_seed``)."""
     sampling = {
@@ -180,37 +152,6 @@ def completion_from_sglang(prompt_ids: Sequence[int], response: Dict[str, Any]) 
     )
 
 
-class _LoopThread:
-    """An asyncio loop in a daemon thread, so synchronous callers can run coroutines on it.
-
-    A caller interrupted while waiting (KeyboardInterrupt, timeout) cancels its coroutine, whose
-    cleanup (aborting requests) then runs on the loop.
-    """
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def submit(self, coroutine) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def run(self, coroutine):
-        future = self.submit(coroutine)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
 class SGLangEngine(RolloutEngine):
     """The trainer's handle on a set of SGLang servers (launched by :mod:`sglang_server`, or given).
 
@@ -221,79 +162,9 @@ class SGLangEngine(RolloutEngine):
         config.validate()
         self.config = config
         self._on_shutdown = on_shutdown
-        self._loop = _LoopThread("sglang-client")
-        self._session = None
-        self._group = None
-        self._last_weight_dir: Optional[str] = None
+        self._http = SGLangHTTP(config)
+        self._weights = weight_update_for(self._http, config)
         self._closed = False
-
-    # -- HTTP ----------------------------------------------------------------------------------
-
-    async def _get_session(self):
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self.config.max_concurrency + 8, force_close=False)
-            self._session = aiohttp.ClientSession(connector=connector)
-        return self._session
-
-    async def _request_once(self, method: str, url: str, payload, timeout: float):
-        session = await self._get_session()
-        client_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=self.config.connect_timeout_s)
-        async with session.request(method, url, json=payload, timeout=client_timeout) as response:
-            body = await response.read()
-            text = body.decode("utf-8", errors="replace")
-            if response.status >= 500:
-                raise _ServerError(f"HTTP {response.status}: {text[:300]}")
-            if response.status >= 400:
-                raise SGLangHTTPError(method, url, response.status, text)
-            if response.content_type == "application/json":
-                return await response.json()
-            return text
-
-    async def _request(
-        self,
-        method: str,
-        url: str,
-        payload=None,
-        *,
-        timeout: Optional[float] = None,
-        retry: bool = True,
-        before_retry: Optional[Callable[[], Any]] = None,
-    ):
-        """One request with retries on connection errors, timeouts and 5xx; raises ``RolloutError``."""
-        attempts = 1 + (self.config.max_retries if retry else 0)
-        last_error: BaseException = RolloutError("no attempt made")
-        for attempt in range(attempts):
-            try:
-                return await self._request_once(method, url, payload, timeout or self.config.request_timeout_s)
-            except _RETRYABLE as err:
-                last_error = err
-                if attempt + 1 == attempts:
-                    break
-                delay = min(self.config.backoff_max_s, self.config.backoff_s * 2**attempt)
-                delay *= 0.5 + random.random() / 2  # jitter: retries from many requests do not align
-                logger.warning("%s %s failed (%r); retry %d/%d in %.2fs", method, url, err, attempt + 1, attempts - 1, delay)
-                if before_retry is not None:
-                    await before_retry()
-                await asyncio.sleep(delay)
-        raise RolloutError(f"{method} {url} failed after {attempts} attempt(s): {last_error!r}") from last_error
-
-    async def _on_all_servers(self, method: str, path: str, payload=None, *, payloads: Optional[Sequence] = None,
-                              **kwargs) -> List[Any]:
-        """The same request (or server i gets ``payloads[i]``) on every server, concurrently."""
-        payloads = payloads if payloads is not None else [payload] * len(self.config.server_urls)
-        return await asyncio.gather(*(
-            self._request(method, url + path, body, **kwargs) for url, body in zip(self.config.server_urls, payloads)
-        ))
-
-    async def _abort_quietly(self, rid: str) -> None:
-        """Best effort: tell every server to drop request ``rid`` (it runs on one of them)."""
-        async def abort(url):
-            try:
-                await self._request_once("POST", url + "/abort_request", {"rid": rid}, timeout=5.0)
-            except Exception as err:  # noqa: BLE001 - the request is being given up anyway
-                logger.debug("abort of %s on %s failed: %r", rid, url, err)
-
-        await asyncio.gather(*(abort(url) for url in self.config.server_urls))
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -308,7 +179,7 @@ class SGLangEngine(RolloutEngine):
         self._check_open()
         params.validate()
         validate_prompts(prompts, n)
-        return self._loop.run(self._generate_all(prompts, params, n))
+        return self._http.run(self._generate_all(prompts, params, n))
 
     async def _generate_all(self, prompts, params: SamplingParams, n: int) -> List[List[Completion]]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
@@ -348,14 +219,14 @@ class SGLangEngine(RolloutEngine):
 
             async def fresh_request_id():
                 # The timed-out or dropped attempt may still run on the server: drop it, retry anew.
-                await self._abort_quietly(payload["rid"])
+                await self._http.abort_quietly(payload["rid"])
                 payload["rid"] = uuid.uuid4().hex
 
             try:
-                response = await self._request("POST", url + "/generate", payload, before_retry=fresh_request_id)
+                response = await self._http.request("POST", url + "/generate", payload, before_retry=fresh_request_id)
             except BaseException:
                 given_up.set()
-                await asyncio.shield(self._abort_quietly(payload["rid"]))
+                await asyncio.shield(self._http.abort_quietly(payload["rid"]))
                 raise
         if isinstance(response, list):  # a batch answer; we send one prompt per request
             response = response[0]
@@ -374,7 +245,7 @@ class SGLangEngine(RolloutEngine):
         deadline = time.monotonic() + timeout_s
         waiting = urls
         while True:
-            waiting = [url for url, ok in zip(waiting, self._loop.run(self._health(waiting))) if not ok]
+            waiting = [url for url, ok in zip(waiting, self._http.run(self._health(waiting))) if not ok]
             if not waiting:
                 return
             if is_alive is not None and not is_alive():
@@ -386,9 +257,9 @@ class SGLangEngine(RolloutEngine):
     async def _health(self, urls: Sequence[str]) -> List[bool]:
         async def healthy(url):
             try:
-                await self._request_once("GET", url + "/health_generate", None, timeout=self.config.connect_timeout_s)
+                await self._http.request_once("GET", url + "/health_generate", None, timeout=self.config.connect_timeout_s)
                 return True
-            except (RolloutError,) + _RETRYABLE:
+            except (RolloutError,) + RETRYABLE:
                 return False
 
         return await asyncio.gather(*(healthy(url) for url in urls))
@@ -396,21 +267,21 @@ class SGLangEngine(RolloutEngine):
     def flush_cache(self) -> None:
         """Empty every server's prefix cache (SGLang refuses, with 400, while requests run)."""
         self._check_open()
-        self._loop.run(self._on_all_servers("POST", "/flush_cache"))
+        self._http.run(self._http.on_all_servers("POST", "/flush_cache"))
 
     def served_weight_versions(self) -> Dict[str, int]:
         """{server url: the weight version it serves}."""
         self._check_open()
-        return dict(zip(self.config.server_urls, self._loop.run(self._served_versions())))
+        return dict(zip(self.config.server_urls, self._http.run(self._served_versions())))
 
     async def _served_versions(self) -> List[int]:
         async def version(url):
             try:
-                answer = await self._request("GET", url + "/get_weight_version")
+                answer = await self._http.request("GET", url + "/get_weight_version")
             except SGLangHTTPError as err:
                 if err.status != 404:
                     raise
-                answer = await self._request("GET", url + "/model_info")
+                answer = await self._http.request("GET", url + "/model_info")
             return parse_weight_version(answer["weight_version"])
 
         return await asyncio.gather(*(version(url) for url in self.config.server_urls))
@@ -432,8 +303,8 @@ class SGLangEngine(RolloutEngine):
         the last bucket carries ``version``. "disk": the stream is written as safetensors under
         ``weight_dir`` and the servers reload it with ``/update_weights_from_disk``. Afterwards
         every server's cache is flushed and its served version must equal ``version``.
-        Under pipeline parallelism each stage pushes its own tensors with its own engine (distinct
-        ``group_name`` / ``weight_dir``).
+        The caller streams the whole model from global rank 0 (every pipeline stage sends its
+        tensors there; see :func:`megatron_zcpo.recipe.weight_push.push_weights`).
         """
         self._check_open()
         stream = iter(named_hf_tensors)
@@ -441,109 +312,19 @@ class SGLangEngine(RolloutEngine):
             from megatron_zcpo.rollout.quantization import quantize_fp8_hf_weights
 
             stream = quantize_fp8_hf_weights(stream)
-        if self.config.weight_sync == "disk":
-            self._push_from_disk(stream, version)
-        else:
-            self._push_distributed(stream, version)
+        self._weights.push(stream, version)
         self.flush_cache()
         served = self.served_weight_versions()
         stale = {url: v for url, v in served.items() if v != int(version)}
         if stale:
             raise RolloutError(f"after pushing weight version {version}, servers still serve {stale}")
 
-    def _push_from_disk(self, stream, version: int) -> None:
-        directory = os.path.join(self.config.weight_dir, f"{self.config.group_name}-v{int(version)}")
-        from megatron_zcpo.convert.hf_checkpoint import write_safetensors_shards
-
-        write_safetensors_shards(directory, stream)
-        payload = {"model_path": directory, "weight_version": str(int(version))}
-        self._loop.run(self._on_all_servers("POST", "/update_weights_from_disk", payload, timeout=self.config.update_timeout_s))
-        if self._last_weight_dir and self._last_weight_dir != directory:
-            shutil.rmtree(self._last_weight_dir, ignore_errors=True)
-        self._last_weight_dir = directory
-
-    def _push_distributed(self, stream, version: int) -> None:
-        if self._group is None:
-            self._init_weight_update_group()
-        buckets = bucket_tensors(stream, self.config.bucket_bytes)
-        bucket = next(buckets, None)
-        if bucket is None:
-            raise ValueError("update_weights got an empty weight stream")
-        while bucket is not None:
-            following = next(buckets, None)  # look ahead: the last bucket carries the new version
-            request = {
-                "names": [name for name, _ in bucket],
-                "dtypes": [dtype_name(tensor.dtype) for _, tensor in bucket],
-                "shapes": [list(tensor.shape) for _, tensor in bucket],
-                "group_name": self.config.group_name,
-                "flush_cache": False,
-                "weight_version": None if following is not None else str(int(version)),
-            }
-            answer = self._loop.submit(self._on_all_servers(
-                "POST", "/update_weights_from_distributed", request, retry=False, timeout=self.config.update_timeout_s
-            ))
-            self._wait_alongside(start_broadcast(bucket, self._group), answer, f"bucket {request['names'][:3]}...")
-            bucket = following
-
-    def _wait_alongside(self, works, answer: concurrent.futures.Future, what: str) -> None:
-        """Wait for collective ``works`` while the servers' HTTP ``answer`` is pending.
-
-        A server that refuses the request never joins the collective: raise at once (the group is
-        then unusable and dropped) instead of blocking until the group's timeout.
-        """
-        while not all(work.is_completed() for work in works):
-            if answer.done() and answer.exception() is not None:
-                self._group = None
-                raise RolloutError(f"weight update of {what} refused: {answer.exception()}") from answer.exception()
-            time.sleep(0.001)
-        for work in works:
-            work.wait()
-        answer.result()
-
-    def _init_weight_update_group(self) -> None:
-        infos = self._loop.run(self._on_all_servers("GET", "/get_server_info"))
-        tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
-        world_size = 1 + sum(tp_sizes)
-        address = self.config.master_address or socket.gethostbyname(socket.gethostname())
-        port = self.config.master_port or free_port()
-        requests = [
-            {
-                "master_address": address, "master_port": port, "rank_offset": 1 + sum(tp_sizes[:i]),
-                "world_size": world_size, "group_name": self.config.group_name, "backend": self.config.group_backend,
-            }
-            for i in range(len(tp_sizes))
-        ]
-        answer = self._loop.submit(self._on_all_servers(
-            "POST", "/init_weights_update_group", payloads=requests, retry=False, timeout=self.config.group_timeout_s
-        ))
-        joined: Dict[str, Any] = {}
-
-        def join():
-            try:
-                joined["group"] = init_custom_process_group(
-                    self.config.group_backend, address, port, 0, world_size, self.config.group_name,
-                    timeout=datetime.timedelta(seconds=self.config.group_timeout_s),
-                )
-            except BaseException as err:  # noqa: BLE001 - reported to the waiting thread
-                joined["error"] = err
-
-        thread = threading.Thread(target=join, name="weight-update-group", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            if answer.done() and answer.exception() is not None:
-                raise RolloutError(f"servers refused the weight-update group: {answer.exception()}") from answer.exception()
-            thread.join(timeout=0.01)
-        if "error" in joined:
-            raise RolloutError(f"joining the weight-update group at {address}:{port} failed: {joined['error']!r}")
-        answer.result()
-        self._group = joined["group"]
-
     # -- lifecycle -----------------------------------------------------------------------------
 
     def abort_all(self) -> None:
         """Abort every request running on the servers."""
         self._check_open()
-        self._loop.run(self._on_all_servers("POST", "/abort_request", {"abort_all": True}, retry=False))
+        self._http.run(self._http.on_all_servers("POST", "/abort_request", {"abort_all": True}, retry=False))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -555,20 +336,10 @@ class SGLangEngine(RolloutEngine):
             return
         self._closed = True
         try:
-            if self._group is not None:
-                self._loop.run(self._on_all_servers(
-                    "POST", "/destroy_weights_update_group", {"group_name": self.config.group_name}, retry=False, timeout=30.0
-                ))
-                import torch.distributed as dist
-
-                dist.destroy_process_group(self._group)
-                self._group = None
+            self._weights.close()
         except RolloutError as err:
             logger.warning("leaving the weight-update group failed: %s", err)
         finally:
-            if self._session is not None:
-                self._loop.run(self._session.close())
-            self._loop.close()
+            self._http.close()
             if self._on_shutdown is not None:
                 self._on_shutdown()
-

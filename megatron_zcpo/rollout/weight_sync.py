@@ -1,4 +1,4 @@
-"""Streaming Megatron -> Hugging Face weights, bucketing, and the trainer-to-SGLang weight-update group."""
+"""Weight-update group helpers (trainer and server side), tensor bucketing and HF weight streaming."""
 
 from __future__ import annotations
 

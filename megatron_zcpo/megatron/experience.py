@@ -1,0 +1,170 @@
+"""The experience pass of a rollout step: per-token statistics at the sampling snapshot, calibration, self-check.
+
+With the policy at pi_old = pi_theta, one pipeline pass of the policy and the frozen reference
+together (:class:`PolicyWithReference`) gives per response token the old log-prob, the reference
+log-prob, the entropy and the exact full-vocabulary conditional KL (the fused vocab-parallel op).
+Calibration all-gathers per-response sums (never tokens) over data-parallel ranks and turns them
+into the algorithm's frozen coefficients.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, Sequence
+
+import torch
+
+from megatron_zcpo.megatron.batch import MicroBatch, RolloutSample
+from megatron_zcpo.megatron.metrics import MetricAccumulator
+from megatron_zcpo.megatron.pipeline import PolicyWithReference, output_weight, run_schedule
+from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats
+
+if TYPE_CHECKING:
+    from megatron_zcpo.megatron.trainer import PolicyTrainer
+
+
+def token_stats_on_shard(hidden, weight, targets, ref_hidden=None, ref_weight=None, *, vocab_size, chunk_size,
+                         temperature):
+    """Fused vocab-parallel statistics over this rank's vocabulary shard (see megatron_zcpo.ops).
+
+    hidden / ref_hidden: [R, H] response positions' final hidden states; weight / ref_weight:
+    [V_local, H] output layers; targets: [R] token ids. Log-probs and entropy at the sampling
+    ``temperature`` (the distribution the rollout drew from); the conditional KL between the
+    models themselves (temperature 1). Returns the op's TokenStats, each field [R].
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_zcpo.ops import fused_token_stats
+
+    return fused_token_stats(
+        hidden, weight, targets, ref_hidden, ref_weight,
+        group=ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None,
+        vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature, kl_temperature=1.0,
+    )
+
+
+@torch.no_grad()
+def run_experience(trainer: "PolicyTrainer", samples: Sequence[RolloutSample],
+                   assignment: MinibatchAssignment) -> Dict[int, ResponseTokenStats]:
+    """Per-token statistics at the sampling snapshot for this rank's samples.
+
+    Returns {sample index: ResponseTokenStats} on the last pipeline stage, {} elsewhere.
+    """
+    trainer.place_reference(on_device=True)
+    model = PolicyWithReference(trainer.policy, trainer.reference)
+    hidden_size = trainer.config.hidden_size
+    results: Dict[int, ResponseTokenStats] = {}
+
+    def forward_step(mb: MicroBatch, m):
+        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **trainer.forward_kwargs)
+
+        def loss_func(hidden_pair):
+            positions = mb.response_positions
+            flat = hidden_pair.reshape(-1, 2 * hidden_size).index_select(0, positions)
+            hidden, ref_hidden = flat.split(hidden_size, dim=-1)
+            targets = mb.targets.reshape(-1).index_select(0, positions)
+            stats = token_stats_on_shard(hidden, output_weight(trainer.policy), targets, ref_hidden,
+                                         output_weight(trainer.reference), vocab_size=trainer.model_config.vocab_size,
+                                         chunk_size=trainer.train_config.kl_chunk_size, temperature=trainer.temperature)
+            offset = 0
+            for index, length in zip(mb.sample_indices, mb.response_lengths):
+                span = slice(offset, offset + length)
+                results[index] = ResponseTokenStats(
+                    stats.logprob[span].float().cpu(), stats.ref_logprob[span].float().cpu(),
+                    stats.entropy[span].float().cpu(), stats.kl[span].float().cpu(),
+                    mb.response_token_index[span],
+                )
+                offset += length
+            return torch.zeros((), device=hidden_pair.device), {}
+
+        return output, loss_func
+
+    model.eval()
+    run_schedule(model, trainer.micro_batches(samples, assignment.my_indices), forward_step, forward_only=True)
+    model.train()
+    trainer.reference.eval()
+    trainer.place_reference(on_device=False)
+    return results
+
+
+def calibrate(trainer: "PolicyTrainer", samples: Sequence[RolloutSample], experience: Dict[int, ResponseTokenStats]):
+    """Per-response coefficients for the whole rollout, frozen until the next rollout.
+
+    The per-response sums (conditional KL, k1) of every DP rank's samples are all-gathered
+    over the data-parallel group (and summed over context-parallel ranks, which each hold a
+    piece of every sequence); rewards, groups and lengths are known everywhere. Returns
+    (coefficients [N] float32 on the last stage or None elsewhere, ResponseStats or None).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_zcpo.algorithms import ResponseStats
+
+    if not trainer.is_last_stage:
+        return None, None
+    n = len(samples)
+    sums = torch.zeros(n, 2, dtype=torch.float64)
+    for index, stats in experience.items():
+        sums[index, 0] = stats.kl.double().sum()
+        sums[index, 1] = (stats.old_logprob.double() - stats.ref_logprob.double()).sum()
+    sums = sums.to(compute_device())
+    # Each sample lives on exactly one DP rank (zeros elsewhere), so a SUM is a gather.
+    dist.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
+    sums = sums.cpu()
+    stats = ResponseStats(
+        group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float64),
+        lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64),
+        kl_sum=sums[:, 0],
+        k1_sum=sums[:, 1],
+    )
+    return trainer.algorithm.coefficients(stats).float(), stats
+
+
+def selfcheck(experience: Dict[int, ResponseTokenStats], tolerance: float) -> Dict[str, float]:
+    """Step-0 check (as slime does): policy == reference must give KL 0 and equal log-probs.
+
+    Raises RuntimeError with the measured values when either exceeds ``tolerance``
+    (``train.selfcheck_tolerance``; negative disables the check). Collective (a MAX all-reduce).
+    """
+    import torch.distributed as dist
+
+    worst = torch.zeros(2, dtype=torch.float64)
+    for stats in experience.values():
+        if stats.kl.numel():
+            worst[0] = max(worst[0], stats.kl.abs().max().double())
+            worst[1] = max(worst[1], (stats.old_logprob - stats.ref_logprob).abs().max().double())
+    worst = worst.to(compute_device())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    kl_max, gap_max = worst.tolist()
+    if tolerance >= 0 and (kl_max > tolerance or gap_max > tolerance):
+        raise RuntimeError(
+            f"step-0 self-check failed: with policy == reference the conditional KL should be 0 and the "
+            f"log-probs equal, but max KL = {kl_max:.3e} and max |logprob - ref_logprob| = {gap_max:.3e} "
+            f"(train.selfcheck_tolerance = {tolerance}); the two models do not compute the same thing"
+        )
+    return {"selfcheck/kl_max": kl_max, "selfcheck/logprob_gap_max": gap_max}
+
+
+def experience_metrics(samples: Sequence[RolloutSample], experience: Dict[int, ResponseTokenStats],
+                       metrics: MetricAccumulator) -> None:
+    """Add this rank's token-level KL / entropy / k3 and the trainer-vs-rollout log-prob gap to ``metrics``."""
+    from megatron_zcpo.algorithms import kl_penalty
+
+    for index, stats in experience.items():
+        n = stats.kl.numel()
+        if n == 0:
+            continue
+        metrics.add("experience/kl", stats.kl.sum(), n)
+        metrics.add_max("experience/kl_max", stats.kl.max())
+        metrics.add("experience/k3", kl_penalty(stats.old_logprob, stats.ref_logprob, "k3").sum(), n)
+        metrics.add("experience/entropy", stats.entropy.sum(), n)
+        gap = (stats.old_logprob - stats.ref_logprob).abs()
+        metrics.add("experience/logprob_ref_gap", gap.sum(), n)
+        metrics.add_max("experience/logprob_ref_gap_max", gap.max())
+        rollout = samples[index].rollout_logprobs
+        if rollout is not None and len(rollout) == len(samples[index].response_ids):
+            rollout = torch.tensor(rollout, dtype=torch.float32)[stats.token_index]
+            gap = (stats.old_logprob - rollout).abs()
+            metrics.add("rollout/logprob_diff", gap.sum(), n)
+            metrics.add_max("rollout/logprob_diff_max", gap.max())

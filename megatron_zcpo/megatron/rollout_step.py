@@ -1,0 +1,53 @@
+"""One rollout step's values as the trainer, the diagnostics and the gradient probes share them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_zcpo.algorithms.response_stats import ResponseStats
+from megatron_zcpo.megatron.batch import RolloutSample
+
+
+@dataclass
+class MinibatchAssignment:
+    """Which samples this rank trains on: the rollout's mini-batches and this DP rank's share of each."""
+
+    minibatches: List[List[int]]  # global indices per mini-batch
+    mine: List[List[int]]  # this DP rank's share of each mini-batch
+
+    @property
+    def my_indices(self) -> List[int]:
+        """Every sample index this DP rank trains on, sorted."""
+        return sorted(i for share in self.mine for i in share)
+
+
+@dataclass
+class ResponseTokenStats:
+    """One response's per-token statistics from the experience pass (last pipeline stage only); with
+    context parallelism, of this rank's tokens of the response (``token_index`` says which)."""
+
+    old_logprob: torch.Tensor  # [R] log pi_old(y_t) at the sampling temperature
+    ref_logprob: torch.Tensor  # [R] log pi_ref(y_t) at the sampling temperature (k1 = old - ref)
+    entropy: torch.Tensor  # [R] entropy of pi_old at the sampling temperature
+    kl: torch.Tensor  # [R] conditional KL(pi_old || pi_ref) over the full vocabulary, temperature 1
+    token_index: torch.Tensor  # [R] int64 positions in the response (all of them without context parallelism)
+
+
+@dataclass
+class RolloutStep:
+    """Everything one rollout step computed before its updates, frozen for the step.
+
+    samples: the whole rollout (every rank); assignment: the mini-batches and this rank's share;
+    experience: {sample index: ResponseTokenStats} of this rank's samples (last stage, {} elsewhere);
+    coefficients: [N] frozen per-response coefficients (last stage, None elsewhere); stats: the
+    ResponseStats they were calibrated from (last stage, None elsewhere).
+    """
+
+    samples: Sequence[RolloutSample]
+    assignment: MinibatchAssignment
+    experience: Dict[int, ResponseTokenStats]
+    coefficients: Optional[torch.Tensor]
+    stats: Optional[ResponseStats]

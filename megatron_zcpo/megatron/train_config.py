@@ -1,0 +1,119 @@
+"""The trainer's configuration: the ``parallel:`` and ``train:`` sections and the context-parallel limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ParallelConfig:
+    """The ``parallel:`` section: model-parallel layout (DP = world / (TP*PP*CP))."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    def validate(self) -> None:
+        for key in ("tensor", "pipeline", "context"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1")
+
+
+@dataclass
+class ImportanceSamplingConfig:
+    """``train.importance_sampling``: truncated IS against the rollout engine's log-probs.
+
+    Per token w = pi_old / pi_rollout; ``mode`` "truncate" clamps w into [lower, upper], "mask"
+    zeroes tokens outside it; a sequence with any token ratio below ``veto`` gets weight 0.
+    """
+
+    enabled: bool = False
+    upper: float = 5.0
+    lower: float = 0.5
+    veto: float = 1e-4
+    mode: str = "truncate"
+
+    def validate(self) -> None:
+        if self.mode not in ("truncate", "mask"):
+            raise ValueError(f"train.importance_sampling.mode must be 'truncate' or 'mask', got {self.mode!r}")
+        if not 0 <= self.veto <= self.lower <= 1 <= self.upper:
+            raise ValueError(
+                "train.importance_sampling needs 0 <= veto <= lower <= 1 <= upper, got "
+                f"veto={self.veto}, lower={self.lower}, upper={self.upper}"
+            )
+
+
+@dataclass
+class OptimizerSettings:
+    """``train.optimizer``: AdamW through megatron-core's optimizer, LR schedule per rollout step."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 20
+    schedule: str = "constant"  # constant | linear | cosine (decay after warm-up, over train.steps)
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"train.optimizer needs 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"train.optimizer.schedule must be constant|linear|cosine, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class TrainConfig:
+    """The ``train:`` section: steps, batching and numerics of the update."""
+
+    steps: int = 10
+    seed: int = 1234
+    mini_batches: int = 1
+    micro_batch_tokens: int = 4096  # per micro-batch, before the context-parallel split
+    packing: str = "thd"  # thd: padding-free packed sequences | padded: right-padded rows
+    bf16: bool = False
+    kl_chunk_size: int = 1024
+    reference_offload: bool = False
+    recompute: Optional[str] = None  # None | "selective" | "full"
+    selfcheck_tolerance: float = 1e-4  # step-0 policy == reference check; < 0 disables it
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    importance_sampling: ImportanceSamplingConfig = field(default_factory=ImportanceSamplingConfig)
+
+    def validate(self) -> None:
+        for key in ("steps", "mini_batches", "micro_batch_tokens", "kl_chunk_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.packing not in ("thd", "padded"):
+            raise ValueError(f"train.packing must be 'thd' or 'padded', got {self.packing!r}")
+        if self.recompute not in (None, "selective", "full"):
+            raise ValueError(f"train.recompute must be null, 'selective' or 'full', got {self.recompute!r}")
+
+
+def check_context_parallel(parallel: ParallelConfig, train: TrainConfig, algorithm, diagnostics: bool) -> None:
+    """Refuse what context parallelism cannot do (each response is spread over the CP ranks).
+
+    ``algorithm``: a built registry Algorithm; ``diagnostics``: whether diagnostics will run.
+    Raises ValueError naming the key; a no-op when ``parallel.context == 1``.
+    """
+    if parallel.context == 1:
+        return
+    if train.packing != "thd":
+        raise ValueError("parallel.context > 1 needs train.packing = 'thd' (sequences are split into "
+                         "2*CP load-balanced chunks of a packed micro-batch)")
+    if not algorithm.token_separable:
+        raise ValueError(
+            f"parallel.context > 1 needs a loss that is a sum over tokens; algorithm {algorithm.name!r} "
+            f"(algorithm.agg={algorithm.config.agg!r}, algorithm.f1_control={algorithm.config.f1_control!r}) "
+            "needs whole responses on one rank (use agg token-mean or seq-mean-token-sum, and no match_masked_norm)")
+    if diagnostics:
+        raise ValueError("diagnostics need whole responses on one rank: set diagnostics.enabled = false "
+                         "with parallel.context > 1")

@@ -1,0 +1,247 @@
+"""The update of a rollout step: loss inputs, importance weights, forward-backward, optimizer steps, gradient probes.
+
+Per mini-batch, megatron-core's forward_backward_func runs over packed micro-batches with the
+algorithm's loss on the step's frozen coefficients, exact token-mean normalisation across
+micro-batches and DP ranks, then gradient clipping and one optimizer step. The gradient probes
+(diagnostics) run the same forward-backward with a custom loss and never reach the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+
+import torch
+
+from megatron_zcpo.megatron.batch import MicroBatch
+from megatron_zcpo.megatron.experience import token_stats_on_shard
+from megatron_zcpo.megatron.metrics import MetricAccumulator
+from megatron_zcpo.megatron.pipeline import PolicyWithReference, output_weight, run_schedule
+from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.megatron.rollout_step import RolloutStep
+from megatron_zcpo.megatron.train_config import ImportanceSamplingConfig
+
+if TYPE_CHECKING:
+    from megatron_zcpo.megatron.trainer import PolicyTrainer
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch's loss inputs; token tensors are right-padded rows [b, T].
+
+    ``logprob`` carries gradients to the policy (current parameters, sampling temperature);
+    ``old_logprob``/``ref_logprob`` are from the experience pass; ``mask`` marks trainable
+    response tokens; ``coefficients`` [b] are the rollout's frozen ones; ``normalizer`` is the
+    global denominator of the mini-batch; ``current_kl`` (differentiable) only when the
+    reference ran alongside; ``token_weight`` is the importance-sampling correction or None.
+    """
+
+    sample_indices: List[int]
+    logprob: torch.Tensor
+    old_logprob: torch.Tensor
+    ref_logprob: torch.Tensor
+    mask: torch.Tensor
+    coefficients: torch.Tensor
+    normalizer: float
+    current_kl: Optional[torch.Tensor]
+    token_weight: Optional[torch.Tensor]
+    group_ids: torch.Tensor
+
+
+def importance_weights(old_logprob, rollout_logprob, mask, config: ImportanceSamplingConfig, any_rank=None):
+    """Truncated importance-sampling weights pi_old / pi_rollout per token, [N, T] -> [N, T].
+
+    ``mask`` marks response tokens. Sequences with any token ratio below ``config.veto`` get
+    weight 0; "truncate" clamps the rest into [lower, upper], "mask" zeroes tokens outside it.
+    ``any_rank`` ([N] bool -> [N] bool), when given, ORs the veto over the ranks holding the
+    other tokens of the same sequences (context parallelism).
+    """
+    ratio = torch.exp((old_logprob - rollout_logprob).clamp(max=20.0)) * mask
+    vetoed = ((ratio < config.veto) & (mask > 0)).any(dim=-1)
+    if any_rank is not None:
+        vetoed = any_rank(vetoed)
+    vetoed = vetoed.unsqueeze(-1)
+    if config.mode == "truncate":
+        weight = ratio.clamp(config.lower, config.upper)
+    else:
+        weight = torch.where((ratio >= config.lower) & (ratio <= config.upper), torch.ones_like(ratio), torch.zeros_like(ratio))
+    return torch.where(vetoed, torch.zeros_like(weight), weight) * mask
+
+
+def any_over_context_parallel(flags: torch.Tensor) -> torch.Tensor:
+    """[N] bool ORed over the context-parallel group (identity without CP). Collective over CP."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() == 1:
+        return flags
+    import torch.distributed as dist
+
+    counts = flags.to(torch.float32)
+    dist.all_reduce(counts, group=ps.get_context_parallel_group())
+    return counts > 0
+
+
+def _rows(flat: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Flat response-token vector [R_total] -> right-padded rows [b, max(lengths)]."""
+    return torch.nn.utils.rnn.pad_sequence(list(flat.split(list(lengths))), batch_first=True)
+
+
+def loss_inputs(trainer: "PolicyTrainer", mb: MicroBatch, hidden_out, step: RolloutStep, normalizer: float,
+                use_reference: bool) -> LossInputs:
+    """The loss inputs of one micro-batch from the last stage's hidden states (policy, or both side by side)."""
+    hidden_size = trainer.config.hidden_size
+    options = dict(vocab_size=trainer.model_config.vocab_size, chunk_size=trainer.train_config.kl_chunk_size,
+                   temperature=trainer.temperature)
+    positions = mb.response_positions
+    flat = hidden_out.reshape(-1, 2 * hidden_size if use_reference else hidden_size).index_select(0, positions)
+    targets = mb.targets.reshape(-1).index_select(0, positions)
+    weight = output_weight(trainer.policy)
+    lengths = mb.response_lengths
+    current_kl = None
+    if use_reference:
+        hidden, ref_hidden = flat.split(hidden_size, dim=-1)
+        current = token_stats_on_shard(hidden, weight, targets, ref_hidden, output_weight(trainer.reference), **options)
+        current_kl = _rows(current.kl, lengths)
+    else:
+        current = token_stats_on_shard(flat, weight, targets, **options)
+    samples = step.samples
+    stats = [step.experience[i] for i in mb.sample_indices]
+    device = flat.device  # the experience pass's statistics are kept on the CPU between passes
+    old = _rows(torch.cat([s.old_logprob for s in stats]), lengths).to(device)
+    mask = _rows(torch.cat([torch.full((n,), float(samples[i].trainable))
+                            for i, n in zip(mb.sample_indices, lengths)]), lengths).to(device)
+    token_weight = None
+    is_config = trainer.train_config.importance_sampling
+    if is_config.enabled and mb.rollout_logprobs is not None and trainer.algorithm.supports_token_weight:
+        rollout = _rows(mb.rollout_logprobs, lengths).to(device)
+        token_weight = importance_weights(old, rollout, mask, is_config, any_over_context_parallel)
+    return LossInputs(
+        sample_indices=list(mb.sample_indices),
+        logprob=_rows(current.logprob, lengths),
+        old_logprob=old,
+        ref_logprob=_rows(torch.cat([s.ref_logprob for s in stats]), lengths).to(device),
+        mask=mask,
+        coefficients=step.coefficients[mb.sample_indices].to(device),
+        normalizer=normalizer,
+        current_kl=current_kl,
+        token_weight=token_weight,
+        group_ids=torch.tensor([samples[i].group_id for i in mb.sample_indices], dtype=torch.long, device=device),
+    )
+
+
+def forward_backward(trainer: "PolicyTrainer", step: RolloutStep, indices, normalizer: float, loss_fn: Callable,
+                     *, use_reference: bool):
+    """Forward-backward of ``loss_fn(LossInputs) -> (loss, report)`` over this rank's ``indices``.
+
+    Gradients end up in the DDP grad buffers, reduced over data-parallel ranks, as for an
+    update; returns the loss-func reports (last pipeline stage).
+    """
+    model = PolicyWithReference(trainer.policy, trainer.reference) if use_reference else trainer.policy
+    micro_batches = trainer.micro_batches(step.samples, indices)
+    scale = len(micro_batches) * trainer.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
+
+    def forward_step(mb: MicroBatch, m):
+        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **trainer.forward_kwargs)
+
+        def loss_func(hidden_out):
+            loss, report = loss_fn(loss_inputs(trainer, mb, hidden_out, step, normalizer, use_reference))
+            return loss * scale, report
+
+        return output, loss_func
+
+    trainer.policy.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    return run_schedule(model, micro_batches, forward_step, forward_only=False)
+
+
+def _algorithm_loss_with_report(trainer: "PolicyTrainer"):
+    """``loss_fn`` of the update: the algorithm's loss and its metrics as {name: (total, count, summed)}."""
+    def loss_fn(inputs: LossInputs):
+        result = trainer.algorithm_loss(inputs)
+        # Summed metrics are partial sums that add up (over micro-batches and DP ranks) to the
+        # mini-batch's value; the others are per-token fractions, weighted by this batch's tokens.
+        tokens = float(inputs.mask.sum())
+        report = {"loss": (float(result.loss.detach()), 0.0, True)}
+        for name, value in result.metrics.items():
+            value = float(value)
+            summed = name in result.summed_metrics
+            report[name] = (value, 0.0, True) if summed else (value * tokens, tokens, False)
+        return result.loss, report
+    return loss_fn
+
+
+def run_update(trainer: "PolicyTrainer", step: RolloutStep, metrics: MetricAccumulator,
+               before_minibatch=None) -> List[float]:
+    """One optimizer step per mini-batch with the step's frozen coefficients; fills ``metrics``.
+
+    ``before_minibatch(index)``, when given, runs before each mini-batch's backward (the
+    diagnostics that need the ratios moved by earlier updates of this rollout). Returns the
+    gradient norms, one per mini-batch.
+    """
+    use_reference = trainer.algorithm.needs_current_kl
+    grad_norms = []
+    if use_reference:
+        trainer.place_reference(on_device=True)
+    loss_fn = _algorithm_loss_with_report(trainer)
+    assignment = step.assignment
+    for index, (minibatch, my_share) in enumerate(zip(assignment.minibatches, assignment.mine)):
+        if before_minibatch is not None:
+            before_minibatch(index)
+        reports = forward_backward(trainer, step, my_share, trainer.normalizer(step.samples, minibatch), loss_fn,
+                                   use_reference=use_reference)
+        _, grad_norm, _ = trainer.optimizer.step()
+        grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        for report in reports:
+            for name, (total, count, summed) in report.items():
+                metrics.add(f"update/{name}", total, count)
+                if summed and trainer.counts_once:
+                    metrics.add(f"update/{name}", 0.0, 1.0 / len(reports))  # mean over mini-batches
+    if use_reference:
+        trainer.place_reference(on_device=False)
+    for norm in grad_norms:
+        metrics.add_max("update/grad_norm_max", norm)
+    metrics.add("update/grad_norm", sum(grad_norms), len(grad_norms))
+    return grad_norms
+
+
+def gradient_vector(trainer: "PolicyTrainer", step: RolloutStep, indices, normalizer: float, loss_fn: Callable,
+                    *, use_reference: bool = False) -> torch.Tensor:
+    """This rank's share of the parameter gradient of a custom loss, as one flat fp32 vector.
+
+    ``loss_fn(LossInputs) -> scalar`` is evaluated on every micro-batch of this rank's
+    ``indices`` (normalise with ``inputs.normalizer``, the global ``normalizer``). The
+    gradient is reduced over data-parallel ranks; the vector holds the parameters this rank
+    owns in the model-parallel group (no TP duplicates, no second copy of a tied embedding),
+    so :func:`gradient_dot` of two such vectors is the full-model inner product. The update's
+    gradient buffers are zeroed afterwards: probes never reach an optimizer step. Collective.
+    """
+    from megatron.core import tensor_parallel
+
+    from megatron_zcpo.utils.runtime import unwrap
+
+    forward_backward(trainer, step, indices, normalizer, lambda inputs: (loss_fn(inputs), {}),
+                     use_reference=use_reference)
+    trainer.policy.finish_grad_sync()
+    pieces = []
+    gpt = unwrap(trainer.policy)
+    tied_copy = gpt.share_embeddings_and_output_weights and not gpt.pre_process
+    for name, param in gpt.named_parameters():
+        if not tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
+            continue
+        if tied_copy and name == "output_layer.weight":
+            continue
+        grad = getattr(param, "main_grad", None)
+        pieces.append((grad if grad is not None else torch.zeros_like(param)).detach().float().reshape(-1).clone())
+    trainer.policy.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+def gradient_dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Full-model inner product of two :func:`gradient_vector` results (all-reduced over TP x PP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    value = (a.double() * b.double()).sum().reshape(1).to(compute_device())
+    dist.all_reduce(value, group=ps.get_model_parallel_group())
+    return float(value)

@@ -1,0 +1,241 @@
+"""The run configuration of ``zcpo train``: one dataclass tree, YAML + ``key=value`` overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from megatron_zcpo.algorithms import build_algorithm
+from megatron_zcpo.algorithms.config import AlgorithmConfig
+from megatron_zcpo.data.config import DataConfig
+from megatron_zcpo.diagnostics.config import DiagnosticsConfig
+from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.megatron.train_config import ParallelConfig, TrainConfig, check_context_parallel
+from megatron_zcpo.rewards.config import RewardConfig
+from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingConfig
+from megatron_zcpo.utils.config_loader import (
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    load_yaml,
+    to_dict,
+    validate_tree,
+)
+
+
+@dataclass
+class ModelSource:
+    """The ``model:`` section: where weights, architecture and tokenizer come from.
+
+    ``path``: a Hugging Face model directory (config.json + safetensors; converted in memory,
+    fine for small models) or a Megatron model checkpoint written by
+    tools/convert_hf_to_megatron.py or by a training run (``.../weights``; loads at any TP/PP
+    with only this rank's shard read: the way for 32B/70B). ``reference``: the frozen reference
+    (default: the same as ``path``). ``tokenizer``: a directory with tokenizer files (default:
+    ``path``, or ``path/hf`` for converted checkpoints). ``architecture``: random initialisation
+    of this architecture instead of ``path`` (tests).
+    """
+
+    path: Optional[str] = None
+    reference: Optional[str] = None
+    tokenizer: Optional[str] = None
+    architecture: Optional[ModelConfig] = None
+
+    def validate(self) -> None:
+        if (self.path is None) == (self.architecture is None):
+            raise ValueError("exactly one of model.path and model.architecture must be set")
+        if self.path is None and self.tokenizer is None:
+            raise ValueError("model.tokenizer is required with model.architecture")
+        for key in ("path", "reference", "tokenizer"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).exists():
+                raise ValueError(f"model.{key}={value!r} does not exist")
+
+
+@dataclass
+class SGLangSection:
+    """``rollout.sglang``: attach to running servers (``server_urls``) or launch them (``launch``).
+
+    Keys of ``client`` go to megatron_zcpo.rollout.sglang_client.SGLangEngineConfig (timeouts,
+    concurrency, weight_sync "distributed" | "disk", bucket_bytes, ...); keys of ``launch`` go to
+    megatron_zcpo.rollout.sglang_server.SGLangServerConfig (tp_size, base_port, router, ...).
+    """
+
+    server_urls: List[str] = field(default_factory=list)
+    router_url: Optional[str] = None
+    launch: Optional[Dict[str, Any]] = None
+    client: Dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        from megatron_zcpo.rollout.sglang_client import SGLangEngineConfig
+        from megatron_zcpo.rollout.sglang_server import SGLangServerConfig
+
+        if self.launch is not None and self.server_urls:
+            raise ValueError("rollout.sglang: give either server_urls (attach) or launch (start servers), not both")
+        # Catch misspelt keys now, not when rank 0 starts the engine.
+        from_dict(SGLangEngineConfig, {"server_urls": ["http://check"], **self.client}, prefix="rollout.sglang.client")
+        if self.launch is not None:
+            from_dict(SGLangServerConfig, self.launch, prefix="rollout.sglang.launch").validate("rollout.sglang.launch")
+
+
+@dataclass
+class RolloutConfig:
+    """The ``rollout:`` section: engine, sampling, group size and dynamic sampling."""
+
+    engine: str = "embedded"  # embedded (CPU default, tests) | sglang (GPU clusters)
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8  # G
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: List[int] = field(default_factory=list)  # the tokenizer's EOS is always added
+    seed: int = 1234
+    quantization: Optional[str] = None  # "fp8": the rollout policy holds FP8 weights (modelopt)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    sglang: SGLangSection = field(default_factory=SGLangSection)
+
+    def validate(self) -> None:
+        if self.engine not in ("embedded", "sglang"):
+            raise ValueError(f"rollout.engine must be 'embedded' or 'sglang', got {self.engine!r}")
+        for key in ("prompts_per_step", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"rollout.samples_per_prompt must be >= 2 (groups need G >= 2), got {self.samples_per_prompt}")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"rollout.quantization must be null or 'fp8', got {self.quantization!r}")
+
+
+@dataclass
+class EvalConfig:
+    """The ``eval:`` section: held-out accuracy (avg@k, pass@k) with the rollout engine."""
+
+    every: int = 0  # steps between evaluations (0: only at the start and the end)
+    at_start: bool = True
+    at_end: bool = True
+    data: Optional[DataConfig] = None  # default: the training data's source with eval_seed
+    num_prompts: int = 64
+    k: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None  # default: rollout.max_new_tokens
+    seed: int = 4321
+
+    def validate(self) -> None:
+        for key in ("every", "num_prompts", "k"):
+            if getattr(self, key) < (0 if key == "every" else 1):
+                raise ValueError(f"eval.{key} is out of range: {getattr(self, key)}")
+
+
+@dataclass
+class CheckpointConfig:
+    """The ``checkpoint:`` section."""
+
+    dir: Optional[str] = None  # default: <logging.run_dir>/checkpoints
+    every: int = 0  # steps between checkpoints (0: only at the end)
+    keep_last: int = 2
+    resume: str = "auto"  # auto (latest in dir, if any) | never | a checkpoint path
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep_last < 1:
+            raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1, got {self.every}, {self.keep_last}")
+        if self.resume not in ("auto", "never") and not Path(self.resume).exists():
+            raise ValueError(f"checkpoint.resume={self.resume!r}: must be 'auto', 'never' or an existing checkpoint")
+
+
+@dataclass
+class LoggingConfig:
+    """The ``logging:`` section: where the run writes, and which sinks."""
+
+    run_dir: str = "runs/zcpo"
+    console: str = "table"  # table (progress bar + per-step table) | plain | quiet
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None  # W&B logging when set (needs the wandb extra)
+
+    def validate(self) -> None:
+        from megatron_zcpo.recipe.metrics_log import WANDB_MISSING, wandb_available
+
+        if self.console not in ("table", "plain", "quiet"):
+            raise ValueError(f"logging.console must be table|plain|quiet, got {self.console!r}")
+        if self.wandb_project and not wandb_available():
+            raise ValueError(f"logging.wandb_project is set but {WANDB_MISSING}")
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``zcpo train`` run needs, validated at start-up."""
+
+    model: ModelSource = field(default_factory=ModelSource)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(task="basic_arithmetic"))
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+
+    def validate(self) -> None:
+        """Cross-section checks (each section validates itself first)."""
+        self.diagnostics.check_algorithm(self.algorithm)
+        check_context_parallel(self.parallel, self.train, build_algorithm(self.algorithm), self.diagnostics.enabled)
+        if self.train.importance_sampling.enabled and self.algorithm.name == "gvpo":
+            raise ValueError("train.importance_sampling: algorithm gvpo takes no per-token weights")
+        if self.rollout.quantization and not self.train.importance_sampling.enabled:
+            raise ValueError("rollout.quantization needs train.importance_sampling.enabled=true "
+                             "(the quantised rollout policy differs from the trained one)")
+        if "quantization" in self.rollout.sglang.client:
+            raise ValueError("set rollout.quantization, not rollout.sglang.client.quantization")
+        if self.reward.overlong_penalty and self.reward.max_response_length != self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens} (the overlong penalty is measured against the generation cap)"
+            )
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.logging.run_dir) / "checkpoints")
+
+
+def _derived_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
+    """Fill keys whose default follows another key: the overlong penalty's L_max is the
+    generation cap, and its buffer L_cache 1/5 of it up to 4,096 (the paper: 20,480 and 4,096)."""
+    rollout = data.get("rollout") or {}
+    reward = data.setdefault("reward", {}) if isinstance(data.get("reward", {}), dict) else data["reward"]
+    if isinstance(reward, dict):
+        cap = reward.setdefault("max_response_length", rollout.get("max_new_tokens", RolloutConfig.max_new_tokens))
+        if isinstance(cap, int):
+            reward.setdefault("overlong_buffer", min(4096, max(1, cap // 5)))
+    return data
+
+
+def build_run_config(data: Dict[str, Any]) -> RunConfig:
+    """A validated :class:`RunConfig` from a plain dict; errors name the offending key."""
+    config = from_dict(RunConfig, _derived_defaults(dict(data)))
+    validate_tree(config)
+    return config
+
+
+def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunConfig:
+    """Read ``path`` (YAML; None for defaults only), apply ``key=value`` overrides, validate."""
+    data = load_yaml(path) if path else {}
+    return build_run_config(apply_overrides(data, overrides))
+
+
+def dump_run_config(config: RunConfig) -> str:
+    """The config as YAML (what the run actually used, all defaults filled in)."""
+    import yaml
+
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+__all__ = ["RunConfig", "ConfigError", "load_run_config", "build_run_config", "dump_run_config",
+           "ModelSource", "RolloutConfig", "EvalConfig", "CheckpointConfig", "LoggingConfig", "SGLangSection"]

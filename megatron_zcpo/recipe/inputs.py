@@ -1,0 +1,46 @@
+"""A run's inputs: its tokenizer, the model's architecture and initial weights, and the held-out prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from megatron_zcpo.recipe.config import RunConfig
+
+
+def load_tokenizer(config: RunConfig):
+    """The HF tokenizer of ``model.tokenizer``, else of ``model.path`` (its ``hf/`` when converted)."""
+    from transformers import AutoTokenizer
+
+    path = config.model.tokenizer
+    if path is None:
+        path = config.model.path
+        if (Path(path) / "hf").is_dir():  # a converted checkpoint carries the HF files here
+            path = str(Path(path) / "hf")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def resolve_model(path: str):
+    """(ModelConfig, initial weights) from a Megatron model checkpoint (its directory: each rank
+    loads its own shard) or an HF directory (a global state dict, converted in memory)."""
+    from megatron_zcpo.convert.checkpoint import megatron_checkpoint_dir, model_config_at
+    from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint
+    from megatron_zcpo.convert.mapping import hf_to_megatron_tensors
+
+    model_config, checkpoint = model_config_at(path), megatron_checkpoint_dir(path)
+    if checkpoint is not None:
+        return model_config, str(checkpoint)
+    return model_config, dict(hf_to_megatron_tensors(SafetensorsCheckpoint(path).tensor, model_config))
+
+
+def eval_records(config: RunConfig, tokenizer):
+    """Held-out prompts: ``eval.data``, else the training task drawn with ``eval.seed``."""
+    from megatron_zcpo.data.dataset import load_records, tokenize_records
+
+    data = config.eval.data
+    if data is None:
+        if not config.data.task:
+            return []  # file-based training data needs an explicit eval.data
+        data = dataclasses.replace(config.data, seed=config.eval.seed, task_size=config.eval.num_prompts)
+    records = load_records(data.validate())[: config.eval.num_prompts]
+    return tokenize_records(records, tokenizer, data.max_prompt_length, data.chat_template)

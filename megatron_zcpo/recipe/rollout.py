@@ -1,0 +1,177 @@
+"""The recipe's rollout side: engine construction, sampling with dynamic sampling, scoring, and the broadcast.
+
+Global rank 0 drives the rollout engine, the reward workers and the prompt stream
+(:class:`Rollout`); :func:`broadcast_samples` hands the kept groups to every trainer rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_zcpo.megatron.batch import RolloutSample
+from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.recipe.config import RunConfig
+
+
+def samples_from_groups(result, group_offset: int) -> List[RolloutSample]:
+    """Flatten dynamic sampling's kept groups into trainer samples (group ids unique per step)."""
+    samples = []
+    rewards = result.rewards
+    for group, (record, completions) in enumerate(zip(result.records, result.completions)):
+        for member, completion in enumerate(completions):
+            samples.append(RolloutSample(
+                prompt_ids=list(completion.prompt_ids),
+                response_ids=list(completion.output_ids),
+                group_id=group_offset + group,
+                reward=float(rewards.reward[group, member]),
+                trainable=bool(rewards.loss_mask[group, member]),
+                rollout_logprobs=list(completion.output_logprobs),
+                info={"score": float(rewards.score[group, member]),
+                      "truncated": bool(rewards.truncated[group, member]),
+                      "uid": record.uid},
+            ))
+    return samples
+
+
+def rollout_metrics(samples: Sequence[RolloutSample]) -> Dict[str, float]:
+    """Reward, accuracy and length statistics of the trained rollout."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()) if len(samples) > 1 else 0.0,
+        "rollout/accuracy": sum(s.info.get("score", 0.0) > 0 for s in samples) / len(samples),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/clip_ratio": sum(bool(s.info.get("truncated")) for s in samples) / len(samples),
+        "rollout/samples": float(len(samples)),
+        "rollout/groups": float(len({s.group_id for s in samples})),
+    }
+
+
+def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> List[RolloutSample]:
+    """Send rank ``src``'s rollout to every rank.
+
+    Per-token data travel as two flat tensors (int32 token ids, float32 rollout log-probs);
+    only the small per-sample fields go through the object broadcast. Returns the rollout as
+    every rank (the sender included) now holds it.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    device = compute_device()
+    header = [None]
+    if rank == src:
+        header[0] = [(len(s.prompt_ids), len(s.response_ids), s.group_id, s.reward, s.trainable,
+                      s.rollout_logprobs is not None, s.info) for s in samples]
+    dist.broadcast_object_list(header, src=src)
+    tokens = torch.empty(sum(p + r for p, r, *_ in header[0]), dtype=torch.int32, device=device)
+    logprobs = torch.empty(sum(r for _, r, _, _, _, has, _ in header[0] if has), dtype=torch.float32, device=device)
+    if rank == src:
+        tokens.copy_(torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.int32))
+        logprobs.copy_(torch.tensor([x for s in samples for x in (s.rollout_logprobs or ())], dtype=torch.float32))
+    dist.broadcast(tokens, src=src)
+    dist.broadcast(logprobs, src=src)
+    # Every rank, the sender too, rebuilds from the tensors: identical (float32) values everywhere.
+    flat_tokens, flat_logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()
+    token_offset, logprob_offset, out = 0, 0, []
+    for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info in header[0]:
+        prompt = flat_tokens[token_offset:token_offset + prompt_len]
+        response = flat_tokens[token_offset + prompt_len:token_offset + prompt_len + response_len]
+        token_offset += prompt_len + response_len
+        rollout_logprobs = None
+        if has_logprobs:
+            rollout_logprobs = flat_logprobs[logprob_offset:logprob_offset + response_len]
+            logprob_offset += response_len
+        out.append(RolloutSample(prompt, response, group_id, reward, trainable, rollout_logprobs, info))
+    return out
+
+
+def stop_token_ids(config: RunConfig, tokenizer) -> tuple:
+    """The configured stop tokens plus the tokenizer's end-of-sequence token."""
+    stop = list(config.rollout.stop_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop:
+        stop.append(tokenizer.eos_token_id)
+    return tuple(stop)
+
+
+def make_engine(config: RunConfig, model_config, tokenizer):
+    """The configured rollout engine: embedded (this process) or SGLang (launched or attached)."""
+    rollout = config.rollout
+    if rollout.engine == "embedded":
+        from megatron_zcpo.rollout.embedded import EmbeddedEngine
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return EmbeddedEngine(model_config, seed=rollout.seed, quantization=rollout.quantization, pad_token_id=pad)
+    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+
+    if not (rollout.sglang.server_urls or rollout.sglang.launch):
+        raise ValueError("rollout.engine=sglang needs rollout.sglang.server_urls (attach to running servers) "
+                         "or rollout.sglang.launch (start them)")
+    client = dict(rollout.sglang.client, quantization=rollout.quantization)
+    if rollout.sglang.launch is not None:
+        from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, launch_sglang
+
+        return launch_sglang(SGLangLauncher(SGLangServerConfig(**rollout.sglang.launch)), **client)
+    engine = SGLangEngine(SGLangEngineConfig(server_urls=list(rollout.sglang.server_urls),
+                                             router_url=rollout.sglang.router_url, **client))
+    engine.wait_until_healthy(client.get("connect_timeout_s", 600.0))
+    return engine
+
+
+class Rollout:
+    """Rank 0's rollout side: engine, prompt stream, reward workers and sampling parameters."""
+
+    def __init__(self, config: RunConfig, model_config, tokenizer):
+        from megatron_zcpo.data.dataset import build_prompt_dataset
+        from megatron_zcpo.rewards.scorer import RewardScorer
+        from megatron_zcpo.rollout.engine import SamplingParams
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.stop = stop_token_ids(config, tokenizer)
+        self.params = SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                                     top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
+                                     stop_token_ids=self.stop)
+        self.dataset = build_prompt_dataset(config.data, tokenizer)
+        self.scorer = RewardScorer(config.reward)
+        self.engine = make_engine(config, model_config, tokenizer)
+
+    def score(self, records, completions):
+        """The reward batch of ``completions`` (groups of Completion) for ``records``."""
+        return self.scorer.score_completions(records, completions, self.tokenizer)
+
+    def collect(self, step: int):
+        """One training batch of groups (dynamic sampling), as trainer samples and metrics."""
+        from megatron_zcpo.rollout.dynamic_sampling import sample_groups
+
+        rollout = self.config.rollout
+        result = sample_groups(
+            next_prompts=self.dataset.next_batch,
+            generate=lambda records: self.engine.generate([r.prompt_ids for r in records], self.params,
+                                                          n=rollout.samples_per_prompt),
+            score=self.score,
+            num_groups=rollout.prompts_per_step,
+            config=rollout.dynamic_sampling,
+        )
+        samples = samples_from_groups(result, group_offset=step * 10 ** 6)
+        metrics = dict(result.metrics)
+        metrics.update(result.rewards.metrics())
+        if samples:
+            metrics.update(rollout_metrics(samples))
+        return samples, metrics
+
+    def evaluate(self, records, step: int, run_dir: Path) -> Dict[str, float]:
+        """Held-out avg@k / pass@k at trainer step ``step``; per-sample results under ``run_dir/eval``."""
+        from megatron_zcpo.recipe.evaluation import run_evaluation
+
+        return run_evaluation(self.config, self.engine, records, self.score, self.stop,
+                              run_dir / "eval" / f"step_{step:06d}.json")
+
+    def close(self) -> None:
+        """Stop the reward workers and the engine."""
+        self.scorer.close()
+        self.engine.shutdown()

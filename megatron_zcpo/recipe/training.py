@@ -1,0 +1,188 @@
+"""The RL recipe, read top to bottom: setup, train (rollout -> rewards -> trainer step -> weight push), save, cleanup.
+
+A readable loop with no hidden trainer magic. Global rank 0 drives the rollout engine, the reward
+workers and the prompt stream (:class:`megatron_zcpo.recipe.rollout.Rollout`); every rank runs the
+Megatron trainer (PolicyTrainer) on the broadcast rollout, and the policy's weights go back to the
+engine after every step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from megatron_zcpo.recipe.config import RunConfig, dump_run_config
+
+
+class RLRecipe:
+    """One training run of a RunConfig in this (already launched) process group.
+
+    :meth:`setup` builds everything (and resumes), :meth:`train` runs the steps, :meth:`save`
+    checkpoints, :meth:`cleanup` stops the engine and the loggers. :func:`run_training` calls them.
+    """
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.rollout = None
+        self.logger = None
+
+    # ----------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        """Process groups, model, trainer, rollout side (rank 0), resume state, loggers, first weight push."""
+        import torch.distributed as dist
+
+        from megatron_zcpo.megatron.initialize import setup_megatron
+        from megatron_zcpo.recipe.inputs import eval_records, load_tokenizer
+        from megatron_zcpo.recipe.rollout import Rollout
+        from megatron_zcpo.recipe.weight_push import push_weights
+
+        config = self.config
+        setup_megatron(tensor_parallel=config.parallel.tensor, pipeline_parallel=config.parallel.pipeline,
+                       context_parallel=config.parallel.context, seed=config.train.seed)
+        self.rank = dist.get_rank()
+        self.run_dir = Path(config.logging.run_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_run_config(config))
+        tokenizer = load_tokenizer(config)
+        model_config = self._build_trainer(tokenizer)
+        self.rollout = Rollout(config, model_config, tokenizer) if self.rank == 0 else None
+        checkpoint = self._resume()
+        self.logger = self._make_logger() if self.rank == 0 else None
+        if self.logger and checkpoint is not None:
+            self.logger.print(f"resumed from {checkpoint} at step {self.start_step}")
+        self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
+        push_weights(self.trainer, self.engine, self.start_step)
+
+    def _build_trainer(self, tokenizer):
+        """``self.trainer`` on the configured model (random, HF or Megatron weights); returns its ModelConfig."""
+        from megatron_zcpo.diagnostics import build_diagnostics
+        from megatron_zcpo.megatron.trainer import PolicyTrainer
+        from megatron_zcpo.recipe.inputs import resolve_model
+
+        config = self.config
+        if config.model.path is not None:
+            model_config, initial = resolve_model(config.model.path)
+            reference = resolve_model(config.model.reference)[1] if config.model.reference else None
+        else:
+            model_config, initial, reference = config.model.architecture, None, None
+        if len(tokenizer) > model_config.vocab_size:
+            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model_config.vocab_size}")
+        self.trainer = PolicyTrainer(model_config, config.algorithm, config.train, config.parallel,
+                                     initial_weights=initial, reference_weights=reference,
+                                     temperature=config.rollout.temperature,
+                                     diagnostics=build_diagnostics(config.diagnostics, config.algorithm))
+        return model_config
+
+    def _resume(self) -> Optional[Path]:
+        """Load the checkpoint ``checkpoint.resume`` names (auto: the latest), if any; sets ``start_step``."""
+        from megatron_zcpo.megatron.checkpoint import find_latest
+
+        config = self.config
+        self.start_step = 0
+        resume = config.checkpoint.resume
+        checkpoint = None if resume == "never" else (find_latest(config.checkpoint_dir) if resume == "auto" else Path(resume))
+        if checkpoint is not None:
+            loop_state = self.trainer.load(checkpoint).get("loop", {})
+            self.start_step = self.trainer.step
+            if self.rank == 0 and "data" in loop_state:
+                self.rollout.dataset.load_state_dict(loop_state["data"])
+        return checkpoint
+
+    def _make_logger(self):
+        from megatron_zcpo.recipe.metrics_log import MetricsLogger
+
+        logging = self.config.logging
+        return MetricsLogger(self.run_dir, console=logging.console, tensorboard=logging.tensorboard,
+                             wandb_project=logging.wandb_project, total_steps=self.config.train.steps,
+                             start_step=self.start_step)
+
+    @property
+    def engine(self):
+        """Rank 0's rollout engine (None on the other ranks)."""
+        return self.rollout.engine if self.rollout is not None else None
+
+    # ----------------------------------------------------------------------------- train
+    def train(self) -> Dict[str, Any]:
+        """Every remaining step, with the configured evaluations and checkpoints; returns the run's summary."""
+        config, trainer = self.config, self.trainer
+        first_eval = self.evaluate(self.start_step) if config.eval.at_start and self.start_step == 0 else {}
+        last_eval: Dict[str, float] = {}
+        for step in range(self.start_step, config.train.steps):
+            self.train_step(step)
+            if config.eval.every and trainer.step % config.eval.every == 0 and trainer.step < config.train.steps:
+                last_eval = self.evaluate(trainer.step) or last_eval
+            if config.checkpoint.every and trainer.step % config.checkpoint.every == 0:
+                self.save(trainer.step)
+        if config.eval.at_end:
+            last_eval = self.evaluate(trainer.step) or last_eval
+        if not config.checkpoint.every or trainer.step % config.checkpoint.every:
+            self.save(trainer.step)
+        return {"run_dir": str(self.run_dir), "first_eval": first_eval, "last_eval": last_eval, "steps": trainer.step}
+
+    def train_step(self, step: int) -> None:
+        """Rollout (rank 0) -> broadcast -> trainer step -> weight push; logs the step's metrics."""
+        import torch.distributed as dist
+
+        from megatron_zcpo.recipe.rollout import broadcast_samples
+        from megatron_zcpo.recipe.weight_push import push_weights
+
+        started = time.perf_counter()
+        samples, rollout_stats = (self.rollout.collect(step) if self.rank == 0 else (None, {}))
+        time_rollout = time.perf_counter() - started
+        count = [len(samples) if self.rank == 0 else 0]
+        dist.broadcast_object_list(count, src=0)
+        if count[0] == 0:
+            raise RuntimeError(f"step {step}: dynamic sampling kept no group (see rollout.dynamic_sampling)")
+        samples = broadcast_samples(samples)
+        metrics = self.trainer.train_step(samples)
+        started_push = time.perf_counter()
+        push_weights(self.trainer, self.engine, self.trainer.step)
+        if self.rank != 0:
+            return
+        metrics.update(rollout_stats)
+        metrics.update({"time/rollout": time_rollout, "time/weight_sync": time.perf_counter() - started_push,
+                        "time/step": time.perf_counter() - started})
+        self.logger.log(self.trainer.step, metrics)
+        gap = metrics.get("rollout/logprob_diff_max", 0.0)
+        rollout = self.config.rollout
+        if step == 0 and rollout.engine == "embedded" and not rollout.quantization and gap > 1e-3:
+            self.logger.print(f"[yellow]warning: the embedded engine's log-probs differ from the trainer's by up "
+                              f"to {gap:.2e} at step 0 (same weights: expected < 1e-3)")
+
+    def evaluate(self, step: int) -> Dict[str, float]:
+        """Held-out metrics at trainer step ``step`` (rank 0, when there are held-out prompts; {} otherwise)."""
+        if self.rank != 0 or not self.held_out:
+            return {}
+        k = self.config.eval.k
+        metrics = self.rollout.evaluate(self.held_out, step, self.run_dir)
+        self.logger.log(step, metrics, advance=False)
+        self.logger.print(f"eval @ step {step}: avg@{k} = {metrics.get(f'eval/avg@{k}', math.nan):.3f}"
+                          f" on {int(metrics.get('eval/num_problems', 0))} problems x {k} samples")
+        return metrics
+
+    # ----------------------------------------------------------------------------- save & cleanup
+    def save(self, step: int) -> None:
+        """Checkpoint the trainer and the prompt stream at ``step`` (collective)."""
+        state = {"loop": {"data": self.rollout.dataset.state_dict()} if self.rank == 0 else {}}
+        # Every rank passes its state; rank 0's is the one written (it owns the prompt stream).
+        self.trainer.save(self.config.checkpoint_dir, state, keep_last=self.config.checkpoint.keep_last)
+
+    def cleanup(self) -> None:
+        """Stop the rollout side (engine, reward workers) and close the loggers."""
+        if self.rollout is not None:
+            self.rollout.close()
+        if self.logger is not None:
+            self.logger.close()
+
+
+def run_training(config: RunConfig) -> Dict[str, Any]:
+    """Run ``config`` in this (already launched) process group; returns a summary on rank 0."""
+    recipe = RLRecipe(config)
+    try:
+        recipe.setup()
+        return recipe.train()
+    finally:
+        recipe.cleanup()

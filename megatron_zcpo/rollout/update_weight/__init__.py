@@ -1,0 +1,17 @@
+"""Weight transports from the trainer (global rank 0) into SGLang servers, one module per transport.
+
+Each transport has ``push(named_hf_tensors, version)`` and ``close()``; the engine
+(:class:`megatron_zcpo.rollout.sglang_client.SGLangEngine`) picks one from
+``weight_sync`` and flushes and verifies the servers afterwards. The whole model streams
+through global rank 0 (see :func:`megatron_zcpo.recipe.weight_push.push_weights`).
+"""
+
+from megatron_zcpo.rollout.update_weight.disk import DiskWeightUpdate
+from megatron_zcpo.rollout.update_weight.distributed import DistributedWeightUpdate
+
+__all__ = ["DiskWeightUpdate", "DistributedWeightUpdate", "weight_update_for"]
+
+
+def weight_update_for(http, config):
+    """The transport ``config.weight_sync`` names ("distributed" or "disk") over ``http`` (SGLangHTTP)."""
+    return DiskWeightUpdate(http, config) if config.weight_sync == "disk" else DistributedWeightUpdate(http, config)

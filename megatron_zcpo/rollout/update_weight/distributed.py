@@ -1,0 +1,122 @@
+"""Weight push by NCCL broadcast: the trainer-to-SGLang weight-update group and its lifecycle.
+
+The trainer joins, as rank 0, a process group with every server's TP ranks
+(``/init_weights_update_group``, on first push); each bucket's metadata goes to
+``/update_weights_from_distributed`` while the tensors are broadcast; the last bucket carries
+the new version; :meth:`DistributedWeightUpdate.close` destroys the group on both sides.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import socket
+import threading
+import time
+from typing import Any, Dict, Iterable, Tuple
+
+import torch
+
+from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.rollout.weight_sync import bucket_tensors, dtype_name, init_custom_process_group, start_broadcast
+from megatron_zcpo.utils.runtime import free_port
+
+
+class DistributedWeightUpdate:
+    """NCCL (or gloo, ``group_backend``) broadcast of bucketed weights to every server."""
+
+    def __init__(self, http, config):
+        """http: the engine's SGLangHTTP; config: its SGLangEngineConfig (bucket_bytes, group_*, master_*)."""
+        self.http = http
+        self.config = config
+        self._group = None
+
+    def push(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast ``stream`` (HF name, tensor) in buckets of ``bucket_bytes``; the servers serve ``version`` after."""
+        if self._group is None:
+            self._join_group()
+        buckets = bucket_tensors(stream, self.config.bucket_bytes)
+        bucket = next(buckets, None)
+        if bucket is None:
+            raise ValueError("update_weights got an empty weight stream")
+        while bucket is not None:
+            following = next(buckets, None)  # look ahead: the last bucket carries the new version
+            request = {
+                "names": [name for name, _ in bucket],
+                "dtypes": [dtype_name(tensor.dtype) for _, tensor in bucket],
+                "shapes": [list(tensor.shape) for _, tensor in bucket],
+                "group_name": self.config.group_name,
+                "flush_cache": False,
+                "weight_version": None if following is not None else str(int(version)),
+            }
+            answer = self.http.submit(self.http.on_all_servers(
+                "POST", "/update_weights_from_distributed", request, retry=False, timeout=self.config.update_timeout_s
+            ))
+            self._wait_alongside(start_broadcast(bucket, self._group), answer, f"bucket {request['names'][:3]}...")
+            bucket = following
+
+    def _wait_alongside(self, works, answer: concurrent.futures.Future, what: str) -> None:
+        """Wait for collective ``works`` while the servers' HTTP ``answer`` is pending.
+
+        A server that refuses the request never joins the collective: raise at once (the group is
+        then unusable and dropped) instead of blocking until the group's timeout.
+        """
+        while not all(work.is_completed() for work in works):
+            if answer.done() and answer.exception() is not None:
+                self._group = None
+                raise RolloutError(f"weight update of {what} refused: {answer.exception()}") from answer.exception()
+            time.sleep(0.001)
+        for work in works:
+            work.wait()
+        answer.result()
+
+    def _join_group(self) -> None:
+        """Create the weight-update group: the servers join over HTTP while this process joins as rank 0."""
+        infos = self.http.run(self.http.on_all_servers("GET", "/get_server_info"))
+        tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
+        world_size = 1 + sum(tp_sizes)
+        address = self.config.master_address or socket.gethostbyname(socket.gethostname())
+        port = self.config.master_port or free_port()
+        requests = [
+            {
+                "master_address": address, "master_port": port, "rank_offset": 1 + sum(tp_sizes[:i]),
+                "world_size": world_size, "group_name": self.config.group_name, "backend": self.config.group_backend,
+            }
+            for i in range(len(tp_sizes))
+        ]
+        answer = self.http.submit(self.http.on_all_servers(
+            "POST", "/init_weights_update_group", payloads=requests, retry=False, timeout=self.config.group_timeout_s
+        ))
+        joined: Dict[str, Any] = {}
+
+        def join():
+            try:
+                joined["group"] = init_custom_process_group(
+                    self.config.group_backend, address, port, 0, world_size, self.config.group_name,
+                    timeout=datetime.timedelta(seconds=self.config.group_timeout_s),
+                )
+            except BaseException as err:  # noqa: BLE001 - reported to the waiting thread
+                joined["error"] = err
+
+        thread = threading.Thread(target=join, name="weight-update-group", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            if answer.done() and answer.exception() is not None:
+                raise RolloutError(f"servers refused the weight-update group: {answer.exception()}") from answer.exception()
+            thread.join(timeout=0.01)
+        if "error" in joined:
+            raise RolloutError(f"joining the weight-update group at {address}:{port} failed: {joined['error']!r}")
+        answer.result()
+        self._group = joined["group"]
+
+    def close(self) -> None:
+        """Leave the weight-update group on the servers and here (a no-op when never joined)."""
+        if self._group is None:
+            return
+        self.http.run(self.http.on_all_servers(
+            "POST", "/destroy_weights_update_group", {"group_name": self.config.group_name}, retry=False, timeout=30.0
+        ))
+        import torch.distributed as dist
+
+        dist.destroy_process_group(self._group)
+        self._group = None

@@ -1,0 +1,137 @@
+"""Shared tiny trainer runs for the trainer tests (module-level so spawned ranks can import them)."""
+
+import random
+
+from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.megatron.rollout_step import RolloutStep
+
+MODEL = ModelConfig(family="qwen2", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def rollout(num_groups=5, group_sizes=(3, 4, 2, 5, 4), seed=0, vocab=MODEL.vocab_size):
+    """A synthetic rollout: groups of unequal size, varied lengths, mixed rewards, one truncated."""
+    from megatron_zcpo.megatron.batch import RolloutSample
+
+    rng = random.Random(seed)
+    samples = []
+    for group in range(num_groups):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(2, 6))]
+        for member in range(group_sizes[group % len(group_sizes)]):
+            response = [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+            reward = 1.0 if rng.random() < 0.5 else -1.0
+            if group == 2:
+                reward = 1.0  # an all-tied group: gated out
+            samples.append(RolloutSample(prompt, response, group_id=100 + group, reward=reward,
+                                         trainable=not (group == 1 and member == 0)))
+    return samples
+
+
+def weights(seed):
+    """Global weights of a seeded single-process model (run inside a 1-rank group)."""
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
+    from megatron_zcpo.megatron.weights import gather_full_state_dict
+
+    setup_megatron(seed=seed)
+    return gather_full_state_dict(build_gpt_model(MODEL, transformer_config(MODEL)))
+
+
+def policy_and_reference(rank, world):
+    """Distinct policy and reference weights, so drifts (and ZCPO's K) are non-zero."""
+    return weights(21), weights(22)
+
+
+def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, micro_batch_tokens=24,
+                 distributed_optimizer=False, cp=1, packing="thd", importance_sampling=False, **algorithm_overrides):
+    from megatron_zcpo.algorithms import AlgorithmConfig
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.train_config import (
+        ImportanceSamplingConfig,
+        OptimizerSettings,
+        ParallelConfig,
+        TrainConfig,
+    )
+    from megatron_zcpo.megatron.trainer import PolicyTrainer
+
+    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, seed=9)
+    train = TrainConfig(steps=4, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens, packing=packing,
+                        optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0, adam_eps=1e-6, weight_decay=0.0),
+                        importance_sampling=ImportanceSamplingConfig(enabled=bool(importance_sampling),
+                                                                     **(importance_sampling or {})))
+    return PolicyTrainer(MODEL, AlgorithmConfig(name=algorithm, **algorithm_overrides), train,
+                         ParallelConfig(tensor=tp, pipeline=pp, context=cp, distributed_optimizer=distributed_optimizer),
+                         initial_weights=policy, reference_weights=reference)
+
+
+def with_rollout_logprobs(samples, seed=3):
+    """The samples with engine log-probs in [-12, -1] (the tiny model's are near -5.3): ratios from
+    about 0.01 (vetoed at veto=0.05) to past the upper threshold."""
+    rng = random.Random(seed)
+    for sample in samples:
+        sample.rollout_logprobs = [rng.uniform(-12.0, -1.0) for _ in sample.response_ids]
+    return samples
+
+
+def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distributed_optimizer=False, cp=1,
+               packing="thd", importance_sampling=False):
+    """Coefficients, metrics and the updated global weights after one rollout step."""
+    trainer = make_trainer(tp, pp, policy, reference, algorithm, distributed_optimizer=distributed_optimizer, cp=cp,
+                           packing=packing, importance_sampling=importance_sampling)
+    samples = rollout()
+    if importance_sampling:
+        samples = with_rollout_logprobs(samples)
+    plan = trainer.assign_minibatches(samples)
+    metrics = trainer.train_step(samples)
+    return {"coefficients": trainer.last_coefficients, "metrics": metrics, "params": trainer.global_state_dict(),
+            "my_samples": plan.my_indices, "groups_of_mine": sorted({samples[i].group_id for i in plan.my_indices})}
+
+
+def probe_norm(rank, world, tp, pp, policy, reference):
+    """||grad|| of the first mini-batch's loss through gradient_vector, and the update's own norm."""
+    trainer = make_trainer(tp, pp, policy, reference)
+    samples = rollout()
+    plan = trainer.assign_minibatches(samples)
+    experience = trainer.experience(samples, plan)
+    coefficients, stats = trainer.calibrate(samples, experience)
+    step = RolloutStep(samples, plan, experience, coefficients, stats)
+    normalizer = trainer.normalizer(samples, plan.minibatches[0])
+    vector = trainer.gradient_vector(step, plan.mine[0], normalizer, lambda inputs: trainer.algorithm_loss(inputs).loss)
+    probed = trainer.gradient_dot(vector, vector) ** 0.5
+    from megatron_zcpo.megatron.metrics import MetricAccumulator
+
+    grad_norms = trainer.update(step, MetricAccumulator())
+    return probed, grad_norms[0]
+
+
+def selfcheck(rank, world, tp, pp, policy, reference):
+    """Step-0 self-check: passes with policy == reference, raises when they differ."""
+    trainer = make_trainer(tp, pp, policy, None)
+    metrics = trainer.train_step(rollout())
+    broken = make_trainer(tp, pp, policy, reference)
+    broken.reference_is_initial_policy = True  # pretend: the reference should equal the policy
+    try:
+        broken.train_step(rollout())
+    except RuntimeError as error:
+        return metrics, str(error)
+    return metrics, None
+
+
+def bf16_steps(rank, world, tp):
+    """Two bf16 steps with the distributed optimizer (Float16 optimizer, fp32 main params)."""
+    from megatron_zcpo.algorithms import AlgorithmConfig
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.train_config import OptimizerSettings, ParallelConfig, TrainConfig
+    from megatron_zcpo.megatron.trainer import PolicyTrainer
+
+    setup_megatron(tensor_parallel=tp, seed=1)
+    trainer = PolicyTrainer(MODEL, AlgorithmConfig(name="zcpo"),
+                            TrainConfig(bf16=True, optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0)),
+                            ParallelConfig(tensor=tp, distributed_optimizer=True))
+    dtypes = {p.dtype for p in trainer.policy.parameters()}
+    return dtypes, [trainer.train_step(rollout(seed=seed)) for seed in (0, 1)]
+
+
+def build(rank, world, tp, pp, policy, reference, **options):
+    """Only construct the trainer (start-up validation); returns nothing."""
+    make_trainer(tp, pp, policy, reference, **options)

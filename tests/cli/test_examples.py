@@ -1,0 +1,250 @@
+"""examples/: every config validates as train.sbatch runs it, its layout fits 80 GB H100s, the scripts parse."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_zcpo.recipe.config import load_run_config
+from megatron_zcpo.cli.plan import model_config_of, plan_inputs
+from megatron_zcpo.megatron.checkpoint import write_model_config
+from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.megatron.planner import GIB, plan_memory, suggest_layout
+from megatron_zcpo.rollout.sglang_client import SGLangEngineConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+# config.json of the public checkpoints (Hugging Face hub).
+QWEN25_32B = ModelConfig(family="qwen2", hidden_size=5120, num_layers=64, num_attention_heads=40,
+                         num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
+                         max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, qkv_bias=True)
+LLAMA33_70B = ModelConfig(family="llama", hidden_size=8192, num_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                          tie_word_embeddings=False, qkv_bias=False,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+MODELS = {"qwen2.5-32b-zcpo": QWEN25_32B, "llama-3.3-70b-zcpo": LLAMA33_70B}
+# (training GPUs, GiB per GPU) quoted in the example's config.yaml and examples/README.md.
+QUOTED = {"qwen2.5-32b-zcpo": (32, 55.68), "llama-3.3-70b-zcpo": (64, 59.40)}
+
+
+def test_every_cluster_example_is_covered():
+    assert sorted(p.parent.name for p in EXAMPLES.glob("*/config.yaml")) == sorted(MODELS)
+
+
+def sbatch_settings(example: str) -> dict:
+    """The #SBATCH header and the layout variables (NAME=${NAME:-value}) of an example's train.sbatch."""
+    text = (EXAMPLES / example / "train.sbatch").read_text()
+    settings = {key: value for key, value in re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M)}
+    settings.update(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", text, re.M))
+    return settings
+
+
+def run_config(example: str, tmp_path: Path, extra=()):
+    """The example's config with the overrides train.sbatch passes (fake checkpoint and addresses).
+
+    The checkpoint directory holds only model_config.json of the real architecture: what
+    validation and the planner read.
+    """
+    checkpoint = tmp_path / "megatron_checkpoint"
+    write_model_config(checkpoint, MODELS[example])
+    overrides = [
+        f"model.path={checkpoint}",
+        'data.train_files=["/data/dapo-math-17k.parquet"]',
+        'eval.data.train_files=["/data/aime-2024.jsonl","/data/aime-2025.jsonl"]',
+        'rollout.sglang.server_urls=["http://rollout-0:30000","http://rollout-0:30010"]',
+        "rollout.sglang.router_url=http://rollout-0:29000",
+        f"logging.run_dir={tmp_path / 'run'}",
+        *extra,
+    ]
+    return load_run_config(str(EXAMPLES / example / "config.yaml"), overrides)
+
+
+@pytest.mark.parametrize("example", sorted(MODELS))
+def test_config_validates_with_the_sbatch_overrides(example, tmp_path):
+    config = run_config(example, tmp_path)
+    assert model_config_of(config) == MODELS[example]
+    assert config.rollout.engine == "sglang" and config.rollout.sglang.launch is None
+    # rollout.sglang.client is only read when the engine starts: check its keys now.
+    SGLangEngineConfig(server_urls=config.rollout.sglang.server_urls, router_url=config.rollout.sglang.router_url,
+                       **config.rollout.sglang.client).validate()
+    settings = sbatch_settings(example)
+    assert (int(settings["TRAIN_TP"]), int(settings["TRAIN_PP"])) == (config.parallel.tensor, config.parallel.pipeline)
+    assert settings["CONFIG"] == f"examples/{example}/config.yaml"
+
+
+@pytest.mark.parametrize("example", sorted(MODELS))
+def test_layout_fits_80gb_h100_and_is_the_planners_suggestion(example, tmp_path):
+    config = run_config(example, tmp_path)
+    settings = sbatch_settings(example)
+    gpus_per_node = int(settings["gpus-per-node"])
+    train_gpus = int(settings["TRAIN_NODES"]) * gpus_per_node
+    layout, workload = plan_inputs(config, train_gpus)
+    plan = plan_memory(model_config_of(config), layout, workload)
+    assert plan.fits, plan.to_dict()
+    assert (train_gpus, round(plan.total_bytes / GIB, 2)) == QUOTED[example]
+    suggested = suggest_layout(model_config_of(config), workload, train_gpus, base=layout)
+    assert suggested.layout == layout
+    # Rollout nodes: the rest of the allocation, whole SGLang servers per node.
+    rollout_nodes = int(settings["nodes"]) - int(settings["TRAIN_NODES"])
+    assert rollout_nodes >= 1 and gpus_per_node % int(settings["ROLLOUT_TP"]) == 0
+
+
+def test_70b_eight_node_variant_fits_with_the_reference_offloaded(tmp_path):
+    config = run_config("llama-3.3-70b-zcpo", tmp_path, ["train.reference_offload=true"])
+    layout, workload = plan_inputs(config, 32)
+    plan = plan_memory(model_config_of(config), layout, workload)
+    assert layout.data_parallel == 2 and workload.reference == "offloaded"
+    assert plan.fits and round(plan.total_bytes / GIB, 2) == 68.36
+    resident = plan_memory(model_config_of(config), layout, dataclasses.replace(workload, reference="resident"))
+    assert resident.total_bytes > plan.total_bytes
+
+
+def test_qwen_example_has_the_papers_hyper_parameters(tmp_path):
+    config = run_config("qwen2.5-32b-zcpo", tmp_path)
+    rollout, train, algorithm, reward = config.rollout, config.train, config.algorithm, config.reward
+    assert (rollout.samples_per_prompt, rollout.prompts_per_step, train.mini_batches) == (16, 512, 16)
+    assert (algorithm.name, algorithm.beta, algorithm.clip_low, algorithm.clip_high, algorithm.agg) == (
+        "zcpo", 4.0, 0.2, 0.28, "token-mean")
+    assert algorithm.resolved().kl_loss == "none" and algorithm.drift == "conditional_kl"
+    assert rollout.max_new_tokens == reward.max_response_length == 16384 + 4096 and reward.overlong_buffer == 4096
+    assert reward.overlong_penalty and reward.overlong_filter and rollout.dynamic_sampling.drop_tied_groups
+    assert (train.optimizer.lr, train.optimizer.warmup_steps, train.optimizer.schedule) == (1e-6, 20, "constant")
+    assert train.bf16 and config.parallel.distributed_optimizer and train.recompute == "full"
+    assert (config.eval.k, config.eval.temperature, config.eval.top_p) == (32, 1.0, 0.7)
+
+
+def load_sglang_node():
+    spec = importlib.util.spec_from_file_location("sglang_node", EXAMPLES / "common" / "sglang_node.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sglang_node_plans_two_tp4_servers_per_rollout_node():
+    sglang_node = load_sglang_node()
+    args = sglang_node.parse_args(["--model-path", "/models/Qwen2.5-32B", "--nodes", "gpu05,gpu06,gpu07,gpu08",
+                                   "--tp-size", "4"])
+    addresses = sglang_node.planned_addresses(sglang_node.server_config(args))
+    assert len(addresses["server_urls"]) == 8
+    assert addresses["server_urls"][:2] == ["http://gpu05:30000", "http://gpu05:30010"]
+    assert addresses["router_url"] == "http://gpu05:29000"
+
+
+FAKE_SRUN = """#!{python}
+# Stand-in for srun: logs each step, runs the address probe, fakes conversion and the SGLang step.
+import json, os, shutil, signal, subprocess, sys, time
+args = sys.argv[1:]
+options = [a for a in args[:next(i for i, a in enumerate(args) if not a.startswith("-"))]]
+command = args[len(options):]
+with open(os.environ["FAKE_SRUN_LOG"], "a") as log:
+    env = {{key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_MAX_CONNECTIONS")}}
+    log.write(json.dumps({{"options": options, "command": command, "env": env}}) + "\\n")
+if "--print" in command:
+    sys.exit(subprocess.call(command))
+if command[1:2] == ["tools/convert_hf_to_megatron.py"]:
+    out = command[command.index("--out") + 1]
+    os.makedirs(out)
+    shutil.copy(os.environ["FAKE_MODEL_CONFIG"], os.path.join(out, "model_config.json"))
+elif command[1:2] == ["examples/common/sglang_node.py"]:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    time.sleep(60)
+"""
+
+
+def fake_slurm_bin(tmp_path: Path) -> Path:
+    """srun, scontrol, curl and python stand-ins for running a train.sbatch without Slurm."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "srun": FAKE_SRUN.format(python=sys.executable),
+        "scontrol": "#!/bin/bash\nprintf 'gpu%02d\\n' $(seq 1 ${FAKE_NODES:-8})\n",
+        "curl": "#!/bin/bash\nexit 0\n",
+        "python": f"#!/bin/bash\nexec {sys.executable} \"$@\"\n",
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def run_sbatch(example: str, tmp_path: Path, args=(), **env_changes) -> list:
+    """Run ``examples/<example>/train.sbatch`` under the fake Slurm tools; the srun steps it issued."""
+    bin_dir = fake_slurm_bin(tmp_path)
+    write_model_config(tmp_path / "model_config_source", MODELS[example])
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "activate").write_text("")
+    log = tmp_path / "srun.jsonl"
+    env = dict(  # nothing else from this environment: no Slurm, layout or container variables leak in
+        PATH=f"{bin_dir}:{os.environ['PATH']}", HOME=os.environ.get("HOME", str(tmp_path)),
+        SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu[01-08]",
+        SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="64", SLURM_SUBMIT_DIR=str(ROOT),
+        HF_MODEL=str(tmp_path / "hf"), MEGATRON_CKPT=str(tmp_path / "ckpt"), RUN_DIR=str(tmp_path / "run"),
+        TRAIN_DATA="/data/dapo.parquet", EVAL_DATA="/data/aime24.jsonl,/data/aime25.jsonl",
+        VENV=str(tmp_path / "venv"), FAKE_SRUN_LOG=str(log), SGLANG_STARTUP_TIMEOUT="30",
+        FAKE_MODEL_CONFIG=str(tmp_path / "model_config_source" / "model_config.json"),
+    )
+    env.update(env_changes)
+    result = subprocess.run(["bash", f"examples/{example}/train.sbatch", *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_overrides(tmp_path):
+    steps = run_sbatch("qwen2.5-32b-zcpo", tmp_path, ["train.steps=3"], ZCPO_OVERRIDES="train.seed=7")
+    convert, probe, dry_run, sglang, train = steps
+    assert convert["command"][-4:] == ["--tp", "8", "--pp", "1"] and "--nodelist=gpu01" in convert["options"]
+    assert (tmp_path / "ckpt" / "model_config.json").is_file()  # renamed from .partial once complete
+    assert "--print" in probe["command"]
+    assert "--nodelist=gpu05,gpu06,gpu07,gpu08" in sglang["options"] and "--ntasks-per-node=1" in sglang["options"]
+    assert {"--nodes=4", "--ntasks-per-node=8", "--nodelist=gpu01,gpu02,gpu03,gpu04"} <= set(train["options"])
+    assert train["env"] == {"MASTER_ADDR": "gpu01", "MASTER_PORT": str(20000 + 4242),
+                            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert train["command"][:3] == ["zcpo", "train", "examples/qwen2.5-32b-zcpo/config.yaml"]
+    assert dry_run["command"] == train["command"] + ["--dry-run"]
+    # What the training tasks receive is a valid run config pointing at the servers just started.
+    config = load_run_config(train["command"][2], train["command"][3:])
+    assert config.model.path == str(tmp_path / "ckpt")
+    assert config.rollout.sglang.server_urls == [f"http://gpu{n:02d}:{port}"
+                                                 for n in range(5, 9) for port in (30000, 30010)]
+    assert config.rollout.sglang.router_url == "http://gpu05:29000"
+    assert config.data.train_files == ["/data/dapo.parquet"]
+    assert config.eval.data.train_files == ["/data/aime24.jsonl", "/data/aime25.jsonl"]
+    assert (config.train.steps, config.train.seed) == (3, 7)
+
+
+def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_path):
+    write_model_config(tmp_path / "ckpt", LLAMA33_70B)  # already converted: no conversion step
+    steps = run_sbatch("llama-3.3-70b-zcpo", tmp_path, FAKE_NODES="8",
+                       SGLANG_SERVER_URLS="http://infer1:30000,http://infer2:30000")
+    dry_run, train = steps
+    assert {"--nodes=8", "--ntasks-per-node=8"} <= set(train["options"])
+    config = load_run_config(train["command"][2], train["command"][3:])
+    assert config.rollout.sglang.server_urls == ["http://infer1:30000", "http://infer2:30000"]
+    assert config.rollout.sglang.router_url is None and config.parallel.pipeline == 2
+
+
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/*.s*")
+                                          if p.suffix in (".sbatch", ".sh")))
+def test_scripts_parse(script):
+    result = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_dockerfile_pins_its_base_image_and_installs_the_package_without_torch():
+    text = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.M).group(1)
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", base)
+    assert "pip install" in text and "-e ." in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {"runs/", ".venv/"} <= set(ignored)
