@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_zcpo.megatron.platform import has_cuda
+from megatron_zcpo.megatron.platform import has_cuda, local_cuda_device
 from megatron_zcpo.utils.runtime import free_port
 
 
@@ -63,7 +63,7 @@ def _init_process_group(timeout_minutes: float) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")
     backend = "nccl" if has_cuda() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_cuda_device(int(os.environ.get("LOCAL_RANK", 0))))
     dist.init_process_group(
         backend=backend,
         rank=int(os.environ["RANK"]),

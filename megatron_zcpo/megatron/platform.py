@@ -345,6 +345,25 @@ def _patch_adam_state_init() -> None:
     MegatronOptimizer.__init__ = init
 
 
+def local_cuda_device(local_rank: int) -> int:
+    """The CUDA device index this process should use, given its rank on the node.
+
+    With one device visible (``srun --gpus-per-task=1`` or a per-task ``CUDA_VISIBLE_DEVICES``)
+    every task sees only its own GPU as device 0, whatever its LOCAL_RANK; with several visible,
+    tasks share the node's devices and take device ``local_rank``. Raises ``ValueError`` when
+    ``local_rank`` names a device that is not visible.
+    """
+    count = torch.cuda.device_count()
+    if count == 1:
+        return 0
+    if not 0 <= local_rank < count:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but this task sees {count} CUDA device(s): start one task per"
+            " GPU with as many visible devices as tasks per node, or one visible device per task"
+        )
+    return local_rank
+
+
 def activate() -> bool:
     """Install the CPU platform patches if (and only if) CUDA is unavailable.
 
