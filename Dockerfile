@@ -12,7 +12,7 @@
 # (Ubuntu 24.04's system Python, packages in /usr/local/lib/python3.12/dist-packages),
 # Transformer Engine 2.10.0, NVIDIA apex, NCCL 2.28.9, cuDNN 9.17.0, flash-attn 2.7.4.post1.
 # Why this tag: the newest release whose contents we could confirm, with TE + apex built against
-# its own torch (a pip torch would break both), and Python 3.12, which megatron-core >= 0.17 needs.
+# its own torch (a pip torch would break both), Python 3.12.
 # CUDA 13.1 needs an R580 or newer driver on the nodes (NGC's forward-compatibility layer covers
 # some older data-center branches; see the release notes' driver section). For an R570 cluster,
 # build with --build-arg BASE_IMAGE=<a CUDA 12.9 NGC PyTorch tag> instead.
@@ -29,11 +29,14 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -c "import torch; print(torch.__version__)" > /opt/base-torch-version
 
 # ---------------------------------------------------------------------------------------------
-# megatron-core 0.19.2: the newest release for Python 3.12 (0.17+ require Python >= 3.12; its
-# only hard requirements are torch>=2.6, numpy, packaging). The CPU development machines run
-# Python 3.11 and test against 0.16.1, the newest for 3.11: if the trainer disagrees with 0.19,
-# build with --build-arg MCORE_VERSION=0.16.1.
-ARG MCORE_VERSION=0.19.2
+# megatron-core 0.16.1: the release the whole test suite runs on (megatron_zcpo/megatron/compat.py
+# lists every megatron-core internal we use and checks them; the last step below runs that check).
+# 0.16.1 declares Python >= 3.10 (3.12 included) and transformer-engine >=2.9,<2.12, which the
+# base's TE 2.10 meets. 0.19.2 (Python >= 3.12 only) was read against our code: it removes
+# dist_checkpointing.strategies.base and ignores custom save strategies, which breaks
+# checkpoint conversion (convert/checkpoint.py); compat.py's notes list the rest. Build with
+# --build-arg MCORE_VERSION=<other> only together with a compat.py that passes on it.
+ARG MCORE_VERSION=0.16.1
 RUN pip install "megatron-core==${MCORE_VERSION}"
 
 # nvidia-modelopt (FP8 rollouts: quantise the pushed policy weights). NGC PyTorch images carry
@@ -95,5 +98,7 @@ for name in ("torch", "transformer-engine", "apex", "megatron-core", "nvidia-mod
         print(f"{name:20s} (not installed)")
 print(f"{'CUDA':20s} {torch.version.cuda}")
 EOF
+# Every megatron-core internal the code relies on is present with the arguments it passes.
+RUN python -m megatron_zcpo.megatron.compat
 RUN /opt/sglang/bin/python -c "import importlib.metadata as md; \
 print(*(f'{n} {md.version(n)}' for n in ('sglang', 'sglang-router', 'torch', 'nvidia-nccl-cu12')), sep='\n')"

@@ -6,7 +6,7 @@ from setuptools import find_packages, setup
 # newest releases that GPU clusters run (the NGC image pins its own torch, TE and apex).
 INSTALL_REQUIRES = [
     "torch>=2.4",
-    "megatron-core>=0.16.1",
+    "megatron-core==0.16.1",  # the release every test runs on (megatron_zcpo/megatron/compat.py)
     "numpy>=1.26",
     "pyyaml>=6.0",
     "psutil>=5.9",  # megatron-core's dist_checkpointing imports it in its forked checkpoint writers
