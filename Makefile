@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install install-dev demo test
+.PHONY: install install-dev demo test gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +26,9 @@ demo: install
 # Exit code 5 means "no tests collected": not a failure of the suite.
 test: install-dev
 	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+# GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3
+# is the default PYTHON; elsewhere: make gpu-check PYTHON=.venv/bin/python). Without a GPU it runs
+# the CPU-checkable parts, prints "no GPU: skipped ..." and exits 3.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
