@@ -1,11 +1,13 @@
-"""A local HTTP server speaking SGLang v0.5.3's native API over any RolloutEngine (tests, CPU smoke runs).
+"""A local HTTP server speaking SGLang's native API over any RolloutEngine (tests, CPU smoke runs).
 
-It answers the endpoints :mod:`megatron_zcpo.rollout.sglang_client` uses with SGLang's request
-and response schema, serves /generate from a backend engine (e.g. :class:`EmbeddedEngine`), loads
-pushed weights into it (received by broadcast in a weight-update group, or read from safetensors
-on disk), and can misbehave on purpose: ``faults`` maps an endpoint path to actions used by its
-next requests, in order: "drop" (close the connection without answering), "503", or "hang"
-(never answer).
+It speaks the API of one SGLang release (:mod:`megatron_zcpo.rollout.sglang_api`: the pinned
+0.5.3.post3 by default, or the newest checked one): every request is validated against that
+release's endpoint table first, so an unknown path answers 404, another method 405 and a body
+with a missing, unknown or mistyped field 400, as SGLang does (stricter on unknown fields). It
+serves /generate from a backend engine (e.g. :class:`EmbeddedEngine`), loads pushed weights into
+it (received by broadcast in a weight-update group, or read from safetensors on disk), and can
+misbehave on purpose: ``faults`` maps an endpoint path to actions used by its next requests, in
+order: "drop" (close the connection without answering), "503", or "hang" (never answer).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from megatron_zcpo.rollout.engine import RolloutEngine, SamplingParams
+from megatron_zcpo.rollout.sglang_api import PINNED_RELEASE, RELEASES, check_request
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 
 FAULTS = ("drop", "503", "hang")
@@ -25,11 +28,15 @@ class MockSGLangServer:
 
     ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
     weight-update group (the mock joins with one process and counts as ``tp_size`` = 1).
-    ``events`` records (path, detail) of every request handled, for tests.
+    ``release``: the SGLang release whose API it speaks. ``events`` records (path, detail) of every
+    request, for tests: detail "ok", a fault action, or the status a refused request got.
     """
 
     def __init__(self, backend: RolloutEngine, *, host: str = "127.0.0.1", port: int = 0,
-                 faults: Optional[Dict[str, List[str]]] = None):
+                 faults: Optional[Dict[str, List[str]]] = None, release: str = PINNED_RELEASE):
+        if release not in RELEASES:
+            raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
+        self.release = release
         for path, actions in (faults or {}).items():
             unknown = [a for a in actions if a not in FAULTS]
             if unknown:
@@ -68,23 +75,17 @@ class MockSGLangServer:
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
         app = web.Application(client_max_size=2**30)
-        routes = {
-            ("POST", "/generate"): self._generate,
-            ("GET", "/health"): self._health,
-            ("GET", "/health_generate"): self._health,
-            ("GET", "/get_model_info"): self._model_info,
-            ("GET", "/get_server_info"): self._server_info,
-            ("GET", "/get_weight_version"): self._get_weight_version,
-            ("POST", "/flush_cache"): self._flush_cache,
-            ("GET", "/flush_cache"): self._flush_cache,
-            ("POST", "/abort_request"): self._abort_request,
-            ("POST", "/update_weights_from_disk"): self._update_from_disk,
-            ("POST", "/init_weights_update_group"): self._init_group,
-            ("POST", "/update_weights_from_distributed"): self._update_from_distributed,
-            ("POST", "/destroy_weights_update_group"): self._destroy_group,
+        self._handlers = {
+            "/generate": self._generate, "/health": self._health, "/health_generate": self._health,
+            "/get_model_info": self._model_info, "/model_info": self._model_info,
+            "/get_weight_version": self._get_weight_version,
+            "/get_server_info": self._server_info, "/server_info": self._server_info,
+            "/flush_cache": self._flush_cache, "/abort_request": self._abort_request,
+            "/update_weights_from_disk": self._update_from_disk, "/init_weights_update_group": self._init_group,
+            "/update_weights_from_distributed": self._update_from_distributed,
+            "/destroy_weights_update_group": self._destroy_group,
         }
-        for (method, path), handler in routes.items():
-            app.router.add_route(method, path, self._with_faults(path, handler))
+        app.router.add_route("*", "/{path:.*}", self._dispatch)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -114,23 +115,37 @@ class MockSGLangServer:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _with_faults(self, path, handler):
+    async def _dispatch(self, request):
+        """Validate against the release's API (404 / 405 / 400 like SGLang), then faults, then the handler."""
         from aiohttp import web
 
-        async def handle(request):
-            queue = self.faults.get(path)
-            action = queue.pop(0) if queue else None
-            self.events.append((path, action or "ok"))
-            if action == "503":
-                return web.Response(status=503, text="Service Unavailable")
-            if action == "hang":
-                await asyncio.sleep(3600)
-            if action == "drop":
-                request.transport.close()
-                raise ConnectionResetError("mock server dropped the connection")
-            return await handler(request)
-
-        return handle
+        path = request.path
+        body = None
+        if request.can_read_body:
+            try:
+                body = await request.json()
+            except ValueError:
+                body = "<not JSON>"
+        refused = check_request(request.method, path, body, self.release)
+        if refused is not None:
+            status, reason = refused
+            self.events.append((path, str(status)))
+            if status == 404:
+                return web.json_response({"detail": "Not Found"}, status=404)
+            if status == 405:
+                return web.json_response({"detail": "Method Not Allowed"}, status=405)
+            return web.json_response({"error": {"message": reason, "type": "Bad Request", "code": 400}}, status=400)
+        queue = self.faults.get(path)
+        action = queue.pop(0) if queue else None
+        self.events.append((path, action or "ok"))
+        if action == "503":
+            return web.Response(status=503, text="Service Unavailable")
+        if action == "hang":
+            await asyncio.sleep(3600)
+        if action == "drop":
+            request.transport.close()
+            raise ConnectionResetError("mock server dropped the connection")
+        return await self._handlers[path](request)
 
     async def _blocking(self, fn, *args):
         """Run ``fn`` off the event loop (the backend computes; group operations block)."""
@@ -197,12 +212,13 @@ class MockSGLangServer:
     async def _model_info(self, request):
         from aiohttp import web
 
-        return web.json_response({"model_path": "mock", "is_generation": True, "weight_version": self.served_version})
+        return web.json_response({"model_path": "mock", "tokenizer_path": "mock", "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": self.served_version})
 
     async def _server_info(self, request):
         from aiohttp import web
 
-        return web.json_response({"tp_size": 1, "dp_size": 1, "weight_version": self.served_version, "version": "mock-0.5.3"})
+        return web.json_response({"tp_size": 1, "dp_size": 1, "version": f"mock-{self.release}"})
 
     async def _get_weight_version(self, request):
         from aiohttp import web

@@ -1,13 +1,15 @@
 """Rollouts from SGLang servers over HTTP: async /generate with retries, health, served weight versions.
 
-Follows the native HTTP API of SGLang v0.5.3 (python/sglang/srt/entrypoints/http_server.py,
-managers/io_struct.py, sampling/sampling_params.py):
+Speaks the native HTTP API of SGLang 0.5.3.post3 (the pinned release) and 0.5.23 (the newest
+checked); every endpoint, field and status code used here is listed, per release, in
+:mod:`megatron_zcpo.rollout.sglang_api`:
 - ``POST /generate`` {rid, input_ids, sampling_params, return_logprob, stream: false} ->
   {text, output_ids, meta_info: {finish_reason: {type: "stop"|"length"|"abort", ...},
   output_token_logprobs: [[logprob, token_id, text|null], ...], weight_version, ...}};
-- ``GET /health_generate`` (200 once the server generates), ``GET /get_server_info`` (tp_size),
-  ``POST /flush_cache`` (400 while requests run), ``POST /abort_request`` {rid | abort_all};
-- ``GET /get_weight_version`` -> {weight_version} (newer releases moved it to ``GET /model_info``);
+- ``GET /health_generate`` (200 once the server generates), ``GET /get_server_info`` (tp_size;
+  ``/server_info`` where it is gone), ``POST /flush_cache`` (400 while requests run),
+  ``POST /abort_request`` {rid | abort_all};
+- ``GET /get_model_info`` -> {weight_version, ...} (``/model_info`` where it is gone);
 - ``POST /init_weights_update_group`` {master_address, master_port, rank_offset, world_size,
   group_name, backend}, ``POST /update_weights_from_distributed`` {names, dtypes, shapes,
   group_name, flush_cache, weight_version} (the tensors then arrive by broadcast from rank 0, in
@@ -35,7 +37,8 @@ from megatron_zcpo.rollout.engine import (
     SamplingParams,
     validate_prompts,
 )
-from megatron_zcpo.rollout.sglang_http import RETRYABLE, SGLangHTTP, SGLangHTTPError
+from megatron_zcpo.rollout.sglang_api import MODEL_INFO_PATHS
+from megatron_zcpo.rollout.sglang_http import RETRYABLE, SGLangHTTP
 from megatron_zcpo.rollout.update_weight import weight_update_for
 
 logger = logging.getLogger(__name__)
@@ -53,8 +56,9 @@ class SGLangEngineConfig:
     with ``request_timeout_s``; connection errors, timeouts and 5xx answers are retried
     ``max_retries`` times with exponential backoff from ``backoff_s`` up to ``backoff_max_s``.
     Weight push: ``weight_sync`` "distributed" (NCCL broadcast in buckets of ``bucket_bytes``
-    through a weight-update group named ``group_name``; this host is reachable from the servers
-    at ``master_address``) or "disk" (safetensors under ``weight_dir``, a directory the servers
+    through a weight-update group named ``group_name``; the servers reach this host at
+    ``master_address``, by default the local address of the route to the first server, see
+    :func:`megatron_zcpo.utils.network.master_address_for`) or "disk" (safetensors under ``weight_dir``, a directory the servers
     can read). ``quantization`` "fp8" pushes modelopt FP8 weights (servers launched with
     modelopt FP8 quantisation; turn the trainer's importance-sampling correction on).
     ``sampling_seeds``: forward ``SamplingParams.seed`` as SGLang's per-request ``sampling_seed``
@@ -275,16 +279,10 @@ class SGLangEngine(RolloutEngine):
         return dict(zip(self.config.server_urls, self._http.run(self._served_versions())))
 
     async def _served_versions(self) -> List[int]:
-        async def version(url):
-            try:
-                answer = await self._http.request("GET", url + "/get_weight_version")
-            except SGLangHTTPError as err:
-                if err.status != 404:
-                    raise
-                answer = await self._http.request("GET", url + "/model_info")
-            return parse_weight_version(answer["weight_version"])
-
-        return await asyncio.gather(*(version(url) for url in self.config.server_urls))
+        # /get_model_info carries weight_version in 0.5.3.post3 and (deprecated) in 0.5.23, whose
+        # /get_weight_version is gone; /model_info is its newer name.
+        answers = await self._http.get_from_all_servers(MODEL_INFO_PATHS)
+        return [parse_weight_version(answer["weight_version"]) for answer in answers]
 
     def weight_version(self) -> int:
         """The version all servers serve; raises ``RolloutError`` naming them when they disagree."""

@@ -151,6 +151,23 @@ class SGLangHTTP:
             self.request(method, url + path, body, **kwargs) for url, body in zip(self.config.server_urls, payloads)
         ))
 
+    async def get_from_all_servers(self, paths: Sequence[str]) -> List[Any]:
+        """``GET`` on every server the first of ``paths`` it serves (a 404 moves to the next path).
+
+        For endpoints SGLang renamed between releases (see :mod:`megatron_zcpo.rollout.sglang_api`):
+        the pinned release's name first, then the newer one.
+        """
+        async def first_served(url):
+            for path in paths[:-1]:
+                try:
+                    return await self.request("GET", url + path)
+                except SGLangHTTPError as err:
+                    if err.status != 404:
+                        raise
+            return await self.request("GET", url + paths[-1])
+
+        return await asyncio.gather(*(first_served(url) for url in self.config.server_urls))
+
     async def abort_quietly(self, rid: str) -> None:
         """Best effort: tell every server to drop request ``rid`` (it runs on one of them)."""
         async def abort(url):

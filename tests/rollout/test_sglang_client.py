@@ -204,8 +204,9 @@ def _distributed_push(rank, world, port, model_config):
     model = build_gpt_model(model_config, transformer_config(model_config, tensor_parallel=2))
     expected = {h: t for n, w in gather_full_state_dict(model).items() for h, t in megatron_to_hf_tensors(n, w, model_config)}
     if rank == 0:
+        # No master_address: the route to the (local) server gives it.
         config = SGLangEngineConfig(server_urls=[f"http://127.0.0.1:{port}"], group_backend="gloo",
-                                    master_address="127.0.0.1", bucket_bytes=40_000, group_timeout_s=120)
+                                    bucket_bytes=40_000, group_timeout_s=120)
         with SGLangEngine(config) as engine:
             engine.wait_until_healthy(timeout_s=60, poll_s=0.1)
             engine.update_weights(iter_hf_weights(model, model_config), version=7)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import socket
 import threading
 import time
 from typing import Any, Dict, Iterable, Tuple
@@ -18,7 +17,9 @@ from typing import Any, Dict, Iterable, Tuple
 import torch
 
 from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.rollout.sglang_api import SERVER_INFO_PATHS
 from megatron_zcpo.rollout.weight_sync import bucket_tensors, dtype_name, init_custom_process_group, start_broadcast
+from megatron_zcpo.utils.network import master_address_for
 from megatron_zcpo.utils.runtime import free_port
 
 
@@ -72,10 +73,13 @@ class DistributedWeightUpdate:
 
     def _join_group(self) -> None:
         """Create the weight-update group: the servers join over HTTP while this process joins as rank 0."""
-        infos = self.http.run(self.http.on_all_servers("GET", "/get_server_info"))
+        try:  # before any request: an address the servers cannot reach would stall them for the group timeout
+            address = master_address_for(self.config.server_urls, self.config.master_address)
+        except ValueError as error:
+            raise RolloutError(f"weight-update group: {error}") from None
+        infos = self.http.run(self.http.get_from_all_servers(SERVER_INFO_PATHS))
         tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
         world_size = 1 + sum(tp_sizes)
-        address = self.config.master_address or socket.gethostbyname(socket.gethostname())
         port = self.config.master_port or free_port()
         requests = [
             {

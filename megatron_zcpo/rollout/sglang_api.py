@@ -1,0 +1,152 @@
+"""SGLang's native HTTP API as this package uses it: every endpoint, request field and answer, per release.
+
+Read from SGLang's own sources (python/sglang/srt/entrypoints/http_server.py, managers/io_struct.py,
+sampling/sampling_params.py) of the release the Dockerfile pins, 0.5.3.post3, and of the newest
+release at the time of the check, 0.5.23 (2026-12). The client (:mod:`sglang_client`) and the
+mock server (:mod:`mock_server`, which validates every request against this table) use it.
+
+| endpoint | 0.5.3.post3 | 0.5.23 | we send / read |
+| --- | --- | --- | --- |
+| POST /generate | yes | yes | rid, input_ids, sampling_params, return_logprob, stream / output_ids, meta_info.{id, finish_reason.type, output_token_logprobs, weight_version, cached_tokens} |
+| GET /health_generate | yes | yes | 200 once generating |
+| GET /get_model_info | yes | yes (deprecated alias of /model_info) | weight_version |
+| GET /model_info | no (404) | yes | weight_version (fallback when /get_model_info is gone) |
+| GET /get_weight_version | yes | no (404): not used | |
+| GET /get_server_info | yes | yes (deprecated alias of /server_info) | tp_size |
+| GET /server_info | no (404) | yes | tp_size (fallback) |
+| POST /flush_cache | yes | yes | 200, or 400 while requests run |
+| POST /abort_request | yes | yes | rid or abort_all / 200 |
+| POST /update_weights_from_disk | yes | yes | model_path, weight_version / {success, message, num_paused_requests} |
+| POST /init_weights_update_group | yes | yes | master_address, master_port, rank_offset, world_size, group_name, backend / {success, message} |
+| POST /update_weights_from_distributed | yes | yes | names, dtypes, shapes, group_name, flush_cache, weight_version / {success, message} |
+| POST /destroy_weights_update_group | yes | yes | group_name / {success, message} |
+
+Launch (:mod:`sglang_server`): ``python -m sglang.launch_server`` with ``--model-path --host --port
+--tp-size --mem-fraction-static --dtype --random-seed`` and optionally ``--context-length`` and
+``--quantization modelopt_fp8``: ServerArgs fields in both releases (0.5.23 derives its flags from
+the field names).
+
+Status codes (both releases): an unknown path is 404 and a known path with another method 405
+(FastAPI); a body that does not validate is 400 (SGLang turns FastAPI's 422 into 400); weight
+updates answer 200 with success true or 400 with success false and the reason. SGLang ignores
+unknown body fields; :func:`check_request` rejects them, so a misspelt optional field fails a test
+instead of silently doing nothing on a cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+PINNED_RELEASE = "0.5.3.post3"
+NEWEST_CHECKED_RELEASE = "0.5.23"
+RELEASES = (PINNED_RELEASE, NEWEST_CHECKED_RELEASE)
+# Renamed endpoints, the pinned release's name first (both releases still answer it).
+MODEL_INFO_PATHS = ("/get_model_info", "/model_info")
+SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
+
+
+def _is(kind) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+
+
+def _optional(check) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _list_of(check) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(check(item) for item in value)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_STR, _INT, _BOOL = _is(str), _is(int), _is(bool)
+_INT_LIST = _list_of(_INT)
+_RID = _optional(lambda value: _STR(value) or _list_of(_STR)(value))
+
+# SGLang's SamplingParams keywords a request may carry (those we send, and their neighbours).
+SAMPLING_FIELDS: Dict[str, Callable[[Any], bool]] = {
+    "temperature": _number, "top_p": _number, "top_k": _INT, "min_p": _number, "max_new_tokens": _optional(_INT),
+    "min_new_tokens": _INT, "stop": _optional(lambda v: _STR(v) or _list_of(_STR)(v)),
+    "stop_token_ids": _optional(_INT_LIST), "ignore_eos": _BOOL, "skip_special_tokens": _BOOL,
+    "spaces_between_special_tokens": _BOOL, "no_stop_trim": _BOOL, "sampling_seed": _optional(_INT),
+    "frequency_penalty": _number, "presence_penalty": _number, "repetition_penalty": _number, "n": _INT,
+}
+
+
+@dataclass(frozen=True)
+class SGLangEndpoint:
+    """One endpoint: its methods, body fields (required / optional, each with a type check), releases."""
+
+    path: str
+    methods: Tuple[str, ...]
+    required: Dict[str, Callable[[Any], bool]] = field(default_factory=dict)
+    optional: Dict[str, Callable[[Any], bool]] = field(default_factory=dict)
+    releases: Tuple[str, ...] = RELEASES
+
+
+_GROUP = {"group_name": _STR}
+_WEIGHT_UPDATE = {"flush_cache": _BOOL, "abort_all_requests": _BOOL, "weight_version": _optional(_STR)}
+
+ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
+    SGLangEndpoint("/generate", ("POST", "PUT"), optional={
+        "rid": _RID, "input_ids": lambda v: _INT_LIST(v) or _list_of(_INT_LIST)(v), "text": _optional(_STR),
+        "sampling_params": _optional(lambda v: isinstance(v, dict)), "return_logprob": _optional(_BOOL),
+        "stream": _BOOL, "logprob_start_len": _optional(_INT), "top_logprobs_num": _optional(_INT),
+        "return_text_in_logprobs": _BOOL}),
+    SGLangEndpoint("/health", ("GET",)),
+    SGLangEndpoint("/health_generate", ("GET",)),
+    SGLangEndpoint("/get_model_info", ("GET",)),
+    SGLangEndpoint("/model_info", ("GET",), releases=(NEWEST_CHECKED_RELEASE,)),
+    SGLangEndpoint("/get_weight_version", ("GET",), releases=(PINNED_RELEASE,)),
+    SGLangEndpoint("/get_server_info", ("GET",)),
+    SGLangEndpoint("/server_info", ("GET",), releases=(NEWEST_CHECKED_RELEASE,)),
+    SGLangEndpoint("/flush_cache", ("GET", "POST")),
+    SGLangEndpoint("/abort_request", ("POST",), optional={"rid": _RID, "abort_all": _BOOL}),
+    SGLangEndpoint("/update_weights_from_disk", ("POST",), required={"model_path": _STR}, optional={
+        "rid": _RID, "load_format": _optional(_STR), "abort_all_requests": _BOOL, "weight_version": _optional(_STR),
+        "is_async": _BOOL, "torch_empty_cache": _BOOL, "keep_pause": _BOOL, "token_step": _INT}),
+    SGLangEndpoint("/init_weights_update_group", ("POST",),
+                   required={"master_address": _STR, "master_port": _INT, "rank_offset": _INT, "world_size": _INT},
+                   optional={"rid": _RID, "backend": _STR, **_GROUP}),
+    SGLangEndpoint("/update_weights_from_distributed", ("POST",),
+                   required={"names": _list_of(_STR), "dtypes": _list_of(_STR), "shapes": _list_of(_INT_LIST)},
+                   optional={"rid": _RID, **_GROUP, **_WEIGHT_UPDATE}),
+    SGLangEndpoint("/destroy_weights_update_group", ("POST",), optional={"rid": _RID, **_GROUP}),
+)
+
+
+def endpoint(path: str, release: str = PINNED_RELEASE) -> Optional[SGLangEndpoint]:
+    """The endpoint at ``path`` in ``release``, or None where that release has none (a 404)."""
+    for candidate in ENDPOINTS:
+        if candidate.path == path and release in candidate.releases:
+            return candidate
+    return None
+
+
+def check_request(method: str, path: str, body: Any, release: str = PINNED_RELEASE) -> Optional[Tuple[int, str]]:
+    """``(status, reason)`` SGLang ``release`` would refuse this request with (stricter on unknown
+    fields, see the module docstring), or None when it is well-formed. ``body``: the parsed JSON, or
+    None without one."""
+    found = endpoint(path, release)
+    if found is None:
+        return 404, f"Not Found: SGLang {release} has no {path}"
+    if method not in found.methods:
+        return 405, f"Method Not Allowed: {method} {path} (allowed: {', '.join(found.methods)})"
+    if not found.required and not found.optional:
+        return None
+    if not isinstance(body, dict):
+        return 400, f"{path}: the body must be a JSON object, got {type(body).__name__}"
+    missing = [name for name in found.required if name not in body]
+    unknown = [name for name in body if name not in found.required and name not in found.optional]
+    wrong = [name for name, check in {**found.required, **found.optional}.items() if name in body and not check(body[name])]
+    if path == "/generate" and isinstance(body.get("sampling_params"), dict):
+        params = body["sampling_params"]
+        unknown += [f"sampling_params.{name}" for name in params if name not in SAMPLING_FIELDS]
+        wrong += [f"sampling_params.{name}" for name, value in params.items()
+                  if name in SAMPLING_FIELDS and not SAMPLING_FIELDS[name](value)]
+    problems = [f"{label}: {', '.join(names)}" for label, names in
+                (("missing", missing), ("unknown", unknown), ("wrong type", wrong)) if names]
+    return (400, f"{path}: " + "; ".join(problems)) if problems else None
