@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -17,14 +17,16 @@ class RolloutSample:
     over the whole rollout). ``trainable`` is False for responses masked out of the loss
     (overlong filtering); they still count in their group's statistics. ``rollout_logprobs``
     are the engine's per-token log-probs of ``response_ids`` (for the mismatch correction).
+    Token ids and log-probs are lists (from an engine) or 1-D tensors (views of the flat tensors
+    a rollout is broadcast in, so no rank holds a Python int per token).
     """
 
-    prompt_ids: List[int]
-    response_ids: List[int]
+    prompt_ids: Union[List[int], torch.Tensor]
+    response_ids: Union[List[int], torch.Tensor]
     group_id: int
     reward: float
     trainable: bool = True
-    rollout_logprobs: Optional[List[float]] = None
+    rollout_logprobs: Union[List[float], torch.Tensor, None] = None
     info: Dict = field(default_factory=dict)
 
     @property
@@ -164,13 +166,14 @@ def pack_micro_batches(units: Sequence[Sequence[int]], lengths: Sequence[int], t
 
 def _sequence(sample: RolloutSample, index: int):
     """(inputs [n], targets [n], first response target, response length, rollout log-probs or None)."""
-    sequence = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)
+    sequence = torch.cat([torch.as_tensor(sample.prompt_ids, dtype=torch.long),
+                          torch.as_tensor(sample.response_ids, dtype=torch.long)])
     start, length = len(sample.prompt_ids) - 1, len(sample.response_ids)
     rollout = None
     if sample.rollout_logprobs is not None:
         if len(sample.rollout_logprobs) != length:
             raise ValueError(f"sample {index}: {len(sample.rollout_logprobs)} rollout log-probs for {length} response tokens")
-        rollout = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+        rollout = torch.as_tensor(sample.rollout_logprobs, dtype=torch.float32)
     return sequence[:-1], sequence[1:], start, length, rollout
 
 

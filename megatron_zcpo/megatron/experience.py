@@ -164,7 +164,7 @@ def experience_metrics(samples: Sequence[RolloutSample], experience: Dict[int, R
         metrics.add_max("experience/logprob_ref_gap_max", gap.max())
         rollout = samples[index].rollout_logprobs
         if rollout is not None and len(rollout) == len(samples[index].response_ids):
-            rollout = torch.tensor(rollout, dtype=torch.float32)[stats.token_index]
+            rollout = torch.as_tensor(rollout, dtype=torch.float32)[stats.token_index]
             gap = (stats.old_logprob - rollout).abs()
             metrics.add("rollout/logprob_diff", gap.sum(), n)
             metrics.add_max("rollout/logprob_diff_max", gap.max())

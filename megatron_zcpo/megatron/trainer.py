@@ -36,6 +36,7 @@ from megatron_zcpo.megatron.batch import (
 )
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.model import ModelConfig, build_gpt_model, transformer_config
+from megatron_zcpo.megatron.offload import HostOffload
 from megatron_zcpo.megatron.pipeline import install_hidden_state_head
 from megatron_zcpo.megatron.platform import compute_device, has_cuda
 from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats, RolloutStep
@@ -127,6 +128,8 @@ class PolicyTrainer:
         for param in reference.parameters():
             param.requires_grad_(False)
         self.reference = reference
+        # Offloaded between uses through reused pinned host buffers (asynchronous copies).
+        self.reference_offloader = HostOffload(reference, pin=has_cuda())
         self.policy = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True,
@@ -256,7 +259,10 @@ class PolicyTrainer:
     def place_reference(self, on_device: bool) -> None:
         """Move the reference to the GPU (``on_device``) or back to host memory, when it is offloaded."""
         if self.train_config.reference_offload and has_cuda():
-            self.reference.to("cuda" if on_device else "cpu")
+            if on_device:
+                self.reference_offloader.to_device(compute_device())
+            else:
+                self.reference_offloader.to_host()
 
     def experience(self, samples: Sequence[RolloutSample], assignment: MinibatchAssignment
                    ) -> Dict[int, ResponseTokenStats]:

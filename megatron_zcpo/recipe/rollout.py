@@ -53,11 +53,14 @@ def rollout_metrics(samples: Sequence[RolloutSample]) -> Dict[str, float]:
 
 
 def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> List[RolloutSample]:
-    """Send rank ``src``'s rollout to every rank.
+    """Send rank ``src``'s rollout to every rank, keeping token ids and log-probs in tensors.
 
-    Per-token data travel as two flat tensors (int32 token ids, float32 rollout log-probs);
-    only the small per-sample fields go through the object broadcast. Returns the rollout as
-    every rank (the sender included) now holds it.
+    Per-token data travel as two flat tensors: int32 token ids [sum of prompt + response lengths]
+    and float32 rollout log-probs [sum of the response lengths of samples that have them]; only
+    the small per-sample fields go through the object broadcast. Every rank (the sender too)
+    returns samples whose ``prompt_ids``, ``response_ids`` and ``rollout_logprobs`` are 1-D views
+    of those two CPU tensors: no Python object per token (at 8,192 x 22.5k tokens about 0.7 GB of
+    int32 per rank instead of ~6 GB of Python ints), identical float32 values on every rank.
     """
     import torch.distributed as dist
 
@@ -68,26 +71,31 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
         header[0] = [(len(s.prompt_ids), len(s.response_ids), s.group_id, s.reward, s.trainable,
                       s.rollout_logprobs is not None, s.info) for s in samples]
     dist.broadcast_object_list(header, src=src)
-    tokens = torch.empty(sum(p + r for p, r, *_ in header[0]), dtype=torch.int32, device=device)
-    logprobs = torch.empty(sum(r for _, r, _, _, _, has, _ in header[0] if has), dtype=torch.float32, device=device)
     if rank == src:
-        tokens.copy_(torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.int32))
-        logprobs.copy_(torch.tensor([x for s in samples for x in (s.rollout_logprobs or ())], dtype=torch.float32))
+        tokens = _flat([ids for s in samples for ids in (s.prompt_ids, s.response_ids)], torch.int32).to(device)
+        logprobs = _flat([s.rollout_logprobs for s in samples if s.rollout_logprobs is not None], torch.float32).to(device)
+    else:
+        tokens = torch.empty(sum(p + r for p, r, *_ in header[0]), dtype=torch.int32, device=device)
+        logprobs = torch.empty(sum(r for _, r, _, _, _, has, _ in header[0] if has), dtype=torch.float32, device=device)
     dist.broadcast(tokens, src=src)
     dist.broadcast(logprobs, src=src)
-    # Every rank, the sender too, rebuilds from the tensors: identical (float32) values everywhere.
-    flat_tokens, flat_logprobs = tokens.cpu().tolist(), logprobs.cpu().tolist()
+    tokens, logprobs = tokens.cpu(), logprobs.cpu()
     token_offset, logprob_offset, out = 0, 0, []
     for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info in header[0]:
-        prompt = flat_tokens[token_offset:token_offset + prompt_len]
-        response = flat_tokens[token_offset + prompt_len:token_offset + prompt_len + response_len]
+        prompt = tokens[token_offset:token_offset + prompt_len]
+        response = tokens[token_offset + prompt_len:token_offset + prompt_len + response_len]
         token_offset += prompt_len + response_len
         rollout_logprobs = None
         if has_logprobs:
-            rollout_logprobs = flat_logprobs[logprob_offset:logprob_offset + response_len]
+            rollout_logprobs = logprobs[logprob_offset:logprob_offset + response_len]
             logprob_offset += response_len
         out.append(RolloutSample(prompt, response, group_id, reward, trainable, rollout_logprobs, info))
     return out
+
+
+def _flat(pieces, dtype: torch.dtype) -> torch.Tensor:
+    """One 1-D tensor of ``dtype`` from lists or tensors (empty when there are none)."""
+    return torch.cat([torch.as_tensor(piece, dtype=dtype) for piece in pieces]) if pieces else torch.empty(0, dtype=dtype)
 
 
 def stop_token_ids(config: RunConfig, tokenizer) -> tuple:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from megatron_zcpo.cli.main import main
@@ -121,21 +122,36 @@ def test_eval_and_plan_on_the_trained_checkpoint(tmp_path, tiny_model, capsys):
 
 
 def _broadcast(rank, world):
-    from megatron_zcpo.recipe.rollout import broadcast_samples
-    from megatron_zcpo.megatron.batch import RolloutSample
+    from megatron_zcpo.megatron.batch import RolloutSample, collate_packed
     from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.recipe.rollout import broadcast_samples
 
     setup_megatron()
-    samples = [RolloutSample([1, 2], [3, 4, 5], 7, 1.0, True, [-0.5, -0.25, -1.0], {"uid": "a"}),
-               RolloutSample([9], [8], 8, -1.0, False, None, {})]
-    return broadcast_samples(samples if rank == 0 else None)
+    samples = [RolloutSample([1, 2], [3, 4, 5], 7, 1.0, True, [-0.5, -0.25, -0.1], {"uid": "a"}),
+               RolloutSample([9], [8], 8, -1.0, False, None, {}),
+               RolloutSample([70000, 6], [5, 4], 9, 0.5, True, [-1.0 / 3, -2.0], {"uid": "c"})]
+    received = broadcast_samples(samples if rank == 0 else None)
+    storages = {t.untyped_storage().data_ptr() for s in received for t in (s.prompt_ids, s.response_ids)}
+    return {"samples": received, "token_storages": len(storages),
+            "batch": collate_packed(received, [0, 1, 2], 0, 1).tokens}
 
 
-def test_rollout_broadcast_reaches_every_rank_intact():
+def test_rollout_broadcast_keeps_tokens_in_tensors_and_round_trips_exactly():
     from megatron_zcpo.testing import run_distributed
 
-    on_sender, received = run_distributed(_broadcast, 2)
-    assert received == on_sender
-    assert [s.rollout_logprobs for s in received] == [[-0.5, -0.25, -1.0], None]
-    assert [(s.prompt_ids, s.response_ids, s.group_id, s.trainable) for s in received] == \
-        [([1, 2], [3, 4, 5], 7, True), ([9], [8], 8, False)]
+    results = run_distributed(_broadcast, 2)
+    for result in results:  # the sender rebuilds from the same tensors as the receiver
+        received = result["samples"]
+        for sample in received:
+            for tensor in (sample.prompt_ids, sample.response_ids):
+                assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int32 and tensor.dim() == 1
+        assert result["token_storages"] == 1  # views of one flat token tensor, no per-token objects
+        assert [(s.prompt_ids.tolist(), s.response_ids.tolist(), s.group_id, s.reward, s.trainable, s.info)
+                for s in received] == [([1, 2], [3, 4, 5], 7, 1.0, True, {"uid": "a"}), ([9], [8], 8, -1.0, False, {}),
+                                       ([70000, 6], [5, 4], 9, 0.5, True, {"uid": "c"})]
+        assert received[1].rollout_logprobs is None
+        for sample, expected in zip((received[0], received[2]), ([-0.5, -0.25, -0.1], [-1.0 / 3, -2.0])):
+            assert sample.rollout_logprobs.dtype == torch.float32
+            assert torch.equal(sample.rollout_logprobs, torch.tensor(expected, dtype=torch.float32))
+    assert torch.equal(results[0]["batch"], results[1]["batch"])
+    assert results[0]["batch"].tolist() == [[1, 2, 3, 4, 9, 70000, 6, 5]]
