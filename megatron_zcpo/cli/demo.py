@@ -22,6 +22,7 @@ import yaml
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 # (run name, changes to the demo config): the paper's comparison on the tiny model.
+DEFAULT_SEED = 1
 COMPARED = (
     ("dapo", {"algorithm": {"name": "dapo"}}),
     ("dapo_k3", {"algorithm": {"name": "dapo", "kl_loss": "k3", "kl_coef": 0.04}}),
@@ -49,96 +50,171 @@ def demo_config(assets: Path, run_dir: Path, changes: dict, steps: int = 0) -> d
     return _merge(config, changes)
 
 
-def eval_points(run_dir: Path, k: int) -> List[Tuple[int, float, int]]:
-    """(step, avg@k, number of samples) of every evaluation of a run."""
+def seed_changes(seed: int) -> dict:
+    """The config changes of demo seed ``seed``: the RL run's randomness (prompt order, rollout and
+    evaluation sampling, trainer RNG); the warmed-up model and the held-out problems stay the same."""
+    return {"train": {"seed": seed}, "rollout": {"seed": seed}, "data": {"seed": seed},
+            "eval": {"seed": 10_000 + seed}}
+
+
+def run_summary(run_dir: Path) -> dict:
+    """A run's held-out gain (:func:`megatron_zcpo.cli.demo_stats.run_gain`) with its training reward
+    and KL to the reference (means over the last quarter of the steps) and its step count."""
+    from megatron_zcpo.cli.demo_stats import run_gain
     from megatron_zcpo.recipe.metrics_log import read_metrics
 
-    return [(int(r["step"]), r[f"eval/avg@{k}"], int(r.get("eval/num_samples", 0)))
-            for r in read_metrics(run_dir) if f"eval/avg@{k}" in r]
+    train = [r for r in read_metrics(run_dir) if "rollout/reward_mean" in r]
+    tail = train[-max(1, len(train) // 4):]
+
+    def tail_mean(key: str) -> float:
+        values = [r[key] for r in tail if key in r]
+        return sum(values) / len(values) if values else math.nan
+
+    return {**run_gain(run_dir), "reward": tail_mean("rollout/reward_mean"), "kl": tail_mean("experience/kl"),
+            "steps": int(train[-1]["step"]) if train else 0}
 
 
-def summarize(runs: Dict[str, Path], k: int) -> List[dict]:
-    """One row per run: held-out accuracy before/after, final reward, KL and length."""
-    from megatron_zcpo.recipe.metrics_log import read_metrics
-
-    rows = []
-    for name, run_dir in runs.items():
-        points = eval_points(run_dir, k)
-        train = [r for r in read_metrics(run_dir) if "rollout/reward_mean" in r]
-        last = train[-1] if train else {}
-        rows.append({
-            "run": name,
-            "before": points[0][1] if points else math.nan,
-            "after": points[-1][1] if points else math.nan,
-            "samples": points[-1][2] if points else 0,
-            "steps": int(last.get("step", 0)),
-            "reward_last": last.get("rollout/reward_mean", math.nan),
-            "kl_last": last.get("experience/kl", math.nan),
-            "length_last": last.get("rollout/response_length_mean", math.nan),
-        })
-    return rows
-
-
-def print_summary(rows: List[dict], k: int, console) -> None:
+def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
+    """Before, after, the paired gain with its standard error, and a plain verdict."""
     from rich.table import Table
 
-    table = Table(title=f"held-out accuracy (avg@{k}, problems never trained on)")
-    for column in ("run", "before", "after", "change", "samples", "steps", "reward (last)", "KL (last)", "length"):
+    from megatron_zcpo.cli.demo_stats import verdict
+
+    table = Table(title=f"{name}, seed {seed}: held-out accuracy on {summary['problems']} problems never trained on")
+    for column in ("before", "after", "gain", "SE (paired)", "gain / SE", "reward", "KL to ref", "steps"):
+        table.add_column(column, justify="right")
+    table.add_row(f"{summary['before']:.3f}", f"{summary['after']:.3f}", f"{summary['gain']:+.3f}",
+                  f"{summary['se']:.3f}", f"{summary['z']:.1f}", f"{summary['reward']:.3f}",
+                  f"{summary['kl']:.2e}", str(summary["steps"]))
+    console.print(table)
+    console.print(verdict(summary["gain"], summary["se"]))
+
+
+def print_comparison(rows: List[dict], differences: List[dict], console) -> None:
+    """The method comparison: per method mean +- SE over seeds, then the paired differences."""
+    from rich.table import Table
+
+    table = Table(title=f"methods over {rows[0]['seeds']} seeds (mean +- standard error over seeds)")
+    for column in ("method", "held-out after", "held-out gain", "reward", "KL to ref"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(row["run"], f"{row['before']:.3f}", f"{row['after']:.3f}", f"{row['after'] - row['before']:+.3f}",
-                      str(row["samples"]), str(row["steps"]), f"{row['reward_last']:.3f}", f"{row['kl_last']:.2e}",
-                      f"{row['length_last']:.1f}")
+        table.add_row(row["method"], *(f"{row[k]:.3f} +- {row[k + '_se']:.3f}" for k in ("after", "gain", "reward")),
+                      f"{row['kl']:.2e} +- {row['kl_se']:.1e}")
     console.print(table)
+    diffs = Table(title="differences, paired by seed (method - baseline)")
+    for column in ("difference", "held-out after", "reward", "KL to ref"):
+        diffs.add_column(column, justify="right")
+    by_pair: Dict[Tuple[str, str], Dict[str, dict]] = {}
+    for d in differences:
+        by_pair.setdefault((d["method"], d["baseline"]), {})[d["key"]] = d
+    for (method, baseline), cells in by_pair.items():
+        diffs.add_row(f"{method} - {baseline}",
+                      *(f"{cells[k]['diff']:+.3f} +- {cells[k]['se']:.3f}" for k in ("after", "reward")),
+                      f"{cells['kl']['diff']:+.2e} +- {cells['kl']['se']:.1e}")
+    console.print(diffs)
+
+
+def write_accuracy_plot(runs: Dict[str, List[Path]], k: int, path: Path) -> Path:
+    """Held-out avg@k against the step with error bars: one line per method; with one run its
+    standard error over problems, with several (seeds) the mean and standard error over seeds."""
+    from matplotlib.figure import Figure
+
+    from megatron_zcpo.cli.demo_stats import mean_and_se, per_problem_accuracy
+
+    figure = Figure(figsize=(6, 4), layout="constrained")
+    axes = figure.add_subplot(1, 1, 1)
+    for name, run_dirs in runs.items():
+        curves = []
+        for run_dir in run_dirs:
+            points = {}
+            for file in sorted(Path(run_dir).glob("eval/step_*.json")):
+                accuracy = list(per_problem_accuracy(json.loads(file.read_text())).values())
+                points[int(file.stem.split("_")[1])] = accuracy
+            curves.append(points)
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        if len(curves) == 1:
+            stats = [mean_and_se(curves[0][s]) for s in steps]
+            label = name
+        else:
+            stats = [mean_and_se([sum(c[s]) / len(c[s]) for c in curves]) for s in steps]
+            label = f"{name} ({len(curves)} seeds)"
+        axes.errorbar(steps, [m for m, _ in stats], yerr=[0.0 if math.isnan(e) else e for _, e in stats],
+                      marker="o", capsize=3, label=label)
+    axes.set_xlabel("training step")
+    axes.set_ylabel(f"held-out avg@{k}")
+    axes.set_title("held-out accuracy (error bars: one standard error)", fontsize=10)
+    axes.legend(fontsize=8)
+    figure.savefig(path, dpi=110)
+    return path
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="run the embedded default (tiny model, CPU) end to end",
                                    description=__doc__)
     parser.add_argument("--compare", action="store_true", help="DAPO, DAPO + k3 KL and ZCPO side by side")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help=f"seed of the RL run (default {DEFAULT_SEED}); with --compare, the first seed")
+    parser.add_argument("--seeds", type=int, default=3, help="--compare: seeds per method (default 3)")
     parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=0, help="training steps (default: the demo config's)")
     parser.add_argument("--nproc", type=int, default=2, help="processes (the demo config uses TP=2)")
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from megatron_zcpo.recipe.metrics_log import make_console
-
+def train_one(assets: Path, run_dir: Path, changes: dict, args: argparse.Namespace, console) -> int:
+    """One ``zcpo train`` run of the demo config with ``changes`` into ``run_dir`` (fresh)."""
     from megatron_zcpo.recipe.config import build_run_config
-    from megatron_zcpo.recipe.demo_assets import build_demo_assets
-    from megatron_zcpo.cli.report import write_report
     from megatron_zcpo.recipe.launch import relaunch_with_torchrun
+
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time: the demo is a demonstration
+    config = demo_config(assets, run_dir, changes, args.steps)
+    build_run_config(copy.deepcopy(config))  # fail here, with the key named, not in the workers
+    run_dir.mkdir(parents=True)
+    config_path = run_dir.with_suffix(".yaml")
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    console.print(f"[bold]{run_dir.name}[/bold]: training with {config_path} ({args.nproc} processes)")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    code = relaunch_with_torchrun(["train", str(config_path)], args.nproc)
+    if code:
+        console.print(f"[red]{run_dir}: training failed (exit code {code})")
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_zcpo.recipe.demo_assets import build_demo_assets
+    from megatron_zcpo.recipe.metrics_log import make_console
 
     console = make_console()
     started = time.perf_counter()
     assets = build_demo_assets(log=console.print)
     out = Path(args.out)
-    variants = COMPARED if args.compare else (("zcpo", {}),)
-    runs: Dict[str, Path] = {}
-    for name, changes in variants:
-        run_dir = out / name
-        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time: the demo is a demonstration
-        config = demo_config(assets, run_dir, changes, args.steps)
-        build_run_config(copy.deepcopy(config))  # fail here, with the key named, not in the workers
-        run_dir.mkdir(parents=True)
-        config_path = run_dir.parent / f"{name}.yaml"
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        console.print(f"[bold]{name}[/bold]: training with {config_path} ({args.nproc} processes)")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        code = relaunch_with_torchrun(["train", str(config_path)], args.nproc)
-        if code:
-            console.print(f"[red]{name}: training failed (exit code {code})")
-            return code
-        runs[name] = run_dir
     k = int(yaml.safe_load(DEMO_CONFIG.read_text())["eval"]["k"])
-    rows = summarize(runs, k)
-    print_summary(rows, k, console)
-    paths = write_report(list(runs.values()), out, names=list(runs))
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
-    console.print(f"plots: {', '.join(str(p) for p in paths)}; summary: {out / 'summary.json'}; "
-                  f"took {time.perf_counter() - started:.0f} s")
-    zcpo = next(row for row in rows if row["run"] == "zcpo")
-    if not zcpo["after"] > zcpo["before"]:
-        console.print("[yellow]held-out accuracy did not rise in this run")
+    if not args.compare:
+        run_dir = out / "zcpo"
+        code = train_one(assets, run_dir, seed_changes(args.seed), args, console)
+        if code:
+            return code
+        summary = run_summary(run_dir)
+        print_run_summary("zcpo", args.seed, summary, console)
+        plot = write_accuracy_plot({"zcpo": [run_dir]}, k, out / "heldout_accuracy.png")
+        (out / "summary.json").write_text(json.dumps({"seed": args.seed, **summary}, indent=2))
+    else:
+        from megatron_zcpo.cli.demo_stats import compare_methods
+
+        seeds = list(range(args.seed, args.seed + args.seeds))
+        runs: Dict[str, List[Path]] = {name: [] for name, _ in COMPARED}
+        for seed in seeds:  # seed-major: an interrupted comparison still has whole seeds
+            for name, changes in COMPARED:
+                run_dir = out / name / f"seed_{seed}"
+                code = train_one(assets, run_dir, _merge(seed_changes(seed), changes), args, console)
+                if code:
+                    return code
+                runs[name].append(run_dir)
+        per_seed = {name: [run_summary(d) for d in dirs] for name, dirs in runs.items()}
+        rows, differences = compare_methods(per_seed, ("after", "gain", "reward", "kl"), baseline="dapo")
+        print_comparison(rows, differences, console)
+        plot = write_accuracy_plot(runs, k, out / "heldout_accuracy.png")
+        (out / "summary.json").write_text(json.dumps({"seeds": seeds, "per_seed": per_seed, "methods": rows,
+                                                      "differences": differences}, indent=2))
+    console.print(f"plot: {plot}; summary: {out / 'summary.json'}; took {time.perf_counter() - started:.0f} s")
     return 0

@@ -31,14 +31,16 @@ class DemoSpec:
     """What the embedded default is made of; its hash names the cache entry."""
 
     task: str = "basic_arithmetic"
+    # Two-digit addition: ~45% of the problems carry, and every held-out problem needs the same
+    # digit-by-digit skill as the trained ones (no answer can be memorised).
     task_options: Tuple[Tuple[str, object], ...] = (
-        ("min_terms", 2), ("max_terms", 2), ("min_digits", 1), ("max_digits", 1),
-        ("operators", ("+", "-")), ("allow_parentheses", False), ("allow_negation", False),
+        ("min_terms", 2), ("max_terms", 2), ("min_digits", 2), ("max_digits", 2),
+        ("operators", ("+",)), ("allow_parentheses", False), ("allow_negation", False),
     )
     instruction: str = "Put the final answer in \\boxed{}."
     seed: int = 11
-    size: int = 4000  # records drawn; 1-digit +/- problems repeat, so fewer distinct expressions
-    held_out_fraction: float = 0.2  # of the distinct expressions: never trained on, evaluated
+    size: int = 8000  # records drawn (of 8,100 distinct problems; repeats are merged)
+    held_out_fraction: float = 0.15  # of the distinct expressions: never trained on, evaluated
     vocab_size: int = 384
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -49,10 +51,11 @@ class DemoSpec:
     sft_seed: int = 0
     sft_lr: float = 1e-3
     sft_batch_size: int = 64
-    sft_max_steps: int = 800
-    sft_eval_every: int = 25
-    sft_target_accuracy: float = 0.5  # held-out greedy accuracy at which the warm-up stops
-    version: int = 2
+    sft_max_steps: int = 1500
+    sft_eval_every: int = 50
+    sft_eval_problems: int = 128  # held-out problems in each warm-up check (greedy)
+    sft_target_accuracy: float = 0.3  # held-out greedy accuracy at which the warm-up stops
+    version: int = 3
 
     @property
     def options(self) -> Dict[str, object]:
@@ -190,7 +193,7 @@ def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Cal
         loss.backward()
         optimizer.step()
         if step % spec.sft_eval_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, eval_records)
+            accuracy = greedy_accuracy(model, tokenizer, eval_records[: spec.sft_eval_problems])
             log(f"warm-up step {step}: loss {loss.item():.3f}, greedy accuracy {accuracy:.2f}")
             if accuracy >= spec.sft_target_accuracy:
                 break
@@ -205,7 +208,9 @@ def build_demo_assets(spec: DemoSpec = DemoSpec(), cache_dir: Optional[Path] = N
     target = root / f"demo-{spec.digest()}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # One thread: the warm-up's result then does not depend on the machine's core count, and a
+    # second OpenMP thread costs far more than it gains on a busy 2-core machine (measured 13x CPU).
+    torch.set_num_threads(1)
     log(f"building the embedded default in {target} (once; cached afterwards)")
     train, held_out = demo_records(spec, "train"), demo_records(spec, "eval")
     tokenizer = train_tokenizer(spec, train + held_out)  # the vocabulary covers every problem's text

@@ -183,10 +183,13 @@ class EmbeddedEngine(RolloutEngine):
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(params.seed))
-        rows = [list(prompt) for prompt in prompts for _ in range(n)]
+        # Rows are prompt-major (the n samples of a prompt are consecutive); each batch of rows
+        # prefills every prompt it holds once and copies the prompt's KV cache to its samples.
+        owners = [p for p in range(len(prompts)) for _ in range(n)]
         completions: List[Completion] = []
-        for start in range(0, len(rows), self.max_batch_size):
-            completions += self._generate_batch(rows[start:start + self.max_batch_size], params, generator)
+        for start in range(0, len(owners), self.max_batch_size):
+            batch_owners = owners[start:start + self.max_batch_size]
+            completions += self._generate_batch([list(prompts[p]) for p in batch_owners], batch_owners, params, generator)
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
@@ -200,13 +203,23 @@ class EmbeddedEngine(RolloutEngine):
         )
         return out.logits[:, -1], getattr(out, self._cache_kwarg)
 
-    def _generate_batch(self, rows: List[List[int]], params: SamplingParams, generator) -> List[Completion]:
+    def _generate_batch(self, rows: List[List[int]], owners: List[int], params: SamplingParams, generator) -> List[Completion]:
+        """Sample the batch ``rows`` (token ids; ``owners[i]`` names row i's prompt, equal owners are
+        consecutive and share one prefill)."""
         batch = len(rows)
         context = self.model_config.max_position_embeddings
         budgets = torch.tensor([min(params.max_new_tokens, context - len(r)) for r in rows])
         stop_ids = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long)
-        input_ids, attention_mask, position_ids = left_pad(rows, self.pad_token_id)
+        owner = torch.tensor(owners)
+        first = torch.ones(batch, dtype=torch.bool)
+        first[1:] = owner[1:] != owner[:-1]
+        expand = torch.cumsum(first.long(), 0) - 1  # row -> its prompt's row in the prefill batch
+        unique_rows = [r for r, is_first in zip(rows, first.tolist()) if is_first]
+        input_ids, attention_mask, position_ids = left_pad(unique_rows, self.pad_token_id)
         logits, cache = self._forward(input_ids, attention_mask, position_ids, None)
+        if len(unique_rows) < batch:
+            cache.batch_select_indices(expand.to(self.device))
+            logits, attention_mask, position_ids = logits[expand.to(logits.device)], attention_mask[expand], position_ids[expand]
         tokens_out, logprobs_out = [], []
         lengths = torch.zeros(batch, dtype=torch.long)
         stopped = torch.zeros(batch, dtype=torch.bool)

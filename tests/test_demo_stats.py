@@ -1,0 +1,99 @@
+"""The demo's statistics (paired held-out gain, method comparison over seeds), seed plumbing and plot."""
+
+import json
+import math
+
+import pytest
+
+from megatron_zcpo.cli import demo
+from megatron_zcpo.cli.demo_stats import compare_methods, mean_and_se, paired_gain, run_gain, verdict
+
+
+def test_mean_and_se_known_case():
+    mean, se = mean_and_se([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5
+    assert se == pytest.approx(math.sqrt((1.5 ** 2 * 2 + 0.5 ** 2 * 2) / 3 / 4))  # sample std / sqrt(n)
+    assert math.isnan(mean_and_se([3.0])[1])
+    with pytest.raises(ValueError):
+        mean_and_se([])
+
+
+def test_paired_gain_known_case():
+    before = {"a": 0.0, "b": 0.5, "c": 1.0}
+    after = {"a": 0.5, "b": 0.5, "c": 1.0}
+    result = paired_gain(before, after)
+    # differences 0.5, 0, 0: mean 1/6, sample std sqrt(1/12), SE sqrt(1/12)/sqrt(3) = 1/6
+    assert result["gain"] == pytest.approx(1 / 6)
+    assert result["se"] == pytest.approx(1 / 6)
+    assert result["z"] == pytest.approx(1.0)
+    assert (result["before"], result["after"], result["problems"]) == (pytest.approx(0.5), pytest.approx(2 / 3), 3)
+    with pytest.raises(ValueError, match="same problems"):
+        paired_gain(before, {"a": 0.5, "b": 0.5, "d": 1.0})
+
+
+def test_pairing_removes_problem_difficulty():
+    # Problems of very different difficulty, each 0.1 better after: unpaired means would call this
+    # noise; the paired SE is zero and the gain is shown.
+    before = {str(i): i / 20 for i in range(10)}
+    after = {uid: value + 0.1 for uid, value in before.items()}
+    result = paired_gain(before, after)
+    assert result["gain"] == pytest.approx(0.1) and result["se"] == pytest.approx(0.0, abs=1e-12)
+    assert "learning shown" in verdict(result["gain"], result["se"])
+
+
+def test_verdict_thresholds():
+    assert "learning shown" in verdict(0.09, 0.03)
+    assert "not conclusive" in verdict(0.05, 0.03)
+    assert "did not rise" in verdict(-0.01, 0.03)
+
+
+def test_compare_methods_pairs_by_seed():
+    per_seed = {
+        "dapo": [{"after": 0.50}, {"after": 0.60}, {"after": 0.70}],
+        "zcpo": [{"after": 0.55}, {"after": 0.66}, {"after": 0.73}],
+    }
+    rows, differences = compare_methods(per_seed, ("after",), baseline="dapo")
+    by_method = {row["method"]: row for row in rows}
+    assert by_method["dapo"]["after"] == pytest.approx(0.6)
+    assert by_method["dapo"]["after_se"] == pytest.approx(0.1 / math.sqrt(3))
+    assert by_method["zcpo"]["seeds"] == 3
+    (diff,) = differences
+    # per-seed differences 0.05, 0.06, 0.03: mean 0.0467, sample std 0.01528, SE 0.00882
+    assert diff["method"] == "zcpo" and diff["baseline"] == "dapo"
+    assert diff["diff"] == pytest.approx(0.14 / 3)
+    assert diff["se"] == pytest.approx(math.sqrt(((0.05 - 0.14 / 3) ** 2 + (0.06 - 0.14 / 3) ** 2
+                                                  + (0.03 - 0.14 / 3) ** 2) / 2 / 3))
+    with pytest.raises(ValueError, match="same seeds"):
+        compare_methods({"dapo": [{"after": 1.0}], "zcpo": []}, ("after",), baseline="dapo")
+
+
+def test_seed_changes_reach_every_seed_and_validate(tmp_path):
+    from megatron_zcpo.recipe.config import build_run_config
+
+    config = demo.demo_config(tmp_path, tmp_path / "run", demo.seed_changes(5))
+    run = build_run_config(config)
+    assert (run.train.seed, run.rollout.seed, run.data.seed) == (5, 5, 5)
+    assert run.eval.seed == 10_005
+    other = demo.demo_config(tmp_path, tmp_path / "run", demo._merge(demo.seed_changes(6), demo.COMPARED[1][1]))
+    assert other["rollout"]["seed"] == 6 and other["algorithm"]["kl_loss"] == "k3"
+
+
+def _fake_run(run_dir, accuracies, rewards):
+    """A run directory as `zcpo train` leaves it: metrics.jsonl and per-step evaluation files."""
+    (run_dir / "eval").mkdir(parents=True)
+    for step, per_problem in accuracies.items():
+        problems = [{"uid": uid, "num_correct": int(a * 4), "num_samples": 4} for uid, a in per_problem.items()]
+        (run_dir / "eval" / f"step_{step:06d}.json").write_text(json.dumps({"problems": problems}))
+    lines = [{"step": s + 1, "rollout/reward_mean": r, "experience/kl": 0.01 * (s + 1)} for s, r in enumerate(rewards)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_run_summary_and_plot(tmp_path):
+    run_dir = tmp_path / "zcpo"
+    _fake_run(run_dir, {0: {"a": 0.25, "b": 0.5}, 4: {"a": 0.5, "b": 0.75}, 8: {"a": 0.75, "b": 1.0}},
+              rewards=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4])
+    summary = demo.run_summary(run_dir)
+    assert summary["gain"] == pytest.approx(0.5)  # first vs last evaluation
+    assert summary == {**run_gain(run_dir), "reward": pytest.approx(1.3), "kl": pytest.approx(0.075), "steps": 8}
+    path = demo.write_accuracy_plot({"zcpo": [run_dir], "twice": [run_dir, run_dir]}, 4, tmp_path / "plot.png")
+    assert path.stat().st_size > 0
