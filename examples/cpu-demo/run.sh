@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tiny CPU demo: ZCPO on the embedded default (a 2-layer Qwen2 warmed up on 1-digit arithmetic),
+# The tiny CPU demo: ZCPO on the embedded default (a 2-layer Qwen2 partly warmed up on two-digit addition),
 # TP=2 over gloo, embedded rollout engine; no GPU, no network, a few minutes on 2 cores.
 # The config is megatron_zcpo/cli/demo.yaml; `zcpo demo` fills in the cached model and data paths.
 #

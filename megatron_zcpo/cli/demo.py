@@ -1,9 +1,11 @@
 """``zcpo demo``: the embedded default on a CPU, end to end, with before/after held-out accuracy.
 
-Builds (once, cached) a tiny Qwen2 and its BPE tokenizer warmed up on 1-digit arithmetic, then
-runs ``zcpo train`` on it through the same Megatron trainer as a cluster run (TP=2 over gloo,
-embedded rollout engine). ``--compare`` runs DAPO without KL, DAPO + k3 KL and ZCPO with the
-same seeds and budget and writes a side-by-side table and plot.
+Builds (once, cached) a tiny Qwen2 and its BPE tokenizer, partly warmed up on two-digit addition,
+then runs ``zcpo train`` on it through the same Megatron trainer as a cluster run (TP=2 over
+gloo, embedded rollout engine). The summary is the held-out gain paired per problem, with its
+standard error and a verdict; ``--seed`` picks the RL run's randomness. ``--compare`` runs DAPO
+without KL, DAPO + k3 KL and ZCPO with the same seeds and budget over ``--seeds`` seeds and
+reports each method's mean and standard error over seeds and the paired differences.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Dict, List, Tuple
 import yaml
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
-# (run name, changes to the demo config): the paper's comparison on the tiny model.
 DEFAULT_SEED = 1
+# (run name, changes to the demo config): the paper's comparison on the tiny model.
 COMPARED = (
     ("dapo", {"algorithm": {"name": "dapo"}}),
     ("dapo_k3", {"algorithm": {"name": "dapo", "kl_loss": "k3", "kl_coef": 0.04}}),
@@ -183,6 +185,7 @@ def train_one(assets: Path, run_dir: Path, changes: dict, args: argparse.Namespa
 def run(args: argparse.Namespace) -> int:
     from megatron_zcpo.recipe.demo_assets import build_demo_assets
     from megatron_zcpo.recipe.metrics_log import make_console
+    from megatron_zcpo.cli.report import write_report
 
     console = make_console()
     started = time.perf_counter()
@@ -197,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         summary = run_summary(run_dir)
         print_run_summary("zcpo", args.seed, summary, console)
         plot = write_accuracy_plot({"zcpo": [run_dir]}, k, out / "heldout_accuracy.png")
+        write_report([run_dir], out, names=["zcpo"])
         (out / "summary.json").write_text(json.dumps({"seed": args.seed, **summary}, indent=2))
     else:
         from megatron_zcpo.cli.demo_stats import compare_methods
@@ -214,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
         rows, differences = compare_methods(per_seed, ("after", "gain", "reward", "kl"), baseline="dapo")
         print_comparison(rows, differences, console)
         plot = write_accuracy_plot(runs, k, out / "heldout_accuracy.png")
+        write_report([d for dirs in runs.values() for d in dirs], out,
+                     names=[f"{name} seed {seed}" for name, dirs in runs.items() for seed in seeds[:len(dirs)]])
         (out / "summary.json").write_text(json.dumps({"seeds": seeds, "per_seed": per_seed, "methods": rows,
                                                       "differences": differences}, indent=2))
-    console.print(f"plot: {plot}; summary: {out / 'summary.json'}; took {time.perf_counter() - started:.0f} s")
+    console.print(f"plots: {plot}, {out / 'report.html'}; summary: {out / 'summary.json'}; took {time.perf_counter() - started:.0f} s")
     return 0
