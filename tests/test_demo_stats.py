@@ -97,3 +97,30 @@ def test_run_summary_and_plot(tmp_path):
     assert summary == {**run_gain(run_dir), "reward": pytest.approx(1.3), "kl": pytest.approx(0.075), "steps": 8}
     path = demo.write_accuracy_plot({"zcpo": [run_dir], "twice": [run_dir, run_dir]}, 4, tmp_path / "plot.png")
     assert path.stat().st_size > 0
+
+
+def test_compare_runs_every_method_with_the_same_seeds(tmp_path, monkeypatch):
+    """The --compare orchestration: seeds x methods, per-seed pairing, summary and plot (training faked)."""
+    import argparse
+
+    calls = []
+
+    def fake_train(assets, run_dir, changes, args, console):
+        seed = changes["rollout"]["seed"]
+        calls.append((run_dir.parent.name, seed, changes["algorithm"]["name"] if "algorithm" in changes else "zcpo"))
+        bonus = {"dapo": 0.0, "dapo_k3": -0.25, "zcpo": 0.25}[run_dir.parent.name]
+        _fake_run(run_dir, {0: {"a": 0.25, "b": 0.5}, 2: {"a": 0.5 + bonus, "b": 0.5 + seed / 8}}, [0.1 * seed, 0.2])
+        return 0
+
+    monkeypatch.setattr(demo, "train_one", fake_train)
+    monkeypatch.setattr("megatron_zcpo.cli.demo_assets.build_demo_assets", lambda log: tmp_path / "assets")
+    args = argparse.Namespace(compare=True, seed=3, seeds=2, out=str(tmp_path / "out"), steps=0, nproc=2)
+    assert demo.run(args) == 0
+    assert [(name, seed) for name, seed, _ in calls] == [(n, s) for s in (3, 4) for n in ("dapo", "dapo_k3", "zcpo")]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["seeds"] == [3, 4]
+    by_key = {(d["method"], d["key"]): d for d in summary["differences"]}
+    assert by_key[("zcpo", "after")]["diff"] == pytest.approx(0.125)  # +0.25 on one of two problems
+    assert by_key[("dapo_k3", "after")]["diff"] == pytest.approx(-0.125)
+    assert by_key[("zcpo", "after")]["se"] == pytest.approx(0.0)  # the same difference on both seeds
+    assert (tmp_path / "out" / "heldout_accuracy.png").stat().st_size > 0
