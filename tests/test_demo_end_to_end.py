@@ -7,7 +7,7 @@ import json
 import yaml
 
 from megatron_zcpo.cli import demo
-from megatron_zcpo.cli.demo_assets import DemoSpec, build_demo_assets
+from megatron_zcpo.recipe.demo_assets import DemoSpec, build_demo_assets
 
 
 def test_demo_runs_and_reports_the_paired_gain(tmp_path, monkeypatch):
@@ -22,7 +22,7 @@ def test_demo_runs_and_reports_the_paired_gain(tmp_path, monkeypatch):
     small = tmp_path / "demo.yaml"
     small.write_text(yaml.safe_dump(config))
     monkeypatch.setattr(demo, "DEMO_CONFIG", small)
-    monkeypatch.setattr("megatron_zcpo.cli.demo_assets.build_demo_assets", lambda log: assets)
+    monkeypatch.setattr("megatron_zcpo.recipe.demo_assets.build_demo_assets", lambda log: assets)
     args = argparse.Namespace(compare=False, seed=2, seeds=1, out=str(tmp_path / "out"), steps=2, nproc=2)
     assert demo.run(args) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

@@ -113,7 +113,7 @@ def test_compare_runs_every_method_with_the_same_seeds(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(demo, "train_one", fake_train)
-    monkeypatch.setattr("megatron_zcpo.cli.demo_assets.build_demo_assets", lambda log: tmp_path / "assets")
+    monkeypatch.setattr("megatron_zcpo.recipe.demo_assets.build_demo_assets", lambda log: tmp_path / "assets")
     args = argparse.Namespace(compare=True, seed=3, seeds=2, out=str(tmp_path / "out"), steps=0, nproc=2)
     assert demo.run(args) == 0
     assert [(name, seed) for name, seed, _ in calls] == [(n, s) for s in (3, 4) for n in ("dapo", "dapo_k3", "zcpo")]

@@ -151,6 +151,7 @@ def write_accuracy_plot(runs: Dict[str, List[Path]], k: int, path: Path) -> Path
 
 
 def add_parser(subparsers) -> None:
+    """Register ``zcpo demo`` and its flags."""
     parser = subparsers.add_parser("demo", help="run the embedded default (tiny model, CPU) end to end",
                                    description=__doc__)
     parser.add_argument("--compare", action="store_true", help="DAPO, DAPO + k3 KL and ZCPO side by side")
@@ -183,6 +184,7 @@ def train_one(assets: Path, run_dir: Path, changes: dict, args: argparse.Namespa
 
 
 def run(args: argparse.Namespace) -> int:
+    """``zcpo demo``: one seeded ZCPO run with its paired summary, or ``--compare`` over seeds; exit code."""
     from megatron_zcpo.recipe.demo_assets import build_demo_assets
     from megatron_zcpo.recipe.metrics_log import make_console
     from megatron_zcpo.cli.report import write_report
