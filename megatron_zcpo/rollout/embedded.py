@@ -94,7 +94,8 @@ class EmbeddedEngine(RolloutEngine):
     Weights arrive through :meth:`update_weights` with Hugging Face names (the same stream the
     SGLang push sends, from :func:`megatron_zcpo.rollout.weight_sync.iter_hf_weights`).
     Prompts are left-padded and decoded together with a KV cache, ``max_batch_size`` rows
-    (prompts x samples) at a time. ``quantization="fp8"`` rounds every pushed linear weight to
+    (prompts x samples) at a time; each prompt is prefilled once per batch and its cache copied
+    to its samples (what SGLang's prefix cache does for a group). ``quantization="fp8"`` rounds every pushed linear weight to
     FP8 E4M3 with a per-tensor scale (what an FP8 SGLang server holds), to exercise quantised
     rollouts and the trainer's importance-sampling correction on a CPU.
     """
