@@ -108,6 +108,19 @@ def test_command_line(runs, capsys):
     assert "--label given 1 times for 3 run directories" in capsys.readouterr().err
 
 
+def test_the_papers_drift_diagnostics_are_reported(tmp_path, capsys):
+    directory = tmp_path / "run"
+    _write_run(directory, 10.0, 8, [0.1, 0.2])
+    with open(directory / "metrics.jsonl", "a") as handle:
+        handle.write(json.dumps({"step": 1, "diag/f7_k1_drift_rmse": 0.0123, "diag/f6_head10_var_share": 0.04,
+                                 "diag/f7_k1_dispersion_ratio": 1.01, "diag/f7_gvpo_noise_rms": 0.0456}) + "\n")
+    assert _report([str(directory)]) == 0
+    printed = capsys.readouterr().out
+    for text in ("diag/f7_k1_drift_rmse", "0.0123", "diag/f6_head10_var_share", "diag/f7_k1_dispersion_ratio",
+                 "diag/f7_gvpo_noise_rms"):
+        assert text in printed, text
+
+
 def test_gpu_hours_need_the_time_metrics(tmp_path, capsys):
     directory = tmp_path / "old"
     directory.mkdir()
