@@ -1,4 +1,4 @@
-"""Convert a Hugging Face Qwen2/Qwen2.5 or Llama checkpoint into a Megatron dist checkpoint (loads at any TP/PP).
+"""Convert a Hugging Face Qwen2/Qwen2.5, Qwen3 (dense) or Llama checkpoint into a Megatron dist checkpoint (loads at any TP/PP).
 
     python tools/convert_hf_to_megatron.py --hf-dir DIR --out DIR [--tp N] [--pp N] [--verify]
 

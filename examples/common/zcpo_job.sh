@@ -13,7 +13,7 @@
 #
 # The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
 # TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, TRAIN_TP, TRAIN_PP,
-# ROLLOUT_TP, CONTEXT_LENGTH. Runtime, also from the environment:
+# TRAIN_CP (default 1), ROLLOUT_TP, CONTEXT_LENGTH. Runtime, also from the environment:
 #   CONTAINER_IMAGE   enroot/pyxis image (e.g. a .sqsh of the repository's Dockerfile); empty: use VENV
 #   CONTAINER_MOUNTS  extra pyxis mounts (the file systems holding models, data and RUN_DIR)
 #   VENV              virtual environment with this package installed (default: $REPO_DIR/.venv)
@@ -58,7 +58,8 @@ zcpo_job_main() {
     train_list=$(IFS=,; echo "${train_hosts[*]}")
     rollout_list=$(IFS=,; echo "${rollout_hosts[*]}")
     local train_gpus=$(( TRAIN_NODES * gpus_per_node ))
-    log "training: ${train_list} (${train_gpus} GPUs, TP${TRAIN_TP} PP${TRAIN_PP} DP$(( train_gpus / (TRAIN_TP * TRAIN_PP) )))"
+    local train_cp="${TRAIN_CP:-1}"
+    log "training: ${train_list} (${train_gpus} GPUs, TP${TRAIN_TP} PP${TRAIN_PP} CP${train_cp} DP$(( train_gpus / (TRAIN_TP * TRAIN_PP * train_cp) )))"
     if [[ -n "${attach}" ]]; then
         log "rollout:  attaching to ${SGLANG_SERVER_URLS} (router: ${SGLANG_ROUTER_URL:-none})"
     else

@@ -1,4 +1,9 @@
-"""``zcpo report RUN_DIR [RUN_DIR ...]``: a terminal summary and a PNG / HTML page of curves for one or several runs."""
+"""``zcpo report RUN_DIR [RUN_DIR ...]``: a terminal summary and a PNG / HTML page of curves for one or several runs.
+
+``--align-by gpu-hours`` compares runs at the same cumulative GPU time (the paper's protocol,
+megatron_zcpo/diagnostics/compare.py); runs of one method (``--label``, else the algorithm in their
+config.yaml) are also summarised as mean and standard error over their seeds.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_zcpo.diagnostics.compare import (
+    common_budget, cumulative_gpu_hours, group_by_method, mean_and_standard_error, value_at,
+)
+
+ALIGN_CHOICES = ("step", "gpu-hours")
 
 # The summary table: (key pattern, which value is best: "max", "min" or None for the final value only).
 SUMMARY = (
@@ -53,28 +64,43 @@ PANELS = (
     ("F6 KL by position", ("diag/f6_kl_pos_*",)),
     ("F6 first-token KL share", ("diag/f6_first_token_share",)),
     ("F7 negative k1 drift fraction", ("diag/f7_k1_negative_fraction",)),
-    ("F7 k1 coefficient residual RMS", ("diag/f7_k1_coef_residual_rms",)),
+    ("F6 share of Var(K): first tokens", ("diag/f6_head*_var_share",)),
+    ("F7 RMSE of K: k1 vs conditional KL", ("diag/f7_k1_drift_rmse",)),
+    ("F7 dispersion of K / noise scale (Fig. 3g)", ("diag/f7_k1_dispersion_ratio", "diag/f7_kappa_dispersion_ratio")),
+    ("F7 noise reference scale", ("diag/f7_noise_reference_scale",)),
+    ("GVPO noise RMS (Fig. 4b)", ("diag/f7_gvpo_noise_rms",)),
     ("other diagnostics", ("diag/*",)),  # whatever the panels above did not draw
 )
 
 
 @dataclass
 class RunData:
-    """One run directory's metrics: ``records`` are one dict per step (train, eval and diag keys merged)."""
+    """One run directory's metrics: ``records`` are one dict per step (train, eval and diag keys merged).
+
+    label: the algorithm from config.yaml; method: what groups seeds (``--label``, else label, else
+    name); gpu_hours: cumulative GPU-hours per record, set when aligning by GPU time.
+    """
 
     name: str
     directory: Path
     label: str
     records: List[Dict[str, float]]
+    method: str = ""
+    gpu_hours: Optional[List[float]] = None
 
     def keys(self) -> List[str]:
         """The metric names with at least one finite value."""
         return sorted({key for record in self.records for key, value in record.items()
                        if key not in ("step", "time") and math.isfinite(value)})
 
-    def series(self, key: str) -> Tuple[List[float], List[float]]:
-        """(steps, values) of ``key``, skipping steps without a finite value."""
-        pairs = [(r["step"], r[key]) for r in self.records if math.isfinite(r.get(key, math.nan))]
+    def positions(self) -> List[float]:
+        """Each record's x: cumulative GPU-hours when set, else its step."""
+        return self.gpu_hours if self.gpu_hours is not None else [r["step"] for r in self.records]
+
+    def series(self, key: str, budget: float = math.inf) -> Tuple[List[float], List[float]]:
+        """(positions, values) of ``key`` up to ``budget``, skipping records without a finite value."""
+        pairs = [(x, r[key]) for x, r in zip(self.positions(), self.records)
+                 if x <= budget and math.isfinite(r.get(key, math.nan))]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -91,6 +117,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="where report.png / report.html go (default: the run directory, or the runs' "
                              "common parent)")
     parser.add_argument("--no-plots", action="store_true", help="only print the table")
+    parser.add_argument("--align-by", choices=ALIGN_CHOICES, default="step",
+                        help="x-axis and comparison point: steps, or cumulative GPU-hours (time/step x GPUs; "
+                             "every run is read at the GPU time all of them reached)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs a run holds, for --align-by gpu-hours (default: its logged time/world_size, "
+                             "the training ranks; give the whole job's count to include rollout nodes)")
+    parser.add_argument("--label", action="append", default=None, metavar="METHOD",
+                        help="method name of each RUN_DIR, in order (runs of one method are seeds: mean and "
+                             "standard error); default: the algorithm in the run's config.yaml")
     parser.set_defaults(func=run)
     return parser
 
@@ -100,16 +135,55 @@ def run(args: argparse.Namespace) -> int:
     from megatron_zcpo.recipe.metrics_log import make_console
 
     console = make_console()
-    runs = load_runs(args.run_dirs)
+    if args.label is not None and len(args.label) != len(args.run_dirs):
+        print(f"zcpo report: --label given {len(args.label)} times for {len(args.run_dirs)} run directories",
+              file=sys.stderr)
+        return 2
+    runs = load_runs(args.run_dirs, methods=args.label)
     if not runs:
         print("zcpo report: none of the run directories holds metrics", file=sys.stderr)
         return 1
-    console.print(summary_table(runs, summary_rows(runs)))
+    try:
+        budget = align(runs, args.align_by, args.gpus)
+    except ValueError as error:
+        print(f"zcpo report: {error}", file=sys.stderr)
+        return 2
+    console.print(summary_table(runs, summary_rows(runs, budget), _budget_text(runs, budget)))
+    seeds = seed_rows(runs)
+    if seeds:
+        console.print(seed_table(seeds, _budget_text(runs, common_budget([r.positions()[-1] for r in runs])),
+                                 _methods(runs)))
     if not args.no_plots:
         out = Path(args.out) if args.out else default_output_dir([r.directory for r in runs])
-        png, page = _write_pages(runs, out)
+        png, page = _write_pages(runs, out, budget)
         console.print(f"wrote {png} and {page}")
     return 0
+
+
+def align(runs: Sequence[RunData], align_by: str, gpus: Optional[int] = None) -> float:
+    """Set the runs' x-axis for ``align_by`` ("step" or "gpu-hours"); returns the comparison budget.
+
+    By steps the budget is unbounded (each run's own last value, as logged); by GPU-hours it is the
+    cumulative GPU time every run reached (each run is read at its last record within it).
+    ValueError naming the run when a step lacks the time metrics.
+    """
+    if align_by not in ALIGN_CHOICES:
+        raise ValueError(f"--align-by {align_by!r}: choose one of {ALIGN_CHOICES}")
+    if align_by == "step":
+        return math.inf
+    for r in runs:
+        try:
+            r.gpu_hours = cumulative_gpu_hours(r.records, gpus)
+        except ValueError as error:
+            raise ValueError(f"{r.name}: {error}") from None
+    return common_budget([r.gpu_hours[-1] for r in runs])
+
+
+def _budget_text(runs: Sequence[RunData], budget: float) -> str:
+    if not math.isfinite(budget):
+        return ""
+    unit = "GPU-hours" if runs[0].gpu_hours is not None else "steps"
+    return f"at {budget:.4g} {unit} (reached by every run)"
 
 
 def write_report(run_dirs: Sequence, out, names: Optional[Sequence[str]] = None) -> List[Path]:
@@ -122,23 +196,28 @@ def write_report(run_dirs: Sequence, out, names: Optional[Sequence[str]] = None)
     return _write_pages(runs, Path(out)) if runs else []
 
 
-def _write_pages(runs: Sequence[RunData], out: Path) -> List[Path]:
+def _write_pages(runs: Sequence[RunData], out: Path, budget: float = math.inf) -> List[Path]:
     out.mkdir(parents=True, exist_ok=True)
     png = write_curves(runs, out / "report.png")
-    return [png, write_html(runs, summary_rows(runs), png, out / "report.html")]
+    return [png, write_html(runs, summary_rows(runs, budget), png, out / "report.html", seed_rows(runs))]
 
 
 # ------------------------------------------------------------------------------------------ loading
 
 
-def load_runs(run_dirs: Sequence, names: Optional[Sequence[str]] = None) -> List[RunData]:
-    """The runs of ``run_dirs`` that hold metrics (the others are named on stderr and skipped)."""
+def load_runs(run_dirs: Sequence, names: Optional[Sequence[str]] = None,
+              methods: Optional[Sequence[str]] = None) -> List[RunData]:
+    """The runs of ``run_dirs`` that hold metrics (the others are named on stderr and skipped).
+
+    names / methods: per directory, its display name and its method (default: see RunData).
+    """
     runs = []
     for position, directory in enumerate(run_dirs):
         loaded = load_run(directory, names[position] if names else None)
         if loaded is None:
             print(f"zcpo report: {directory}: no metrics.jsonl with records, skipped", file=sys.stderr)
         else:
+            loaded.method = (methods[position] if methods else "") or loaded.label or loaded.name
             runs.append(loaded)
     return runs
 
@@ -219,28 +298,87 @@ class SummaryRow:
     cells: List[Tuple[float, float, float]]  # per run: (final, best-or-mean, step of the best); NaN when absent
 
 
-def summary_rows(runs: Sequence[RunData]) -> List[SummaryRow]:
-    """The rows of the summary table, in SUMMARY's order (each key once)."""
-    rows, seen = [], set()
+def _summary_keys(runs: Sequence[RunData]) -> List[Tuple[str, Optional[str]]]:
+    """(key, rule) of every metric the summary shows, in SUMMARY's order (each key once)."""
+    keys, seen = [], set()
     for pattern, rule in SUMMARY:
         for key in _matching(runs, pattern):
-            if key in seen:
-                continue
-            seen.add(key)
-            cells = []
-            for r in runs:
-                steps, values = r.series(key)
-                if not values:
-                    cells.append((math.nan, math.nan, math.nan))
-                elif rule in ("max", "min"):
-                    best = (max if rule == "max" else min)(range(len(values)), key=values.__getitem__)
-                    cells.append((values[-1], values[best], steps[best]))
-                elif rule == "mean":
-                    cells.append((values[-1], sum(values) / len(values), math.nan))
-                else:
-                    cells.append((values[-1], math.nan, math.nan))
-            rows.append(SummaryRow(key, rule, cells))
+            if key not in seen:
+                seen.add(key)
+                keys.append((key, rule))
+    return keys
+
+
+def summary_rows(runs: Sequence[RunData], budget: float = math.inf) -> List[SummaryRow]:
+    """The rows of the summary table, in SUMMARY's order; values up to ``budget`` (see :func:`align`)."""
+    rows = []
+    for key, rule in _summary_keys(runs):
+        cells = []
+        for r in runs:
+            steps, values = r.series(key, budget)
+            if not values:
+                cells.append((math.nan, math.nan, math.nan))
+            elif rule in ("max", "min"):
+                best = (max if rule == "max" else min)(range(len(values)), key=values.__getitem__)
+                cells.append((values[-1], values[best], r.records[_record_index(r, steps[best])]["step"]))
+            elif rule == "mean":
+                cells.append((values[-1], sum(values) / len(values), math.nan))
+            else:
+                cells.append((values[-1], math.nan, math.nan))
+        rows.append(SummaryRow(key, rule, cells))
     return rows
+
+
+def _record_index(run: RunData, position: float) -> int:
+    return run.positions().index(position)
+
+
+@dataclass
+class SeedRow:
+    """One metric over seeds: per method (mean, standard error, number of runs), read at the common budget."""
+
+    key: str
+    cells: List[Tuple[float, float, int]]
+
+
+def seed_rows(runs: Sequence[RunData]) -> List[SeedRow]:
+    """Mean and standard error per method of each summary metric, when some method has several runs.
+
+    Each run contributes its last value at or before the budget every run reached (steps, or
+    GPU-hours after :func:`align`): a matched checkpoint, never each run's best. [] when every
+    method has one run.
+    """
+    groups = group_by_method([r.method for r in runs])
+    if all(len(indices) < 2 for indices in groups.values()):
+        return []
+    budget = common_budget([r.positions()[-1] for r in runs])
+    rows = []
+    for key, _ in _summary_keys(runs):
+        values = [value_at(*runs[i].series(key), budget)[0] for i in range(len(runs))]
+        rows.append(SeedRow(key, [mean_and_standard_error([values[i] for i in indices]) for indices in groups.values()]))
+    return rows
+
+
+def _methods(runs: Sequence[RunData]) -> List[str]:
+    return list(group_by_method([r.method for r in runs]))
+
+
+def _seed_text(cell: Tuple[float, float, int]) -> str:
+    mean, error, n = cell
+    return f"{_format(mean)} ± {_format(error)} (n={n})" if n > 1 else f"{_format(mean)} (n={n})"
+
+
+def seed_table(rows: Sequence[SeedRow], budget_text: str, methods: Sequence[str] = ()):
+    """A rich Table: one column per method (mean ± standard error over its runs), one row per metric."""
+    from rich.table import Table
+
+    table = Table(title=f"mean ± standard error over seeds {budget_text}".rstrip(), title_justify="left")
+    table.add_column("metric", style="bold")
+    for method in methods:
+        table.add_column(method, justify="right")
+    for row in rows:
+        table.add_row(row.key, *(_seed_text(cell) for cell in row.cells))
+    return table
 
 
 def _format(value: float) -> str:
@@ -259,11 +397,11 @@ def _cell_text(row: SummaryRow, cell: Tuple[float, float, float]) -> Tuple[str, 
     return _format(final), f"best {_format(other)} @{int(step)}"
 
 
-def summary_table(runs: Sequence[RunData], rows: Sequence[SummaryRow]):
+def summary_table(runs: Sequence[RunData], rows: Sequence[SummaryRow], budget_text: str = ""):
     """A rich Table: one column per run (name, algorithm, steps), one row per metric."""
     from rich.table import Table
 
-    table = Table(title="zcpo report: final values (best or mean)", title_justify="left")
+    table = Table(title=f"zcpo report: final values (best or mean) {budget_text}".rstrip(), title_justify="left")
     table.add_column("metric", style="bold")
     for r in runs:
         table.add_column(f"{r.name}\n{r.label}\n{len(r.records)} steps, last {int(r.records[-1]['step'])}",
@@ -308,7 +446,7 @@ def write_curves(runs: Sequence[RunData], path: Path) -> Path:
                 axes.plot(steps, values, color=colour, linestyle=styles[k % len(styles)],
                           marker="o" if key.startswith("eval/") or len(values) < 3 else None, markersize=3,
                           linewidth=1.2, label=label or None)
-        axes.set_xlabel("step", fontsize=8)
+        axes.set_xlabel("GPU-hours" if runs[0].gpu_hours is not None else "step", fontsize=8)
         axes.tick_params(labelsize=7)
         if axes.get_legend_handles_labels()[1]:
             axes.legend(fontsize=6)
@@ -318,8 +456,9 @@ def write_curves(runs: Sequence[RunData], path: Path) -> Path:
     return path
 
 
-def write_html(runs: Sequence[RunData], rows: Sequence[SummaryRow], png: Path, path: Path) -> Path:
-    """A self-contained page: the runs, the summary table and the curves (the PNG inlined)."""
+def write_html(runs: Sequence[RunData], rows: Sequence[SummaryRow], png: Path, path: Path,
+               seeds: Sequence[SeedRow] = ()) -> Path:
+    """A self-contained page: the runs, the summary table, the seed table when any, the curves (PNG inlined)."""
     image = base64.b64encode(Path(png).read_bytes()).decode("ascii")
     head = "".join(f"<th>{html.escape(r.name)}<br><small>{html.escape(r.label)}<br>{len(r.records)} steps"
                    f"</small></th>" for r in runs)
@@ -328,7 +467,16 @@ def write_html(runs: Sequence[RunData], rows: Sequence[SummaryRow], png: Path, p
         cells = "".join(f"<td>{html.escape(final)}" + (f" <small>({html.escape(note)})</small>" if note else "")
                         + "</td>" for final, note in (_cell_text(row, c) for c in row.cells))
         body.append(f"<tr><th>{html.escape(row.key)}</th>{cells}</tr>")
-    directories = "".join(f"<li>{html.escape(r.name)}: {html.escape(str(r.directory))}</li>" for r in runs)
+    directories = "".join(f"<li>{html.escape(r.name)} ({html.escape(r.method)}): {html.escape(str(r.directory))}</li>"
+                          for r in runs)
+    seed_html = ""
+    if seeds:
+        methods = "".join(f"<th>{html.escape(m)}</th>" for m in _methods(runs))
+        seed_body = "".join(f"<tr><th>{html.escape(row.key)}</th>"
+                            + "".join(f"<td>{html.escape(_seed_text(c))}</td>" for c in row.cells) + "</tr>"
+                            for row in seeds)
+        seed_html = (f"<h2>Mean ± standard error over seeds</h2><table><thead><tr><th>metric</th>{methods}</tr>"
+                     f"</thead><tbody>{seed_body}</tbody></table>")
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>zcpo report: {html.escape(', '.join(r.name for r in runs))}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
@@ -337,7 +485,7 @@ small{{color:#666}} img{{max-width:100%}}</style></head>
 <body><h1>zcpo report</h1><ul>{directories}</ul>
 <h2>Final values <small>(best with its step, or mean over the diagnosed steps)</small></h2>
 <table><thead><tr><th>metric</th>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>
-<h2>Curves</h2><img src="data:image/png;base64,{image}" alt="curves"></body></html>
+{seed_html}<h2>Curves</h2><img src="data:image/png;base64,{image}" alt="curves"></body></html>
 """
     path.write_text(page)
     return path

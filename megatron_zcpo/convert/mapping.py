@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron tensor names, layouts and model configs (Qwen2/Qwen2.5 and Llama).
+"""Hugging Face <-> Megatron tensor names, layouts and model configs (Qwen2/Qwen2.5, Qwen3 dense, Llama).
 
 Megatron tensors here are *global* ones, as :mod:`megatron_zcpo.megatron.weights` defines them:
 local-spec names with global layer indices, TP=1 shapes, and the true (unpadded) vocabulary.
@@ -8,7 +8,8 @@ Three layouts differ from Hugging Face's:
   head, then its value head;
 - ``linear_fc1`` stacks SwiGLU's ``[gate_proj; up_proj]`` along the output dimension;
 - tied embeddings have no ``lm_head.weight``: the output layer is the embedding.
-Everything else is a rename. All functions take and return tensors one at a time, so a whole
+Everything else is a rename (Qwen3's per-head ``q_norm`` / ``k_norm`` are megatron-core's
+``q_layernorm`` / ``k_layernorm``). All functions take and return tensors one at a time, so a whole
 model streams through them (the checkpoint tools, the rollout weight push); they work on meta
 tensors too, which checks a whole checkpoint's names and shapes without reading any data.
 """
@@ -36,12 +37,19 @@ class HFFamily:
     model_type: str  # config.json "model_type"
     architecture: str  # config.json "architectures"[0]
     qkv_bias: Optional[bool]  # fixed by the architecture (Qwen2: True); None: config "attention_bias"
+    qk_layernorm: bool = False  # per-head q/k RMSNorm (Qwen3's q_norm / k_norm)
+    # config.json fields this family needs beyond _REQUIRED_FIELDS (Qwen3's head_dim defaults to
+    # 128 in transformers, not hidden/heads, so it must be stated)
+    required: Tuple[str, ...] = ()
 
 
 FAMILIES: Dict[str, HFFamily] = {
     family.family: family
     for family in (
         HFFamily("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
+        # Qwen3's attention_bias would also put a bias on o_proj: refused, so fixed at False.
+        HFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True,
+                 required=("head_dim",)),
         HFFamily("llama", "llama", "LlamaForCausalLM", qkv_bias=None),
     )
 }
@@ -57,6 +65,8 @@ _LAYER_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
         ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
     "self_attention.linear_qkv.bias": (
         ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "copy"),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "copy"),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "copy"),
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "copy"),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
@@ -70,6 +80,9 @@ _MODEL_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
 _MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
+# config.json fields that mean mixture-of-experts layers (dense models only convert).
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
 # Hugging Face tensors that carry no weights Megatron needs (old Llama checkpoints store the
 # rotary inverse frequencies, which both sides recompute from rope_theta).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -82,6 +95,10 @@ def _family_of(config: dict) -> HFFamily:
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
     supported = {f.model_type: f for f in FAMILIES.values()}
+    moe = [key for key in _MOE_FIELDS if config.get(key)]
+    if moe or str(model_type).endswith("_moe") or any("Moe" in a for a in architectures):
+        raise ValueError(f"config.json model_type={model_type!r} (architectures={architectures}, fields {moe}): "
+                         f"mixture-of-experts models are not supported; only dense models convert")
     if model_type is None:
         raise KeyError(f"config.json has no 'model_type' (architectures={architectures}); "
                        f"supported: {sorted(supported)}")
@@ -116,9 +133,10 @@ def _check_supported_features(config: dict, family: HFFamily) -> None:
         raise ValueError(f"config.json hidden_act={config['hidden_act']!r}: only SwiGLU (silu) MLPs convert")
     if config.get("mlp_bias"):
         raise ValueError("config.json mlp_bias=True: MLP biases are not supported")
-    if family.qkv_bias is None and config.get("attention_bias"):
-        # Llama's attention_bias also puts a bias on o_proj, which the Megatron model lacks.
-        raise ValueError("config.json attention_bias=True: a bias on o_proj is not supported")
+    if family.qkv_bias is not True and config.get("attention_bias"):
+        # Llama's and Qwen3's attention_bias also put a bias on o_proj, which the Megatron model lacks.
+        raise ValueError(f"config.json attention_bias=True: {family.architecture} then has a bias on o_proj, "
+                         f"which is not supported")
     if config.get("use_sliding_window"):
         raise ValueError("config.json use_sliding_window=True: sliding-window attention is not supported")
     layer_types = set(config.get("layer_types") or ["full_attention"])
@@ -129,12 +147,12 @@ def _check_supported_features(config: dict, family: HFFamily) -> None:
 def model_config_from_hf(config: dict) -> ModelConfig:
     """The :class:`ModelConfig` of a Hugging Face ``config.json`` (as a dict).
 
-    Raises ``KeyError`` naming a missing required field and ``ValueError`` naming an unsupported
-    architecture, model type or feature (non-SwiGLU MLP, biases beyond Qwen2's q/k/v, sliding
-    windows, rope scaling other than Llama-3's).
+    Raises ``KeyError`` naming a missing required field (Qwen3: also ``head_dim``) and ``ValueError``
+    naming an unsupported architecture, model type or feature (mixture-of-experts, non-SwiGLU MLP,
+    biases beyond Qwen2's q/k/v, sliding windows, rope scaling other than Llama-3's).
     """
     family = _family_of(config)
-    missing = [key for key in _REQUIRED_FIELDS if config.get(key) is None]
+    missing = [key for key in _REQUIRED_FIELDS + family.required if config.get(key) is None]
     if missing:
         raise KeyError(f"config.json ({family.model_type}) lacks required field(s) {missing}")
     _check_supported_features(config, family)
@@ -154,6 +172,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=family.qkv_bias if family.qkv_bias is not None else bool(config.get("attention_bias", False)),
+        qk_layernorm=family.qk_layernorm,
         rope_scaling=scaling,
         init_method_std=float(config.get("initializer_range", 0.02)),
     )
@@ -187,13 +206,17 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
         tie_word_embeddings=model.tie_word_embeddings,
         initializer_range=model.init_method_std,
     )
-    if "head_dim" in config or model.head_dim != model.hidden_size // model.num_attention_heads:
+    if ("head_dim" in config or "head_dim" in family.required
+            or model.head_dim != model.hidden_size // model.num_attention_heads):
         config["head_dim"] = model.head_dim
-    if family.qkv_bias is None:
-        config["attention_bias"] = bool(model.qkv_bias)
-    elif bool(model.qkv_bias) != family.qkv_bias:
+    if family.qkv_bias is not None and bool(model.qkv_bias) != family.qkv_bias:
         raise ValueError(f"model.qkv_bias={model.qkv_bias}: {family.architecture} always has "
                          f"qkv_bias={family.qkv_bias}")
+    if family.qkv_bias is not True:
+        config["attention_bias"] = bool(model.qkv_bias)
+    if bool(model.qk_layernorm) != family.qk_layernorm:
+        raise ValueError(f"model.qk_layernorm={model.qk_layernorm}: {family.architecture} always has "
+                         f"qk_layernorm={family.qk_layernorm}")
     scaling = dict(model.rope_scaling) if model.rope_scaling else None
     if "rope_parameters" in config:
         config["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": model.rope_theta}
@@ -207,14 +230,21 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
 # ----------------------------------------------------------------------------- tensor names
 
 
+def _has_layer_tensor(suffix: str, model: ModelConfig) -> bool:
+    """Whether a layer of ``model`` has the Megatron tensor ``suffix`` (biases, q/k norms are optional)."""
+    if suffix.endswith(".bias"):
+        return bool(model.qkv_bias)
+    if suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return bool(model.qk_layernorm)
+    return True
+
+
 def megatron_tensor_names(model: ModelConfig) -> List[str]:
     """Global Megatron tensor names of ``model`` in model order (no output layer when tied)."""
     names = [EMBEDDING]
     for layer in range(model.num_layers):
-        for suffix in _LAYER_TENSORS:
-            if suffix.endswith(".bias") and not model.qkv_bias:
-                continue
-            names.append(f"decoder.layers.{layer}.{suffix}")
+        names.extend(f"decoder.layers.{layer}.{suffix}" for suffix in _LAYER_TENSORS
+                     if _has_layer_tensor(suffix, model))
     names.append(FINAL_NORM)
     if not model.tie_word_embeddings:
         names.append(OUTPUT_LAYER)
@@ -230,8 +260,9 @@ def _hf_names_and_layout(name: str, model: ModelConfig) -> Tuple[Tuple[str, ...]
         return hf_names, layout
     match = _MEGATRON_LAYER.match(name)
     if match and match.group(2) in _LAYER_TENSORS and int(match.group(1)) < model.num_layers:
-        if match.group(2).endswith(".bias") and not model.qkv_bias:
-            raise KeyError(f"Megatron tensor {name!r}: the model has no QKV bias (qkv_bias=False)")
+        if not _has_layer_tensor(match.group(2), model):
+            raise KeyError(f"Megatron tensor {name!r}: the model has no such tensor "
+                           f"(qkv_bias={model.qkv_bias}, qk_layernorm={model.qk_layernorm})")
         hf_suffixes, layout = _LAYER_TENSORS[match.group(2)]
         return tuple(f"model.layers.{match.group(1)}.{suffix}" for suffix in hf_suffixes), layout
     raise KeyError(f"Megatron tensor {name!r} has no Hugging Face counterpart in a "
@@ -271,6 +302,7 @@ def hf_tensor_shape(hf_name: str, model: ModelConfig) -> Tuple[int, ...]:
         "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h), "self_attn.q_proj.bias": (q,),
         "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
         "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
         "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
     }

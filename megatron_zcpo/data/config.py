@@ -21,6 +21,9 @@ class DataConfig:
     max_prompt_length: prompts longer than this many tokens (after the chat template) are left out.
     chat_template: "auto" uses the tokenizer's chat template when it has one, else plain text;
         "plain" always uses plain text ("User: ...\\n\\nAssistant:").
+    enable_thinking: null leaves the chat template's default; true / false is passed to the template
+        as ``enable_thinking`` (Qwen3's hybrid template: false closes an empty ``<think></think>``
+        block so the model answers without reasoning). Refused with a template that does not read it.
     shuffle, seed: each epoch is a fresh permutation drawn from (seed, epoch).
     on_bad_row: "error" stops at start-up listing the bad rows (file:line); "skip" logs and drops them.
     """
@@ -32,6 +35,7 @@ class DataConfig:
     task_instruction: str = BOXED_INSTRUCTION
     max_prompt_length: int = 2048
     chat_template: str = "auto"
+    enable_thinking: Optional[bool] = None
     shuffle: bool = True
     seed: int = 1234
     on_bad_row: str = "error"
@@ -54,6 +58,10 @@ class DataConfig:
             problems.append(f"data.max_prompt_length must be an integer >= 1, got {self.max_prompt_length!r}")
         if self.chat_template not in CHAT_TEMPLATE_CHOICES:
             problems.append(f"data.chat_template must be one of {list(CHAT_TEMPLATE_CHOICES)}, got {self.chat_template!r}")
+        if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
+            problems.append(f"data.enable_thinking must be true, false or null, got {self.enable_thinking!r}")
+        if self.enable_thinking is not None and self.chat_template == "plain":
+            problems.append("data.enable_thinking is a chat-template option; data.chat_template='plain' has none")
         if not isinstance(self.seed, int):
             problems.append(f"data.seed must be an integer, got {self.seed!r}")
         if self.on_bad_row not in ON_BAD_ROW_CHOICES:

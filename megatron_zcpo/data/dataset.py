@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -16,29 +16,39 @@ from megatron_zcpo.data.records import DataError, PromptRecord, read_prompt_file
 logger = logging.getLogger(__name__)
 
 
-def render_prompt(messages: Sequence[Dict[str, str]], tokenizer, chat_template: str = "auto") -> Tuple[str, bool]:
+def render_prompt(messages: Sequence[Dict[str, str]], tokenizer, chat_template: str = "auto",
+                  enable_thinking: Optional[bool] = None) -> Tuple[str, bool]:
     """The prompt text for ``messages`` and whether tokenizing it should add the tokenizer's special tokens.
 
     "auto" with a tokenizer that has a chat template: ``tokenizer.apply_chat_template(...,
-    add_generation_prompt=True)`` (the template already holds BOS and the like: no special tokens added).
+    add_generation_prompt=True)`` (the template already holds BOS and the like: no special tokens added),
+    with ``enable_thinking`` passed to the template when not None (Qwen3's thinking switch; a
+    ``ValueError`` naming ``data.enable_thinking`` when the template does not read that variable).
     Otherwise plain text: "User: ...\\n\\nAssistant:" (roles capitalised, turns separated by a blank
     line), tokenized with the tokenizer's special tokens.
     """
-    if chat_template == "auto" and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True), False
+    template = getattr(tokenizer, "chat_template", None) if chat_template == "auto" else None
+    if enable_thinking is not None and "enable_thinking" not in (template or ""):
+        raise ValueError(f"data.enable_thinking={enable_thinking}: the tokenizer's chat template does not read "
+                         f"'enable_thinking' (Qwen3's hybrid-thinking template does); leave it null")
+    if template:
+        options = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                             **options), False
     turns = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
     return "\n\n".join(turns + ["Assistant:"]), True
 
 
 def tokenize_records(
-    records: Sequence[PromptRecord], tokenizer, max_prompt_length: int, chat_template: str = "auto"
+    records: Sequence[PromptRecord], tokenizer, max_prompt_length: int, chat_template: str = "auto",
+    enable_thinking: Optional[bool] = None,
 ) -> List[PromptRecord]:
-    """Render and tokenize every record; records longer than ``max_prompt_length`` tokens are left out
-    (and counted in a log line).
+    """Render (:func:`render_prompt`) and tokenize every record; records longer than
+    ``max_prompt_length`` tokens are left out (and counted in a log line).
 
     Returns new records with ``prompt_text`` and ``prompt_ids`` set, in the input order.
     """
-    rendered = [render_prompt(r.messages, tokenizer, chat_template) for r in records]
+    rendered = [render_prompt(r.messages, tokenizer, chat_template, enable_thinking) for r in records]
     kept, too_long = [], []
     for add_special_tokens in (False, True):
         indices = [i for i, (_, add) in enumerate(rendered) if add == add_special_tokens]
@@ -139,5 +149,6 @@ class PromptDataset:
 
 def build_prompt_dataset(config: DataConfig, tokenizer) -> PromptDataset:
     """Load, render, tokenize and length-filter the prompts of ``config`` into a :class:`PromptDataset`."""
-    tokenized = tokenize_records(load_records(config), tokenizer, config.max_prompt_length, config.chat_template)
+    tokenized = tokenize_records(load_records(config), tokenizer, config.max_prompt_length, config.chat_template,
+                                 config.enable_thinking)
     return PromptDataset(tokenized, seed=config.seed, shuffle=config.shuffle)

@@ -26,7 +26,8 @@ class DiagnosticsConfig:
     mini-batch for F2's global denominator. groups: groups sampled for the per-group shares (F2,
     F5); tokens_per_group: tokens sampled per sampled group for its cancellation rate (F2).
     top_fractions: token fractions of F6's concentration shares. position_buckets: increasing
-    token positions (0-based) that bound F6's KL-by-position buckets. seed: mixed with the step
+    token positions (0-based) that bound F6's KL-by-position buckets. head_tokens: F6's share of
+    Var(K) carried by the first head_tokens response tokens (the paper: 10). seed: mixed with the step
     to draw the samples (identically on every rank).
     """
 
@@ -38,6 +39,7 @@ class DiagnosticsConfig:
     tokens_per_group: int = 4
     top_fractions: List[float] = field(default_factory=lambda: [0.01, 0.1])
     position_buckets: List[int] = field(default_factory=lambda: [1, 10, 100, 1000])
+    head_tokens: int = 10
     seed: int = 0
 
     def validate(self) -> None:
@@ -52,7 +54,7 @@ class DiagnosticsConfig:
         if len(set(self.families)) != len(self.families):
             raise ValueError(f"diagnostics.families: {list(self.families)} names a family twice")
         for key, low in (("every", 1), ("cancellation_tokens", 1), ("groups", 2), ("tokens_per_group", 1),
-                         ("seed", 0)):
+                         ("head_tokens", 1), ("seed", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"diagnostics.{key}: expected an integer >= {low}, got {value!r}")

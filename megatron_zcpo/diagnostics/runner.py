@@ -39,16 +39,22 @@ f4 (no pass; one all-reduce of [N] floats for a vanilla KL loss): over trainable
   snapshot; otherwise the reference part of the coefficient, -(C_i - a_i) (ZCPO: beta * K_i).
 f5 (groups x 2 passes, shared with f2): f5_kl_share_short / f5_kl_share_long = median s_q over
   the ceil(n/10) sampled groups with the shortest / longest mean response length.
-f6 (no pass; 34 all-reduces of a few floats, 31 of them bisecting the top-p% thresholds): over
+f6 (no pass; 35 all-reduces of a few floats, 31 of them bisecting the top-p% thresholds): over
   all response tokens of the rollout, of the conditional KL kappa at the snapshot (the drift
   itself, comparable across methods):
   f6_kl_top<p>pct_share = share of sum kappa carried by the top p% tokens (exact),
   f6_kl_pos_<a>_<b> = mean kappa over response positions [a, b), f6_first_token_kl = mean kappa
-  of the first response token, f6_first_token_share = its share of sum kappa.
-f7 (no pass): f7_k1_negative_fraction = responses whose summed k1 drift sum_t (old - ref) is
-  negative before centring; f7_k1_coef_residual_rms = RMS of C^k1 - C^kappa over active groups,
-  ZCPO coefficients of this batch with length-normalised k1 vs conditional-KL drift (the run's
-  ZCPO switches, or ZCPO's defaults on the vanilla path).
+  of the first response token, f6_first_token_share = its share of sum kappa,
+  f6_head<n>_var_share = share of Var(K) carried by the first n = head_tokens response tokens
+  (the paper's "first 10 tokens", diagnostics/drift.py head_variance_share).
+f7 (no pass), on the paper's K (length-normalised, group-centred drift; diagnostics/drift.py), over
+  the responses of reward-active groups: f7_k1_negative_fraction = responses whose summed k1 drift
+  sum_t (old - ref) is negative before centring; f7_k1_drift_rmse = RMSE between K^k1 and K^kappa
+  (a ZCPO coefficient's residual is beta times it); f7_noise_reference_scale = the small-KL
+  sampling-noise scale of a length-normalised k1 drift, f7_k1_dispersion_ratio /
+  f7_kappa_dispersion_ratio = within-group dispersion of K^k1 / K^kappa relative to it (Fig. 3g);
+  f7_gvpo_noise_rms = GVPO's centred sampled log-ratio term minus its conditional expectation,
+  times algorithm.gvpo_beta (Fig. 4b).
 """
 
 from __future__ import annotations
@@ -67,13 +73,13 @@ from megatron_zcpo.megatron.platform import compute_device
 from megatron_zcpo.algorithms.zcpo import sequence_drift
 from megatron_zcpo.diagnostics.branches import BranchSplit, has_kl_branch
 from megatron_zcpo.diagnostics.config import BRANCH_ALGORITHMS, DiagnosticsConfig
+from megatron_zcpo.diagnostics.drift import drift_dispersion, gvpo_noise_rms, head_variance_share, k1_drift_rmse
 from megatron_zcpo.diagnostics.probes import GradientProbe, sample_groups, trainable_tokens, uniform_tokens
 from megatron_zcpo.diagnostics.statistics import (
     BranchGeometry,
     branch_geometry,
     cancellation_rate,
     decile_medians,
-    k1_coefficient_residual_rms,
     pearson,
     position_profile,
     top_shares,
@@ -341,16 +347,26 @@ def _concentration(rollout: _Rollout, config: DiagnosticsConfig) -> Metrics:
     metrics["f6_first_token_kl"] = means[first]
     total = sums[first] + sums[first + 1]
     metrics["f6_first_token_share"] = sums[first] / total if total > 0 else math.nan
+    head = torch.zeros(len(rollout.samples), dtype=torch.float64)
+    for index, token in rollout.experience.items() if rollout.contributes else ():
+        head[index] = token.kl[:config.head_tokens].double().sum()
+    head = rollout.reduce(head)  # each sample lives on one data-parallel rank: a sum is a gather
+    if rollout.primary:
+        metrics[f"f6_head{config.head_tokens}_var_share"] = head_variance_share(head, rollout.stats)
     return metrics
 
 
 def _sampling_noise(rollout: _Rollout) -> Metrics:
-    """F7 (primary rank): negative k1 drifts before centring, and the k1 vs conditional-KL coefficient residual."""
+    """F7 (primary rank): negative k1 drifts before centring; k1 vs conditional-KL K: RMSE, dispersions, GVPO's noise."""
     stats = rollout.stats
     nonempty = stats.lengths > 0
-    config = rollout.algorithm if rollout.algorithm.name == "zcpo" else AlgorithmConfig(name="zcpo").resolved()
+    dispersion = drift_dispersion(stats)
     return {"f7_k1_negative_fraction": (stats.k1_sum[nonempty] < 0).to(torch.float64).mean(),
-            "f7_k1_coef_residual_rms": k1_coefficient_residual_rms(stats, config)}
+            "f7_k1_drift_rmse": k1_drift_rmse(stats),
+            "f7_noise_reference_scale": dispersion.reference_scale,
+            "f7_k1_dispersion_ratio": dispersion.k1_ratio,
+            "f7_kappa_dispersion_ratio": dispersion.kappa_ratio,
+            "f7_gvpo_noise_rms": gvpo_noise_rms(stats, rollout.algorithm.gvpo_beta)}
 
 
 def _shared(metrics: Metrics, primary: bool) -> Dict[str, float]:

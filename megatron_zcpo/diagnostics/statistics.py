@@ -1,4 +1,4 @@
-"""Pure tensor statistics of the F1-F7 diagnostics: shares, correlations, concentration, cancellation, F7 residual.
+"""Pure tensor statistics of the F1-F7 diagnostics: shares, correlations, concentration, cancellation.
 
 Functions that summarise values spread over data-parallel ranks take ``reduce``: a function that
 sums a tensor over the ranks (identity for one process), so the single-process and the
@@ -7,16 +7,11 @@ distributed results are the same numbers.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
-
-from megatron_zcpo.algorithms.advantages import active_groups
-from megatron_zcpo.algorithms.config import AlgorithmConfig
-from megatron_zcpo.algorithms.registry import ResponseStats, build_algorithm
 
 Reduce = Callable[[Tensor], Tensor]
 
@@ -147,25 +142,3 @@ def position_profile(token_values: Tensor, mask: Tensor, boundaries: Sequence[in
     out[0].index_add_(0, bucket, values)
     out[1].index_add_(0, bucket, torch.ones_like(values))
     return out
-
-
-def k1_coefficient_residual_rms(stats: ResponseStats, config: AlgorithmConfig) -> Tensor:
-    """F7: RMS over the responses of active groups of C^k1_i - C^kappa_i (0-dim float64).
-
-    Both are ZCPO coefficients of the same rollout and ``config`` (beta, reward_norm, center,
-    gate), with length-normalised drift: C^k1 from the k1 drift sum_t (old - ref) / T_i,
-    C^kappa from the conditional KL sum_t kappa / T_i. Where every response of a group shares one
-    conditional KL but k1 differs only through the sampled tokens, the residual is pure sampling
-    noise: beta * (k1 drift - its group mean). config must be a ZCPO config (``name='zcpo'``).
-    NaN when no group is active.
-    """
-    coefficients = {}
-    for drift in ("k1", "conditional_kl"):
-        variant = dataclasses.replace(config, drift=drift, length_normalize=True)
-        coefficients[drift] = build_algorithm(variant).coefficients(stats).to(torch.float64)
-    nonempty = stats.lengths > 0  # empty responses are left out of their groups by Algorithm.coefficients
-    active = active_groups(stats.rewards[nonempty], stats.group_ids[nonempty])
-    residual = (coefficients["k1"] - coefficients["conditional_kl"])[nonempty][active]
-    if residual.numel() == 0:
-        return torch.tensor(math.nan, dtype=torch.float64)
-    return residual.square().mean().sqrt()

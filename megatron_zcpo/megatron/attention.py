@@ -158,10 +158,11 @@ class PackedCausalAttention(torch.nn.Module):
         return out.reshape(query.shape[0], -1)
 
 
-def local_layer_spec():
-    """megatron-core's local GPT layer spec (RMSNorm) with :class:`PackedCausalAttention` as core attention."""
+def local_layer_spec(qk_layernorm: bool = False):
+    """megatron-core's local GPT layer spec (RMSNorm; per-head q/k RMSNorm when ``qk_layernorm``)
+    with :class:`PackedCausalAttention` as core attention."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
     return spec

@@ -39,7 +39,7 @@ class MegatronInternal:
 _TRANSFORMER_CONFIG_KEYWORDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func", "add_bias_linear",
-    "add_qkv_bias", "hidden_dropout", "attention_dropout", "init_method_std", "tensor_model_parallel_size",
+    "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout", "init_method_std", "tensor_model_parallel_size",
     "pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel", "params_dtype", "bf16",
     "fp16", "pipeline_dtype", "use_cpu_initialization", "bias_activation_fusion", "masked_softmax_fusion",
     "persist_layer_norm", "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",

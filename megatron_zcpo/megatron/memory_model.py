@@ -203,8 +203,9 @@ def bytes_per_parameter(distributed_optimizer: bool, optimizer_shards: int = 1) 
 def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
     """Parameters of one transformer layer held by one tensor-parallel rank.
 
-    QKV (with Qwen's bias), output projection and the SwiGLU MLP are split over TP; the two RMSNorm
-    weights are replicated on every TP rank.
+    QKV (with Qwen2's bias), output projection and the SwiGLU MLP are split over TP; the two RMSNorm
+    weights, and Qwen3's per-head q/k RMSNorms (``head_dim`` each), are replicated on every TP rank.
+    Widths use ``head_dim`` (megatron's kv_channels), not hidden / heads.
     """
     h = model.hidden_size
     q = model.num_attention_heads * model.head_dim
@@ -212,7 +213,8 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
     split = h * (q + kv) + q * h + 3 * h * model.intermediate_size
     if model.qkv_bias:
         split += q + kv
-    return split // tensor_parallel + 2 * h
+    replicated = 2 * h + (2 * model.head_dim if model.qk_layernorm else 0)
+    return split // tensor_parallel + replicated
 
 
 def stage_parameters(model: ModelConfig, layout: Layout, stage: str) -> int:

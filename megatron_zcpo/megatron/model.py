@@ -12,12 +12,16 @@ import torch.nn.functional as F
 
 from megatron_zcpo.megatron.platform import has_cuda
 
-SUPPORTED_FAMILIES = ("qwen2", "llama")
+SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama")
 
 
 @dataclass
 class ModelConfig:
-    """Architecture of a decoder-only LM in Hugging Face terms (Qwen2/Qwen2.5 and Llama families).
+    """Architecture of a decoder-only LM in Hugging Face terms (Qwen2/Qwen2.5, Qwen3 dense and Llama).
+
+    ``head_dim`` is megatron-core's ``kv_channels``: independent of hidden/heads (Qwen3-4B: hidden
+    2560, 32 heads, head_dim 128). ``qk_layernorm`` is Qwen3's per-head RMSNorm of queries and keys
+    (one ``[head_dim]`` weight each, shared by all heads, before RoPE).
 
     ``vocab_size`` is the true vocabulary; Megatron pads it to a multiple of
     ``make_vocab_size_divisible_by * tensor_parallel`` (see :func:`padded_vocab_size`).
@@ -35,7 +39,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
-    qkv_bias: Optional[bool] = None  # None: the family's default (Qwen2: True, Llama: False)
+    qkv_bias: Optional[bool] = None  # None: the family's default (Qwen2: True, Qwen3 and Llama: False)
+    qk_layernorm: Optional[bool] = None  # None: the family's default (Qwen3: True, others: False)
     rope_scaling: Optional[dict] = None  # Llama-3.x {"rope_type": "llama3", "factor": ...}
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
@@ -43,6 +48,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.qkv_bias is None:
             self.qkv_bias = self.family == "qwen2"
+        if self.qk_layernorm is None:
+            self.qk_layernorm = self.family == "qwen3"
         if self.head_dim is None:
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
 
@@ -51,7 +58,7 @@ class ModelConfig:
         if self.family not in SUPPORTED_FAMILIES:
             raise ValueError(f"{prefix}.family={self.family!r}: supported families are {SUPPORTED_FAMILIES}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                    "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if int(getattr(self, key)) <= 0:
                 raise ValueError(f"{prefix}.{key} must be positive, got {getattr(self, key)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -83,7 +90,7 @@ class ModelConfig:
         kv = 2 * self.num_key_value_heads * self.head_dim
         attn = h * (q + kv) + q * h + ((q + kv) if self.qkv_bias else 0)
         mlp = 3 * h * f
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
@@ -122,6 +129,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=bool(model.qkv_bias),
+        qk_layernorm=bool(model.qk_layernorm),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_method_std,
@@ -165,7 +173,8 @@ def have_transformer_engine() -> bool:
 
 def layer_spec(config, use_te: Optional[bool] = None):
     """The TE layer spec when Transformer Engine is present (and ``use_te`` not False), else the
-    local spec with packed-sequence / context-parallel core attention (megatron_zcpo.megatron.attention)."""
+    local spec with packed-sequence / context-parallel core attention (megatron_zcpo.megatron.attention).
+    Both carry per-head q/k RMSNorms when ``config.qk_layernorm`` (Qwen3)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_zcpo.megatron.attention import local_layer_spec
@@ -173,8 +182,8 @@ def layer_spec(config, use_te: Optional[bool] = None):
     if use_te is None:
         use_te = have_transformer_engine()
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    return local_layer_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return local_layer_spec(qk_layernorm=config.qk_layernorm)
 
 
 def build_gpt_model(

@@ -43,4 +43,4 @@ def eval_records(config: RunConfig, tokenizer):
             return []  # file-based training data needs an explicit eval.data
         data = dataclasses.replace(config.data, seed=config.eval.seed, task_size=config.eval.num_prompts)
     records = load_records(data.validate())[: config.eval.num_prompts]
-    return tokenize_records(records, tokenizer, data.max_prompt_length, data.chat_template)
+    return tokenize_records(records, tokenizer, data.max_prompt_length, data.chat_template, data.enable_thinking)

@@ -42,6 +42,7 @@ class RLRecipe:
         setup_megatron(tensor_parallel=config.parallel.tensor, pipeline_parallel=config.parallel.pipeline,
                        context_parallel=config.parallel.context, seed=config.train.seed)
         self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
         self.run_dir = Path(config.logging.run_dir)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -143,8 +144,9 @@ class RLRecipe:
         if self.rank != 0:
             return
         metrics.update(rollout_stats)
+        # time/world_size: the devices this step held, so `zcpo report --align-by gpu-hours` can sum GPU time
         metrics.update({"time/rollout": time_rollout, "time/weight_sync": time.perf_counter() - started_push,
-                        "time/step": time.perf_counter() - started})
+                        "time/step": time.perf_counter() - started, "time/world_size": self.world_size})
         self.logger.log(self.trainer.step, metrics)
         gap = metrics.get("rollout/logprob_diff_max", 0.0)
         rollout = self.config.rollout

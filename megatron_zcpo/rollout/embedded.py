@@ -78,7 +78,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> Tuple[torch.T
 
 
 def build_hf_causal_lm(model_config, dtype: torch.dtype = torch.float32, device=None) -> torch.nn.Module:
-    """An untrained transformers causal LM (Qwen2 / Llama) with ``model_config``'s architecture, eval mode."""
+    """An untrained transformers causal LM (Qwen2 / Qwen3 / Llama) with ``model_config``'s architecture, eval mode."""
     import transformers
 
     from megatron_zcpo.convert.mapping import hf_config_from_model_config

@@ -7,6 +7,9 @@ from megatron_zcpo.megatron.rollout_step import RolloutStep
 
 MODEL = ModelConfig(family="qwen2", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+# Qwen3: per-head q/k norms (their gradients are split over TP ranks by heads), head_dim != hidden/heads.
+QWEN3 = ModelConfig(family="qwen3", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
 
 
 def rollout(num_groups=5, group_sizes=(3, 4, 2, 5, 4), seed=0, vocab=MODEL.vocab_size):
@@ -27,14 +30,14 @@ def rollout(num_groups=5, group_sizes=(3, 4, 2, 5, 4), seed=0, vocab=MODEL.vocab
     return samples
 
 
-def weights(seed):
-    """Global weights of a seeded single-process model (run inside a 1-rank group)."""
+def weights(seed, model=MODEL):
+    """Global weights of a seeded single-process ``model`` (run inside a 1-rank group)."""
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
     from megatron_zcpo.megatron.weights import gather_full_state_dict
 
     setup_megatron(seed=seed)
-    return gather_full_state_dict(build_gpt_model(MODEL, transformer_config(MODEL)))
+    return gather_full_state_dict(build_gpt_model(model, transformer_config(model)))
 
 
 def policy_and_reference(rank, world):
@@ -43,7 +46,8 @@ def policy_and_reference(rank, world):
 
 
 def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, micro_batch_tokens=24,
-                 distributed_optimizer=False, cp=1, packing="thd", importance_sampling=False, **algorithm_overrides):
+                 distributed_optimizer=False, cp=1, packing="thd", importance_sampling=False, model=MODEL,
+                 **algorithm_overrides):
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.train_config import (
@@ -59,7 +63,7 @@ def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, mi
                         optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0, adam_eps=1e-6, weight_decay=0.0),
                         importance_sampling=ImportanceSamplingConfig(enabled=bool(importance_sampling),
                                                                      **(importance_sampling or {})))
-    return PolicyTrainer(MODEL, AlgorithmConfig(name=algorithm, **algorithm_overrides), train,
+    return PolicyTrainer(model, AlgorithmConfig(name=algorithm, **algorithm_overrides), train,
                          ParallelConfig(tensor=tp, pipeline=pp, context=cp, distributed_optimizer=distributed_optimizer),
                          initial_weights=policy, reference_weights=reference)
 
@@ -87,9 +91,9 @@ def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distrib
             "my_samples": plan.my_indices, "groups_of_mine": sorted({samples[i].group_id for i in plan.my_indices})}
 
 
-def probe_norm(rank, world, tp, pp, policy, reference):
+def probe_norm(rank, world, tp, pp, policy, reference, model=MODEL):
     """||grad|| of the first mini-batch's loss through gradient_vector, and the update's own norm."""
-    trainer = make_trainer(tp, pp, policy, reference)
+    trainer = make_trainer(tp, pp, policy, reference, model=model)
     samples = rollout()
     plan = trainer.assign_minibatches(samples)
     experience = trainer.experience(samples, plan)

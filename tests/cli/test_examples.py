@@ -32,9 +32,21 @@ LLAMA33_70B = ModelConfig(family="llama", hidden_size=8192, num_layers=80, num_a
                           tie_word_embeddings=False, qkv_bias=False,
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-MODELS = {"qwen2.5-32b-zcpo": QWEN25_32B, "llama-3.3-70b-zcpo": LLAMA33_70B}
+QWEN25_72B = ModelConfig(family="qwen2", hidden_size=8192, num_layers=80, num_attention_heads=64,
+                         num_key_value_heads=8, intermediate_size=29568, vocab_size=152064,
+                         max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, qkv_bias=True)
+QWEN3_4B_THINKING = ModelConfig(family="qwen3", hidden_size=2560, num_layers=36, num_attention_heads=32,
+                                num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+                                max_position_embeddings=262144, rope_theta=5000000.0, rms_norm_eps=1e-6,
+                                tie_word_embeddings=True)
+MODELS = {"qwen2.5-32b-zcpo": QWEN25_32B, "llama-3.3-70b-zcpo": LLAMA33_70B, "qwen2.5-72b-zcpo": QWEN25_72B,
+          "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING}
 # (training GPUs, GiB per GPU) quoted in the example's config.yaml and examples/README.md.
-QUOTED = {"qwen2.5-32b-zcpo": (32, 55.68), "llama-3.3-70b-zcpo": (64, 59.40)}
+QUOTED = {"qwen2.5-32b-zcpo": (32, 55.68), "llama-3.3-70b-zcpo": (64, 59.40), "qwen2.5-72b-zcpo": (64, 61.16),
+          "qwen3-4b-long-context-zcpo": (32, 52.37)}
+# The configured layout is the planner's (memory-only) suggestion, except where the config says why not.
+SUGGESTED_INSTEAD = {"qwen3-4b-long-context-zcpo": ("TP1 PP1 CP2 DP16 distopt recompute=full", 78.1)}
 
 
 def test_every_cluster_example_is_covered():
@@ -78,7 +90,10 @@ def test_config_validates_with_the_sbatch_overrides(example, tmp_path):
     SGLangEngineConfig(server_urls=config.rollout.sglang.server_urls, router_url=config.rollout.sglang.router_url,
                        **config.rollout.sglang.client).validate()
     settings = sbatch_settings(example)
-    assert (int(settings["TRAIN_TP"]), int(settings["TRAIN_PP"])) == (config.parallel.tensor, config.parallel.pipeline)
+    assert (int(settings["TRAIN_TP"]), int(settings["TRAIN_PP"]), int(settings.get("TRAIN_CP", 1))) == (
+        config.parallel.tensor, config.parallel.pipeline, config.parallel.context)
+    longest = config.data.max_prompt_length + config.rollout.max_new_tokens
+    assert int(settings["CONTEXT_LENGTH"]) == longest and config.reward.max_response_length == config.rollout.max_new_tokens
     assert settings["CONFIG"] == f"examples/{example}/config.yaml"
 
 
@@ -93,7 +108,10 @@ def test_layout_fits_80gb_h100_and_is_the_planners_suggestion(example, tmp_path)
     assert plan.fits, plan.to_dict()
     assert (train_gpus, round(plan.total_bytes / GIB, 2)) == QUOTED[example]
     suggested = suggest_layout(model_config_of(config), workload, train_gpus, base=layout)
-    assert suggested.layout == layout
+    if example in SUGGESTED_INSTEAD:
+        assert (suggested.layout.describe(), round(suggested.total_bytes / GIB, 2)) == SUGGESTED_INSTEAD[example]
+    else:
+        assert suggested.layout == layout
     # Rollout nodes: the rest of the allocation, whole SGLang servers per node.
     rollout_nodes = int(settings["nodes"]) - int(settings["TRAIN_NODES"])
     assert rollout_nodes >= 1 and gpus_per_node % int(settings["ROLLOUT_TP"]) == 0
@@ -121,6 +139,49 @@ def test_qwen_example_has_the_papers_hyper_parameters(tmp_path):
     assert (train.optimizer.lr, train.optimizer.warmup_steps, train.optimizer.schedule) == (1e-6, 20, "constant")
     assert train.bf16 and config.parallel.distributed_optimizer and train.recompute == "full"
     assert (config.eval.k, config.eval.temperature, config.eval.top_p) == (32, 1.0, 0.7)
+
+
+def test_long_context_example_has_appendix_e_and_its_recipes_values(tmp_path):
+    config = run_config("qwen3-4b-long-context-zcpo", tmp_path)
+    model = model_config_of(config)
+    assert (model.family, model.qk_layernorm, model.qkv_bias, model.head_dim, model.hidden_size) == (
+        "qwen3", True, False, 128, 2560)
+    algorithm, train, rollout, sampling = config.algorithm, config.train, config.rollout, config.train.importance_sampling
+    assert (algorithm.name, algorithm.beta, algorithm.gate, algorithm.clip_c) == ("zcpo", 4.0, True, 3.0)
+    assert (algorithm.clip_low, algorithm.clip_high, algorithm.agg) == (0.2, 0.28, "token-mean")
+    assert (sampling.enabled, sampling.upper, sampling.lower, sampling.veto, sampling.mode) == (
+        True, 5.0, 0.5, 1e-4, "truncate")
+    assert (config.data.max_prompt_length, rollout.max_new_tokens) == (160 * 1024, 16 * 1024)
+    assert (rollout.prompts_per_step, rollout.samples_per_prompt, train.mini_batches) == (128, 16, 1)
+    assert (config.parallel.context, config.parallel.tensor) == (8, 1) and train.micro_batch_tokens == 180224
+    assert (train.optimizer.lr, train.optimizer.warmup_steps, train.optimizer.weight_decay) == (2e-6, 5, 0.1)
+    assert config.data.enable_thinking is None and not config.reward.overlong_penalty
+
+
+TAGS = ("[paper", "[ours", "[GoLongRL")
+# Hyper-parameters every example config must attribute (the line or, for a pair, the line above it).
+HYPER_PARAMETERS = {"steps", "mini_batches", "micro_batch_tokens", "lr", "warmup_steps", "weight_decay",
+                    "clip_grad", "beta", "drift", "center", "length_normalize", "gate", "clip_low", "clip_high",
+                    "clip_c", "agg", "prompts_per_step", "samples_per_prompt", "temperature", "top_p",
+                    "max_new_tokens", "oversample_factor", "overlong_penalty", "overlong_filter",
+                    "max_prompt_length", "k", "tensor", "context", "every", "keep_last", "bf16", "recompute"}
+PAIRED = {"clip_high": "clip_low", "top_p": "temperature"}  # may share the tag of the line above
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/config.yaml"))
+                         + ["megatron_zcpo/cli/demo.yaml"])
+def test_every_hyper_parameter_says_whether_it_is_the_papers_or_ours(path):
+    lines = (ROOT / path).read_text().splitlines()
+    untagged = []
+    for number, line in enumerate(lines):
+        match = re.match(r"^\s*(\w+):\s*[^\s#{]", line)
+        sections = [lines[n] for n in range(number - 1, -1, -1)
+                    if len(lines[n]) - len(lines[n].lstrip()) < len(line) - len(line.lstrip())][:1]
+        above = [lines[number - 1]] if match and re.match(rf"^\s*{PAIRED.get(match.group(1), '-')}:", lines[number - 1]) else []
+        if match and match.group(1) in HYPER_PARAMETERS and not any(
+                tag in text for text in [line] + above + sections for tag in TAGS):
+            untagged.append(f"{path}:{number + 1}: {line.strip()}")
+    assert not untagged, "hyper-parameters without [paper: ...] / [ours: ...]:\n" + "\n".join(untagged)
 
 
 def load_sglang_node():
@@ -232,6 +293,17 @@ def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_pat
     config = load_run_config(train["command"][2], train["command"][3:])
     assert config.rollout.sglang.server_urls == ["http://infer1:30000", "http://infer2:30000"]
     assert config.rollout.sglang.router_url is None and config.parallel.pipeline == 2
+
+
+def test_long_context_sbatch_needs_the_reward_function_and_passes_it(tmp_path):
+    steps = run_sbatch("qwen3-4b-long-context-zcpo", tmp_path, REWARD_FUNCTION="megatron_zcpo.rewards.math:dapo_math_reward")
+    convert, _, dry_run, _, train = steps
+    assert convert["command"][-4:] == ["--tp", "1", "--pp", "1"]
+    config = load_run_config(train["command"][2], train["command"][3:])
+    assert config.reward.function == "megatron_zcpo.rewards.math:dapo_math_reward" and config.parallel.context == 8
+    result = subprocess.run(["bash", "examples/qwen3-4b-long-context-zcpo/train.sbatch"], cwd=ROOT,
+                            env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "1"}, capture_output=True, text=True)
+    assert result.returncode != 0 and "REWARD_FUNCTION" in result.stderr
 
 
 @pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/*.s*")

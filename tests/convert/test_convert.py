@@ -33,6 +33,11 @@ CASES = {
                                         rope_scaling=LLAMA3_ROPE), torch.float32, True),
     "llama-mha-tied": ("llama", dict(vocab_size=260, num_hidden_layers=2, num_key_value_heads=4,
                                      tie_word_embeddings=True), torch.float32, False),
+    # Qwen3: per-head q/k norms, no bias, head_dim 32 != hidden/heads = 16 (as Qwen3-4B: 128 vs 80)
+    "qwen3-gqa-tied-headdim": ("qwen3", dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=2, head_dim=32,
+                                             tie_word_embeddings=True, rope_theta=1e6), torch.float32, False),
+    "qwen3-mha-untied-bf16": ("qwen3", dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=4,
+                                            tie_word_embeddings=False), torch.bfloat16, True),
 }
 TOKENIZER_CASE = "qwen2-gqa-tied"
 STREAMING_CASE = "llama3-gqa-untied"
@@ -62,9 +67,11 @@ def _to_legacy_config(directory: Path) -> None:
 
 
 def _make_hf_model(directory: Path, family: str, overrides: dict, dtype: torch.dtype, seed: int) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
-    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "llama": (LlamaConfig, LlamaForCausalLM)}[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**SMALL, **copy.deepcopy(overrides)))  # transformers edits rope dicts
     with torch.no_grad():  # random norms and biases, so a swapped or dropped one changes the logits

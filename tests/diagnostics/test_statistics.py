@@ -5,14 +5,13 @@ import math
 import pytest
 import torch
 
-from megatron_zcpo.algorithms import AlgorithmConfig, ResponseStats, build_algorithm, zcpo_coefficients
+from megatron_zcpo.algorithms import AlgorithmConfig, ResponseStats, build_algorithm
 from megatron_zcpo.diagnostics import DiagnosticsConfig, KLDiagnostics, build_diagnostics
 from megatron_zcpo.diagnostics.branches import BranchSplit, restrict
 from megatron_zcpo.diagnostics.statistics import (
     branch_geometry,
     cancellation_rate,
     decile_medians,
-    k1_coefficient_residual_rms,
     pearson,
     position_profile,
     top_shares,
@@ -126,29 +125,6 @@ def test_decile_medians():
     values[19] = math.nan  # an undefined share is skipped
     assert decile_medians(values, keys)[0].item() == 180.0
     assert decile_medians(torch.tensor([4.0, 7.0]), torch.tensor([1.0, 2.0])).tolist() == [4.0, 7.0]
-
-
-# ------------------------------------------------------------------------------------------ F7
-
-
-def test_f7_single_token_groups_residual_is_k1_sampling_noise():
-    # Three groups of one-token responses; within a group every response shares the context, so the
-    # conditional KL is the same while k1 differs with the sampled token.
-    group_ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2])
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0], dtype=torch.float64)  # group 2 tied
-    kl = torch.tensor([0.03] * 4 + [0.01] * 3 + [0.02] * 2, dtype=torch.float64)
-    k1 = torch.tensor([0.2, -0.1, 0.05, 0.4, -0.3, 0.1, 0.2, 0.7, -0.2], dtype=torch.float64)
-    stats = ResponseStats(group_ids, rewards, torch.ones(9, dtype=torch.float64), kl_sum=kl, k1_sum=k1)
-    beta = 3.0
-    config = AlgorithmConfig(name="zcpo", beta=beta).resolved()
-    centred = torch.cat([k1[:4] - k1[:4].mean(), k1[4:7] - k1[4:7].mean()])
-    expected = beta * centred.square().mean().sqrt()
-    assert float(k1_coefficient_residual_rms(stats, config)) == pytest.approx(float(expected), rel=1e-12)
-    # the conditional-KL coefficient of a shared-KL group is the reward part alone
-    assert torch.allclose(build_algorithm(config).coefficients(stats)[:7],
-                          zcpo_coefficients(rewards, torch.zeros(9, dtype=torch.float64), group_ids, beta)[:7])
-    no_noise = ResponseStats(group_ids, rewards, torch.ones(9, dtype=torch.float64), kl_sum=kl, k1_sum=kl * 5)
-    assert float(k1_coefficient_residual_rms(no_noise, config)) == pytest.approx(0.0, abs=1e-15)
 
 
 # ------------------------------------------------------------------------------------------ branch split

@@ -29,7 +29,8 @@ def test_hook_runs_every_family_through_train_step(single):
         metrics = single[algorithm]
         for name in ("grad_kl_share", "f2_cancellation", "f2_kl_share_high_cancellation", "f3_tied_group_fraction",
                      "f4_corr_length_kl_sum", "f5_kl_share_long", "f6_kl_top1pct_share", "f6_first_token_kl",
-                     "f7_k1_coef_residual_rms"):
+                     "f6_head10_var_share", "f7_k1_drift_rmse", "f7_noise_reference_scale",
+                     "f7_k1_dispersion_ratio", "f7_gvpo_noise_rms"):
             assert math.isfinite(metrics[f"diag/{name}"]), (algorithm, name)
         assert metrics["diag/f3_tied_group_fraction"] == 0.2  # one group of five has identical rewards
         assert 0 < metrics["diag/grad_kl_share"] < 1
@@ -83,9 +84,12 @@ def test_f7_single_token_groups(closed):
         assert float(kl[members].max() - kl[members].min()) < 1e-6  # one context: one conditional KL
         assert float(k1[members].max() - k1[members].min()) > 1e-2  # k1 differs with the sampled token
         centred.append(k1[members] - k1[members].mean())
-    expected_rms = 2.0 * torch.cat(centred).square().mean().sqrt()  # beta = 2
+    # K, not beta * K (beta = 2 in this run): one-token responses, so K^k1 is k1 minus its group mean
+    expected_rms = torch.cat(centred).square().mean().sqrt()
     metrics = result["metrics"]
-    assert metrics["diag/f7_k1_coef_residual_rms"] == pytest.approx(float(expected_rms), rel=1e-4)
+    assert metrics["diag/f7_k1_drift_rmse"] == pytest.approx(float(expected_rms), rel=1e-4)
+    assert metrics["diag/f7_gvpo_noise_rms"] == pytest.approx(0.1 * float(expected_rms), rel=1e-4)  # gvpo_beta 0.1
+    assert metrics["diag/f7_kappa_dispersion_ratio"] == pytest.approx(0.0, abs=1e-3)  # one context: K^kappa = 0
     assert metrics["diag/f7_k1_negative_fraction"] == pytest.approx(float((k1 < 0).double().mean()))
 
 

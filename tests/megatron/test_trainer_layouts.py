@@ -101,6 +101,19 @@ def test_gradient_probe_matches_update_gradient(weights, tp, pp, world):
         assert probed > 0
 
 
+def _qwen3_weights(rank, world):
+    return trainer_cases.weights(21, trainer_cases.QWEN3), trainer_cases.weights(22, trainer_cases.QWEN3)
+
+
+def test_gradient_probe_sums_qwen3_qk_norm_gradients_over_tensor_parallel_ranks():
+    """Each TP rank holds half the heads, so half of every q/k-norm gradient: the probe must add them."""
+    policy, reference = run_distributed(_qwen3_weights, 1)[0]
+    [(single, _)] = run_distributed(trainer_cases.probe_norm, 1, 1, 1, policy, reference, trainer_cases.QWEN3)
+    for probed, update_norm in run_distributed(trainer_cases.probe_norm, 2, 2, 1, policy, reference,
+                                               trainer_cases.QWEN3):
+        assert probed == pytest.approx(update_norm, rel=1e-5) and probed == pytest.approx(single, rel=1e-5)
+
+
 def test_step0_selfcheck(weights):
     for metrics, error in run_distributed(trainer_cases.selfcheck, 2, 2, 1, *weights):
         # Identical models; a last-ulp difference remains possible where the policy's parameters sit in

@@ -238,11 +238,14 @@ def _megatron_logprob_check(rank, world, model_configs, temperature):
 
 
 def test_logprobs_equal_megatron_gpt_model():
-    """The engine's log-probs are the trainer's: Qwen2 with tied embeddings and Llama without."""
+    """The engine's log-probs are the trainer's: Qwen2 with tied embeddings, Llama without, Qwen3
+    (q/k norms, head_dim 32 != hidden/heads) with and without."""
+    families = (("qwen2", True, None), ("llama", False, None), ("qwen3", True, 32), ("qwen3", False, 32))
     configs = [ModelConfig(family=family, vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                           max_position_embeddings=64)
-               for family, tied in (("qwen2", True), ("llama", False))]
+                           head_dim=head_dim, max_position_embeddings=64)
+               for family, tied, head_dim in families]
     [worst] = run_distributed(_megatron_logprob_check, 1, configs, 0.9)
-    print(f"max |engine - GPTModel| log-prob: qwen2 {worst[0]:.2e}, llama {worst[1]:.2e}")
+    print("max |engine - GPTModel| log-prob: " + ", ".join(
+        f"{family}{'-tied' if tied else ''} {gap:.2e}" for (family, tied, _), gap in zip(families, worst)))
     assert max(worst) < 1e-5
