@@ -1,20 +1,49 @@
-"""``zcpo plan``: per-GPU memory of a run config's layout, and the smallest layout that fits."""
+"""``zcpo plan``: per-GPU memory of a run config's layout, the smallest layout that fits, and the
+predicted step time of the chosen rollout mode; works before any weight or data is downloaded."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import Optional
 
-from megatron_zcpo.recipe.config import RunConfig, load_run_config
+from megatron_zcpo.recipe.config import RunConfig
+from megatron_zcpo.utils.config_loader import apply_overrides, from_dict, load_yaml, validate_tree
+
+# Sections the planner reads; the others (model sources, data files, rewards, eval, logging) may
+# point at things not downloaded yet.
+PLANNED_SECTIONS = ("parallel", "train", "rollout", "algorithm")
 
 
-def model_config_of(config: RunConfig):
-    """The architecture of the run: model.architecture, or read from model.path (HF or Megatron)."""
+def load_plan_config(path: str, overrides=()) -> RunConfig:
+    """The run config of ``path`` + overrides, validating only :data:`PLANNED_SECTIONS`."""
+    config = from_dict(RunConfig, apply_overrides(load_yaml(path), overrides))
+    for section in PLANNED_SECTIONS:
+        validate_tree(getattr(config, section), section)
+    return config
+
+
+def model_config_of(config: RunConfig, model_config: Optional[str] = None, preset: Optional[str] = None):
+    """The architecture to plan: ``model_config`` (a config.json file or its directory), else
+    ``preset`` (see megatron_zcpo.convert.presets), else model.architecture, else what model.path
+    holds (a Megatron checkpoint, or a Hugging Face directory: config.json alone is enough)."""
+    from megatron_zcpo.convert import presets
+
+    if model_config is not None:
+        return presets.model_config_from_json(model_config)
+    if preset is not None:
+        return presets.preset_model_config(preset)
     if config.model.architecture is not None:
         return config.model.architecture
+    path = config.model.path
+    if path is None or not Path(path).exists():
+        raise ValueError(
+            f"model.path={path!r} does not exist: give the architecture with --model-config PATH "
+            f"(the model's config.json, a few KB) or --preset NAME (one of {presets.preset_names()})")
     from megatron_zcpo.convert.checkpoint import model_config_at
 
-    return model_config_at(config.model.path)
+    return model_config_at(path)
 
 
 def plan_inputs(config: RunConfig, gpus: int):
@@ -39,39 +68,84 @@ def plan_inputs(config: RunConfig, gpus: int):
     return layout, workload
 
 
+def step_load_of(config: RunConfig, response_fraction: float, prompt_fraction: float):
+    """The :class:`StepLoad` of ``config``: mean lengths as fractions of the caps; dynamic
+    sampling's over-sampling factor multiplies what is generated when tied groups are dropped."""
+    from megatron_zcpo.megatron.step_time import StepLoad
+
+    rollout = config.rollout
+    trained = rollout.prompts_per_step * rollout.samples_per_prompt
+    sampling = rollout.dynamic_sampling
+    oversample = sampling.oversample_factor if sampling.drop_tied_groups else 1.0
+    return StepLoad(generated_sequences=trained * oversample, trained_sequences=trained,
+                    prompt_tokens=prompt_fraction * config.data.max_prompt_length,
+                    response_tokens=response_fraction * rollout.max_new_tokens)
+
+
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("plan", help="per-GPU memory of a config's layout; smallest fitting layout",
+    parser = subparsers.add_parser("plan", help="per-GPU memory and step time of a config; smallest fitting layout",
                                    description=__doc__)
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=4")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for training (default: TP*PP*CP)")
     parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: H100 80GB)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model-config", default=None, help="the model's Hugging Face config.json (or its directory)")
+    source.add_argument("--preset", default=None, help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B")
+    timing = parser.add_argument_group("step time (see megatron_zcpo/megatron/step_time.py)")
+    timing.add_argument("--rollout-gpus", type=int, default=None, help="GPUs of the SGLang servers (default: --gpus)")
+    timing.add_argument("--decode-tokens-per-s", type=float, default=1000.0,
+                        help="generated tokens per second per rollout GPU (measure yours)")
+    timing.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of training")
+    timing.add_argument("--response-fraction", type=float, default=0.5,
+                        help="mean response length as a fraction of rollout.max_new_tokens")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
+
+
+def _step_time(args, config: RunConfig, model, layout, gpus: int):
+    from megatron_zcpo.megatron.step_time import Cluster, predict_step_time
+
+    cluster = Cluster(train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus,
+                      decode_tokens_per_s_per_gpu=args.decode_tokens_per_s, mfu=args.mfu)
+    load = step_load_of(config, args.response_fraction, prompt_fraction=0.5)
+    return predict_step_time(model, load, cluster, pipeline_parallel=layout.pipeline_parallel,
+                             recompute=layout.recompute)
 
 
 def run(args: argparse.Namespace) -> int:
     from megatron_zcpo.megatron.memory_model import Hardware
     from megatron_zcpo.megatron.planner import plan_memory, render_plan, suggest_layout
 
-    config = load_run_config(args.config, args.overrides)
-    model = model_config_of(config)
-    parallel = config.parallel
-    gpus = args.gpus or parallel.tensor * parallel.pipeline * parallel.context
-    hardware = Hardware() if args.gpu_memory is None else Hardware(gpu_memory_gib=args.gpu_memory)
-    layout, workload = plan_inputs(config, gpus)
     try:
+        config = load_plan_config(args.config, args.overrides)
+        model = model_config_of(config, args.model_config, args.preset)
+        parallel = config.parallel
+        gpus = args.gpus or parallel.tensor * parallel.pipeline * parallel.context
+        hardware = Hardware() if args.gpu_memory is None else Hardware(gpu_memory_gib=args.gpu_memory)
+        layout, workload = plan_inputs(config, gpus)
         plan = plan_memory(model, layout, workload, hardware)
-    except ValueError as error:
+        timing = _step_time(args, config, model, layout, gpus)
+    except (ValueError, KeyError, FileNotFoundError) as error:
         raise SystemExit(f"zcpo plan: {error}") from None
     best = suggest_layout(model, workload, gpus, hardware=hardware, base=layout) if args.gpus else None
+    overlap = config.rollout.overlap
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "suggested": best.to_dict() if best else None}, indent=2))
-    else:
-        print(f"{model.num_parameters / 1e6:,.1f}M parameters, {layout.describe()}, "
-              f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
-        print(render_plan(plan))
-        if args.gpus:
-            print("smallest fitting layout on", gpus, "GPUs:",
-                  best.layout.describe() + f" ({best.total_bytes / 2**30:.1f} GiB)" if best else "none fits")
+        print(json.dumps({"plan": plan.to_dict(), "suggested": best.to_dict() if best else None,
+                          "rollout_mode": "overlapped" if overlap else "sequential",
+                          "step_time": timing.to_dict()}, indent=2))
+        return 0 if plan.fits else 1
+    print(f"{model.num_parameters / 1e6:,.1f}M parameters, {layout.describe()}, "
+          f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
+    print(render_plan(plan))
+    if args.gpus:
+        print("smallest fitting layout on", gpus, "GPUs:",
+              best.layout.describe() + f" ({best.total_bytes / 2**30:.1f} GiB)" if best else "none fits")
+    mode = (f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})" if overlap
+            else "sequential, on-policy (rollout.overlap=false)")
+    other = "overlapped" if not overlap else "sequential"
+    print(f"rollout mode: {mode}; predicted step {timing.step_s(overlap):,.0f} s "
+          f"(rollout {timing.rollout_s:,.0f} s, training {timing.train_s:,.0f} s, weight push "
+          f"{timing.push_per_stage_s:,.1f} s per stage vs {timing.push_funnel_s:,.1f} s through rank 0); "
+          f"{other}: {timing.step_s(not overlap):,.0f} s")
     return 0 if plan.fits else 1

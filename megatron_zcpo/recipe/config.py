@@ -93,6 +93,10 @@ class RolloutConfig:
     stop_token_ids: List[int] = field(default_factory=list)  # the tokenizer's EOS is always added
     seed: int = 1234
     quantization: Optional[str] = None  # "fp8": the rollout policy holds FP8 weights (modelopt)
+    # Overlapped rollouts: generate step k+1 with the weights of step k-1 or older while step k
+    # trains (one step off-policy; train.importance_sampling defaults to on). Off: on-policy.
+    overlap: bool = False
+    max_staleness: int = 1  # weight versions a trained sample may lag behind the trainer
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     sglang: SGLangSection = field(default_factory=SGLangSection)
 
@@ -110,6 +114,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"rollout.quantization must be null or 'fp8', got {self.quantization!r}")
+        if self.overlap and self.max_staleness < 1:
+            raise ValueError(f"rollout.max_staleness must be >= 1 with rollout.overlap=true (the rollout in "
+                             f"flight is one version behind), got {self.max_staleness}")
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
 
 
 @dataclass
@@ -207,8 +216,14 @@ class RunConfig:
 
 def _derived_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
     """Fill keys whose default follows another key: the overlong penalty's L_max is the
-    generation cap, and its buffer L_cache 1/5 of it up to 4,096 (the paper: 20,480 and 4,096)."""
+    generation cap, and its buffer L_cache 1/5 of it up to 4,096 (the paper: 20,480 and 4,096);
+    overlapped rollouts turn the importance-sampling correction on unless it is set."""
     rollout = data.get("rollout") or {}
+    train = data.get("train")
+    if isinstance(rollout, dict) and rollout.get("overlap") is True and (train is None or isinstance(train, dict)):
+        sampling = data.setdefault("train", {}).setdefault("importance_sampling", {})
+        if isinstance(sampling, dict):
+            sampling.setdefault("enabled", True)
     reward = data.setdefault("reward", {}) if isinstance(data.get("reward", {}), dict) else data["reward"]
     if isinstance(reward, dict):
         cap = reward.setdefault("max_response_length", rollout.get("max_new_tokens", RolloutConfig.max_new_tokens))

@@ -1,0 +1,59 @@
+"""Architectures of the models we ship examples for, as their public ``config.json`` fields, so
+``zcpo plan`` can plan a 32B/70B run before anything is downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict
+
+from megatron_zcpo.convert.hf_checkpoint import read_hf_config
+from megatron_zcpo.convert.mapping import model_config_from_hf
+from megatron_zcpo.megatron.model import ModelConfig
+
+_QWEN25 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
+           "vocab_size": 152064, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+           "use_sliding_window": False, "initializer_range": 0.02}
+
+# The architecture fields of each model's config.json on the Hugging Face hub (weights-free).
+HF_CONFIGS: Dict[str, dict] = {
+    "Qwen2.5-32B": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5),
+    "Qwen2.5-72B": dict(_QWEN25, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5),
+    "Llama-3.3-70B": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+                      "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+                      "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                      "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+                      "initializer_range": 0.02},
+}
+
+
+def preset_names() -> list:
+    """The names :func:`preset_model_config` accepts, e.g. ``["Llama-3.3-70B", "Qwen2.5-32B", ...]``."""
+    return sorted(HF_CONFIGS)
+
+
+def preset_model_config(name: str) -> ModelConfig:
+    """The :class:`ModelConfig` of preset ``name`` (case-insensitive; an ``-Instruct`` suffix is
+    accepted: same architecture). Raises ``ValueError`` listing the presets on an unknown name."""
+    wanted = name.lower().removesuffix("-instruct")
+    for preset, config in HF_CONFIGS.items():
+        if preset.lower() == wanted:
+            return model_config_from_hf(config)
+    raise ValueError(f"unknown model preset {name!r}; choose one of {preset_names()}")
+
+
+def model_config_from_json(path: str) -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face ``config.json`` file (or a directory holding one)."""
+    if Path(path).is_dir():
+        return model_config_from_hf(read_hf_config(path))
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} not found: give a Hugging Face config.json (or its directory)")
+    with open(path) as handle:
+        return model_config_from_hf(json.load(handle))
