@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -133,8 +133,11 @@ def write_safetensors_shards(
     out_dir: str | os.PathLike,
     named_tensors: Iterable[Tuple[str, torch.Tensor]],
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    file_prefix: str = "model",
+    write_index: bool = True,
 ) -> Dict[str, str]:
-    """Write a stream of tensors as ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
+    """Write a stream of tensors as ``<file_prefix>-0000k-of-0000n.safetensors`` plus (unless
+    ``write_index`` is False: one pipeline stage's share, indexed by the caller) ``model.safetensors.index.json``.
 
     Tensors are consumed one at a time and at most one shard (``max_shard_bytes``, or one
     bigger tensor) is held in memory. Raises ``ValueError`` naming a tensor that appears twice.
@@ -153,7 +156,7 @@ def write_safetensors_shards(
 
     def flush() -> None:
         # The shard count is unknown until the stream ends: write numbered parts, rename after.
-        path = out_dir / f"model-{len(parts) + 1:05d}.safetensors.part"
+        path = out_dir / f"{file_prefix}-{len(parts) + 1:05d}.safetensors.part"
         save_file(shard, str(path), metadata={"format": "pt"})
         parts.append((path, list(shard)))
 
@@ -172,10 +175,17 @@ def write_safetensors_shards(
         flush()
     weight_map: Dict[str, str] = {}
     for number, (path, names) in enumerate(parts, start=1):
-        file_name = f"model-{number:05d}-of-{len(parts):05d}.safetensors"
+        file_name = f"{file_prefix}-{number:05d}-of-{len(parts):05d}.safetensors"
         os.replace(path, out_dir / file_name)
         weight_map.update({name: file_name for name in names})
-    with open(out_dir / SAFETENSORS_INDEX, "w") as handle:
-        json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, handle, indent=2)
-        handle.write("\n")
+    if write_index:
+        write_safetensors_index(out_dir, weight_map, total_bytes)
     return weight_map
+
+
+def write_safetensors_index(out_dir: str | os.PathLike, weight_map: Dict[str, str], total_bytes: Optional[int] = None) -> None:
+    """Write ``model.safetensors.index.json`` mapping each tensor name to its file."""
+    metadata = {} if total_bytes is None else {"total_size": total_bytes}
+    with open(Path(out_dir) / SAFETENSORS_INDEX, "w") as handle:
+        json.dump({"metadata": metadata, "weight_map": weight_map}, handle, indent=2)
+        handle.write("\n")

@@ -12,8 +12,9 @@ TP) on load and trimmed on gather, so one global dict fits every layout.
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -145,33 +146,98 @@ def iter_global_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
         yield name, tensor
 
 
-def iter_model_tensors_to_rank0(model) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_stage_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
+    """:func:`iter_global_tensors` of this pipeline stage, without the last stage's copy of a
+    tied embedding (the first stage sends it), so the stages' streams together hold every
+    tensor of the model exactly once. Collective over the TP group."""
+    from megatron.core import parallel_state as ps
+
+    later_stage = ps.get_pipeline_model_parallel_rank() > 0
+    for name, tensor in iter_global_tensors(model):
+        if later_stage and name == EMBEDDING:
+            continue
+        yield name, tensor
+
+
+def is_stage_lead() -> bool:
+    """Whether this rank sends its pipeline stage's weights: TP, CP and DP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
+
+
+def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors`` back to back in one uint8 tensor [sum of nbytes] (the layout of
+    SGLang's flattened weight buckets). Raises ``ValueError`` when a tensor would start at a byte
+    offset its dtype cannot be viewed at (the receiver views the buffer without copying)."""
+    offset = 0
+    for tensor in tensors:
+        if offset % tensor.element_size():
+            raise ValueError(f"a {tensor.dtype} tensor would start at byte {offset} of the flat buffer, "
+                             f"not a multiple of {tensor.element_size()}")
+        offset += tensor.numel() * tensor.element_size()
+    return torch.cat([tensor.contiguous().reshape(-1).view(torch.uint8) for tensor in tensors])
+
+
+def unflatten_tensors(flat: torch.Tensor, metadata: Sequence[Tuple[Sequence[int], torch.dtype]]) -> List[torch.Tensor]:
+    """Views into ``flat`` (uint8 [N]) of the tensors :func:`flatten_tensors` packed, given their
+    (shape, dtype) in order; raises ``ValueError`` when the sizes do not add up to N."""
+    out, offset = [], 0
+    for shape, dtype in metadata:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out.append(flat[offset:offset + nbytes].view(dtype).view(tuple(shape)))
+        offset += nbytes
+    if offset != flat.numel():
+        raise ValueError(f"flat buffer of {flat.numel()} bytes, metadata describe {offset}")
+    return out
+
+
+def bucket_tensors(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: List[Tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def iter_model_tensors_to_rank0(model, bucket_bytes: int = 256 * 2**20) -> Iterator[Tuple[str, torch.Tensor]]:
     """The whole model's global tensors, one at a time, on global rank 0; nothing elsewhere.
 
-    Pipeline stages are walked in order: inside a stage every TP rank walks
-    :func:`iter_global_tensors` (a TP collective), and the stage's lead (TP, CP and DP rank 0)
-    sends each tensor to rank 0, so no rank ever holds more than one full tensor. Data-parallel
-    replicas other than the first only wait. The last stage's copy of a tied embedding is not
-    sent twice. Collective over all ranks: every rank must exhaust the iterator.
+    For a rollout engine that lives in rank 0's process (the embedded engine). Pipeline stages
+    are walked in order: inside a stage every TP rank walks :func:`iter_stage_tensors` (a TP
+    collective), and the stage's lead sends its tensors to rank 0 in buckets of at most
+    ``bucket_bytes`` (one bigger tensor goes alone): per bucket one metadata message (names,
+    shapes, dtypes) and one flat byte buffer. Data-parallel replicas other than the first only
+    wait. Collective over all ranks: every rank must exhaust the iterator.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     rank, pp_rank = dist.get_rank(), ps.get_pipeline_model_parallel_rank()
     replica_lead = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-    stage_lead = replica_lead and ps.get_tensor_model_parallel_rank() == 0
     for stage in range(ps.get_pipeline_model_parallel_world_size()):
         if stage == pp_rank and replica_lead:
-            for name, tensor in iter_global_tensors(model):
-                if stage > 0 and name == EMBEDDING:
-                    continue  # the tied output copy of the first stage's embedding
-                if rank == 0:
-                    yield name, tensor
-                elif stage_lead:
-                    dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=0)
-                    dist.send(tensor.contiguous(), dst=0)
-            if stage_lead and rank != 0:
+            stream = iter_stage_tensors(model)
+            if rank == 0:
+                yield from stream
+            elif is_stage_lead():
+                for bucket in bucket_tensors(stream, bucket_bytes):
+                    dist.send_object_list([[(n, tuple(t.shape), t.dtype) for n, t in bucket]], dst=0)
+                    dist.send(flatten_tensors([t for _, t in bucket]), dst=0)
                 dist.send_object_list([None], dst=0)
+            else:
+                for _ in stream:  # this TP rank's part of the stage's gathers
+                    pass
         elif rank == 0:
             # rank 0's pipeline group holds the leads (TP/CP/DP rank 0) of every stage, in order
             source = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
@@ -181,10 +247,11 @@ def iter_model_tensors_to_rank0(model) -> Iterator[Tuple[str, torch.Tensor]]:
                 dist.recv_object_list(header, src=source)
                 if header[0] is None:
                     break
-                name, shape, dtype = header[0]
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-                dist.recv(tensor, src=source)
-                yield name, tensor
+                sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in header[0]]
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+                dist.recv(flat, src=source)
+                tensors = unflatten_tensors(flat, [(shape, dtype) for _, shape, dtype in header[0]])
+                yield from zip([name for name, _, _ in header[0]], tensors)
         dist.barrier()
 
 

@@ -27,6 +27,7 @@ class RLRecipe:
         self.config = config
         self.rollout = None
         self.logger = None
+        self.stages = None
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -36,7 +37,7 @@ class RLRecipe:
         from megatron_zcpo.megatron.initialize import setup_megatron
         from megatron_zcpo.recipe.inputs import eval_records, load_tokenizer
         from megatron_zcpo.recipe.rollout import Rollout
-        from megatron_zcpo.recipe.weight_push import push_weights
+        from megatron_zcpo.recipe.weight_push import push_weights, stage_weight_push
 
         config = self.config
         setup_megatron(tensor_parallel=config.parallel.tensor, pipeline_parallel=config.parallel.pipeline,
@@ -55,7 +56,8 @@ class RLRecipe:
         if self.logger and checkpoint is not None:
             self.logger.print(f"resumed from {checkpoint} at step {self.start_step}")
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
-        push_weights(self.trainer, self.engine, self.start_step)
+        self.stages = stage_weight_push(config, self.engine)
+        push_weights(self.trainer, self.engine, self.start_step, self.stages)
 
     def _build_trainer(self, tokenizer):
         """``self.trainer`` on the configured model (random, HF or Megatron weights); returns its ModelConfig."""
@@ -140,7 +142,7 @@ class RLRecipe:
         samples = broadcast_samples(samples)
         metrics = self.trainer.train_step(samples)
         started_push = time.perf_counter()
-        push_weights(self.trainer, self.engine, self.trainer.step)
+        push_weights(self.trainer, self.engine, self.trainer.step, self.stages)
         if self.rank != 0:
             return
         metrics.update(rollout_stats)
@@ -173,7 +175,9 @@ class RLRecipe:
         self.trainer.save(self.config.checkpoint_dir, state, keep_last=self.config.checkpoint.keep_last)
 
     def cleanup(self) -> None:
-        """Stop the rollout side (engine, reward workers) and close the loggers."""
+        """Stop the rollout side (engines, reward workers) and close the loggers."""
+        if self.stages is not None and self.stages.engine is not None:
+            self.stages.engine.shutdown()
         if self.rollout is not None:
             self.rollout.close()
         if self.logger is not None:

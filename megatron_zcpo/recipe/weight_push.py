@@ -1,29 +1,91 @@
 """The recipe's weight push: the policy's weights, converted to Hugging Face names, into the rollout engine.
 
-The engine's transport (NCCL broadcast or disk, see :mod:`megatron_zcpo.rollout.update_weight`)
-only sees a stream of (HF name, tensor) on global rank 0.
+Two ways, chosen at start-up by :func:`stage_weight_push`: one sender (no pipeline parallelism, or
+the embedded engine, which lives in global rank 0's process: every stage streams to rank 0), or per
+stage (SGLang under pipeline parallelism: each stage's lead pushes its own share through its own
+weight-update group, all stages at once, and nothing funnels through rank 0). The engine's
+transport (NCCL broadcast or disk, see :mod:`megatron_zcpo.rollout.update_weight`) only sees
+streams of (HF name, tensor).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Optional
 
-def push_weights(trainer, engine, version: int) -> None:
+
+@dataclass
+class StageWeightPush:
+    """Per-stage weight push, present on every rank; ``engine``: this rank's SGLang client for
+    its stage's share (stage leads), None on the other ranks (they take part in TP gathers)."""
+
+    engine: Any = None
+
+
+def stage_weight_push(config, engine) -> Optional[StageWeightPush]:
+    """This rank's per-stage weight push (``config``: the RunConfig; ``engine``: rank 0's, None
+    elsewhere), or None when one sender does (no PP, or the embedded engine). Collective.
+
+    Under pipeline parallelism with SGLang every stage's lead (TP, CP and DP rank 0) pushes its
+    share through a weight-update group of its own (``<group_name>-pp<stage>``) concurrently with
+    the other stages; the servers' addresses come from rank 0's engine.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_zcpo.megatron.weights import is_stage_lead
+
+    if config.rollout.engine != "sglang" or config.parallel.pipeline == 1:
+        return None
+    urls = [list(engine.config.server_urls) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(urls, src=0)
+    if not is_stage_lead():
+        return StageWeightPush()
+    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+
+    client = dict(config.rollout.sglang.client, quantization=config.rollout.quantization)
+    client["group_name"] = f"{client.get('group_name', SGLangEngineConfig.group_name)}-pp{ps.get_pipeline_model_parallel_rank()}"
+    client.update(master_address=None, master_port=None)  # each lead offers its own host's address
+    return StageWeightPush(SGLangEngine(SGLangEngineConfig(server_urls=urls[0], **client)))
+
+
+def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush] = None) -> None:
     """Send ``trainer``'s policy weights to ``engine`` (rank 0's; None elsewhere) as ``version``.
 
-    Collective over all ranks. Every pipeline stage streams its tensors, TP-gathered one at a
-    time, to global rank 0, which converts each to Hugging Face names on the fly (the checkpoint
-    converter's mapping) and feeds the engine: no rank holds more than one full tensor (plus the
-    engine's bucket).
+    Collective over all ranks. With ``stages`` (see :func:`stage_weight_push`) each pipeline
+    stage's lead converts its stage's TP-gathered tensors to Hugging Face names on the fly (the
+    checkpoint converter's mapping) and pushes them itself; rank 0 then has the servers serve
+    ``version``. Without it every stage streams its tensors to global rank 0, which converts them
+    and feeds the engine. No rank holds more than one full tensor (plus a bucket).
     """
     import torch.distributed as dist
 
     from megatron_zcpo.convert.mapping import megatron_to_hf_stream
-    from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0
+    from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0, iter_stage_tensors
 
-    stream = iter_model_tensors_to_rank0(trainer.policy)
-    if dist.get_rank() == 0:
-        engine.update_weights(megatron_to_hf_stream(stream, trainer.model_config), version)
-    else:
-        for _ in stream:  # collective: every rank walks its part
-            pass
+    rank = dist.get_rank()
+    if stages is None:
+        stream = iter_model_tensors_to_rank0(trainer.policy)
+        if rank == 0:
+            engine.update_weights(megatron_to_hf_stream(stream, trainer.model_config), version)
+        else:
+            for _ in stream:  # collective: every rank walks its part
+                pass
+        dist.barrier()
+        return
+    from megatron.core import parallel_state as ps
+
+    weight_map = None
+    if ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
+        stream = megatron_to_hf_stream(iter_stage_tensors(trainer.policy), trainer.model_config)
+        if stages.engine is not None:
+            prefix = f"model-pp{ps.get_pipeline_model_parallel_rank()}"
+            weight_map = stages.engine.push_part(stream, version, file_prefix=prefix)
+        else:
+            for _ in stream:  # this TP rank's part of the stage's gathers
+                pass
+    weight_maps = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(weight_map, weight_maps, dst=0)
+    if rank == 0:
+        engine.commit_weights(version, weight_maps)
     dist.barrier()

@@ -264,7 +264,9 @@ class MockSGLangServer:
         group = self._groups.get(body.get("group_name"))
         if group is None:
             return self._result(False, f"no weight-update group named {body.get('group_name')!r}")
-        received = await self._blocking(receive_bucket, body["names"], body["dtypes"], body["shapes"], group)
+        flattened = body.get("load_format") == "flattened_bucket"
+        received = await self._blocking(receive_bucket, body["names"], body["dtypes"], body["shapes"], group,
+                                        "cpu", 0, flattened)
         try:
             await self._blocking(self._load, received, body.get("weight_version"))
         except (KeyError, ValueError) as err:

@@ -18,7 +18,7 @@ mock server (:mod:`mock_server`, which validates every request against this tabl
 | POST /abort_request | yes | yes | rid or abort_all / 200 |
 | POST /update_weights_from_disk | yes | yes | model_path, weight_version / {success, message, num_paused_requests} |
 | POST /init_weights_update_group | yes | yes | master_address, master_port, rank_offset, world_size, group_name, backend / {success, message} |
-| POST /update_weights_from_distributed | yes | yes | names, dtypes, shapes, group_name, flush_cache, weight_version / {success, message} |
+| POST /update_weights_from_distributed | yes | yes (+ load_format "flattened_bucket") | names, dtypes, shapes, group_name, flush_cache, weight_version, load_format (with `flattened_buckets`) / {success, message} |
 | POST /destroy_weights_update_group | yes | yes | group_name / {success, message} |
 
 Launch (:mod:`sglang_server`): ``python -m sglang.launch_server`` with ``--model-path --host --port
@@ -89,6 +89,7 @@ class SGLangEndpoint:
 
 _GROUP = {"group_name": _STR}
 _WEIGHT_UPDATE = {"flush_cache": _BOOL, "abort_all_requests": _BOOL, "weight_version": _optional(_STR)}
+_DISTRIBUTED_BUCKET = {"names": _list_of(_STR), "dtypes": _list_of(_STR), "shapes": _list_of(_INT_LIST)}
 
 ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
     SGLangEndpoint("/generate", ("POST", "PUT"), optional={
@@ -111,9 +112,12 @@ ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
     SGLangEndpoint("/init_weights_update_group", ("POST",),
                    required={"master_address": _STR, "master_port": _INT, "rank_offset": _INT, "world_size": _INT},
                    optional={"rid": _RID, "backend": _STR, **_GROUP}),
-    SGLangEndpoint("/update_weights_from_distributed", ("POST",),
-                   required={"names": _list_of(_STR), "dtypes": _list_of(_STR), "shapes": _list_of(_INT_LIST)},
-                   optional={"rid": _RID, **_GROUP, **_WEIGHT_UPDATE}),
+    SGLangEndpoint("/update_weights_from_distributed", ("POST",), required=_DISTRIBUTED_BUCKET,
+                   optional={"rid": _RID, **_GROUP, **_WEIGHT_UPDATE}, releases=(PINNED_RELEASE,)),
+    # load_format "flattened_bucket": the bucket as one uint8 broadcast (sgl-project/sglang#13824, 2025-11)
+    SGLangEndpoint("/update_weights_from_distributed", ("POST",), required=_DISTRIBUTED_BUCKET,
+                   optional={"rid": _RID, **_GROUP, **_WEIGHT_UPDATE, "load_format": _optional(_STR)},
+                   releases=(NEWEST_CHECKED_RELEASE,)),
     SGLangEndpoint("/destroy_weights_update_group", ("POST",), optional={"rid": _RID, **_GROUP}),
 )
 

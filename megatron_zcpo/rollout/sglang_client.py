@@ -14,7 +14,9 @@ checked); every endpoint, field and status code used here is listed, per release
   group_name, backend}, ``POST /update_weights_from_distributed`` {names, dtypes, shapes,
   group_name, flush_cache, weight_version} (the tensors then arrive by broadcast from rank 0, in
   order), ``POST /destroy_weights_update_group`` {group_name};
-- ``POST /update_weights_from_disk`` {model_path, weight_version}.
+- ``POST /update_weights_from_disk`` {model_path, weight_version};
+- ``load_format: "flattened_bucket"`` in /update_weights_from_distributed: the bucket arrives as one
+  uint8 broadcast (SGLang with sgl-project/sglang#13824, merged 2025-11-24; not in v0.5.3).
 Each returns {success, message} with 200, or 400 with the reason. The HTTP plumbing lives in
 :mod:`megatron_zcpo.rollout.sglang_http`, the weight transports in :mod:`megatron_zcpo.rollout.update_weight`.
 """
@@ -61,6 +63,8 @@ class SGLangEngineConfig:
     :func:`megatron_zcpo.utils.network.master_address_for`) or "disk" (safetensors under ``weight_dir``, a directory the servers
     can read). ``quantization`` "fp8" pushes modelopt FP8 weights (servers launched with
     modelopt FP8 quantisation; turn the trainer's importance-sampling correction on).
+    ``flattened_buckets``: broadcast each bucket as one flat byte buffer (SGLang's
+    ``flattened_bucket`` load format, newer than v0.5.3) instead of tensor by tensor.
     ``sampling_seeds``: forward ``SamplingParams.seed`` as SGLang's per-request ``sampling_seed``
     (SGLang honours it only with ``--sampling-backend pytorch``; its default flashinfer sampler
     rejects it), else seeds are not sent and SGLang sampling is not reproducible.
@@ -85,6 +89,7 @@ class SGLangEngineConfig:
     update_timeout_s: float = 1800.0
     quantization: Optional[str] = None
     sampling_seeds: bool = False
+    flattened_buckets: bool = False
 
     def validate(self, prefix: str = "rollout.sglang") -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -300,17 +305,47 @@ class SGLangEngine(RolloutEngine):
         process broadcasts the tensors (rank 0 of the weight-update group, joined on first use);
         the last bucket carries ``version``. "disk": the stream is written as safetensors under
         ``weight_dir`` and the servers reload it with ``/update_weights_from_disk``. Afterwards
-        every server's cache is flushed and its served version must equal ``version``.
-        The caller streams the whole model from global rank 0 (every pipeline stage sends its
-        tensors there; see :func:`megatron_zcpo.recipe.weight_push.push_weights`).
+        every server's cache is flushed and its served version must equal ``version``. Under
+        pipeline parallelism each stage pushes its share with :meth:`push_part` (an engine per
+        stage, distinct ``group_name``) and one engine then calls :meth:`commit_weights` (see
+        :func:`megatron_zcpo.recipe.weight_push.push_weights`).
         """
         self._check_open()
+        self._weights.push(self._quantized(named_hf_tensors), version)
+        self._flush_and_verify(version)
+
+    def push_part(self, named_hf_tensors: Iterable[Tuple[str, torch.Tensor]], version: int,
+                  file_prefix: str = "model") -> Optional[Dict[str, str]]:
+        """Push one share of the weights (a pipeline stage's) without changing the served version.
+
+        "distributed": broadcast in buckets through this engine's group; returns None. "disk":
+        write the share as ``<file_prefix>-*.safetensors`` into version ``version``'s directory
+        and return its weight map {name: file} for :meth:`commit_weights`.
+        """
+        self._check_open()
+        return self._weights.push_part(self._quantized(named_hf_tensors), version, file_prefix)
+
+    def commit_weights(self, version: int, weight_maps: Sequence[Optional[Dict[str, str]]] = ()) -> None:
+        """Serve ``version`` once every share is pushed ("disk": index the shares' files and reload;
+        "distributed": every share's last bucket carried it), then flush every cache and verify the version."""
+        self._check_open()
+        self._weights.commit(version, weight_maps)
+        self._flush_and_verify(version)
+
+    @property
+    def pushed(self) -> Dict[str, int]:
+        """Totals of this engine's weight pushes: bytes, tensors and buckets sent."""
+        return self._weights.pushed
+
+    def _quantized(self, named_hf_tensors):
         stream = iter(named_hf_tensors)
         if self.config.quantization == "fp8":
             from megatron_zcpo.rollout.quantization import quantize_fp8_hf_weights
 
             stream = quantize_fp8_hf_weights(stream)
-        self._weights.push(stream, version)
+        return stream
+
+    def _flush_and_verify(self, version: int) -> None:
         self.flush_cache()
         served = self.served_weight_versions()
         stale = {url: v for url, v in served.items() if v != int(version)}

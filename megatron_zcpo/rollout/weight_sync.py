@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import datetime
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+import math
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-NamedTensors = Iterable[Tuple[str, torch.Tensor]]
-
+from megatron_zcpo.megatron.weights import unflatten_tensors
 
 def iter_hf_weights(model, model_config, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's weights as ``(hf_name, tensor)``, converted on the fly by the checkpoint converter.
@@ -21,23 +21,6 @@ def iter_hf_weights(model, model_config, dtype: Optional[torch.dtype] = None) ->
     from megatron_zcpo.megatron.weights import iter_global_tensors
 
     return megatron_to_hf_stream(iter_global_tensors(model), model_config, dtype)
-
-
-def bucket_tensors(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: List[Tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -80,23 +63,33 @@ def init_custom_process_group(
     return group
 
 
-def start_broadcast(bucket: Sequence[Tuple[str, torch.Tensor]], group, src: int = 0) -> list:
-    """Start sending each tensor of ``bucket`` from rank ``src`` of ``group``, in order (SGLang
-    receives them so); returns the async work handles to wait on."""
+def start_broadcast(bucket: Sequence[Tuple[str, torch.Tensor]], group, src: int = 0, flat: Optional[torch.Tensor] = None) -> list:
+    """Start sending ``bucket`` from rank ``src`` of ``group``: each tensor in order (SGLang
+    receives them so), or ``flat`` (the bucket's :func:`flatten_tensors`) as one broadcast, SGLang's
+    ``load_format="flattened_bucket"``. Returns the async work handles to wait on; the caller
+    keeps ``flat`` alive until they complete."""
     import torch.distributed as dist
 
-    return [dist.broadcast(tensor.contiguous(), src=src, group=group, async_op=True) for _, tensor in bucket]
+    tensors = [flat] if flat is not None else [tensor.contiguous() for _, tensor in bucket]
+    return [dist.broadcast(tensor, src=src, group=group, async_op=True) for tensor in tensors]
 
 
 def receive_bucket(
-    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group, device="cpu", src: int = 0
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group, device="cpu", src: int = 0,
+    flattened: bool = False,
 ) -> List[Tuple[str, torch.Tensor]]:
     """The receiving side of :func:`start_broadcast` (what an SGLang server does for a bucket)."""
     import torch.distributed as dist
 
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"bucket metadata disagree: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
-    received = [(n, torch.empty(tuple(s), dtype=getattr(torch, d), device=device)) for n, d, s in zip(names, dtypes, shapes)]
+    metadata = [(tuple(shape), getattr(torch, dtype)) for dtype, shape in zip(dtypes, shapes)]
+    if flattened:
+        nbytes = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in metadata)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        return list(zip(names, unflatten_tensors(flat, metadata)))
+    received = [(n, torch.empty(shape, dtype=dtype, device=device)) for n, (shape, dtype) in zip(names, metadata)]
     handles = [dist.broadcast(tensor, src=src, group=group, async_op=True) for _, tensor in received]
     for handle in handles:
         handle.wait()

@@ -157,7 +157,7 @@ def test_disk_push_loads_exact_tensors_and_checks_the_version(tmp_path):
         assert engine.weight_version() == 5 and backend.version == 5
         for name, tensor in _named_tensors(0):
             assert backend.received[name].dtype == tensor.dtype and torch.equal(backend.received[name], tensor)
-        first_dir = os.path.join(tmp_path, "zcpo_weights-v5")
+        first_dir = os.path.join(tmp_path, "weights-v5")
         assert os.path.isdir(first_dir)
         engine.update_weights(_named_tensors(1), version=6)
         assert not os.path.exists(first_dir)  # the previous version's files are removed

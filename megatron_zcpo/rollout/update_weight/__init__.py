@@ -1,9 +1,11 @@
-"""Weight transports from the trainer (global rank 0) into SGLang servers, one module per transport.
+"""Weight transports from the trainer into SGLang servers, one module per transport.
 
-Each transport has ``push(named_hf_tensors, version)`` and ``close()``; the engine
-(:class:`megatron_zcpo.rollout.sglang_client.SGLangEngine`) picks one from
-``weight_sync`` and flushes and verifies the servers afterwards. The whole model streams
-through global rank 0 (see :func:`megatron_zcpo.recipe.weight_push.push_weights`).
+Each transport has ``push(named_hf_tensors, version)`` (the whole model from one sender),
+``push_part(named_hf_tensors, version, file_prefix)`` (one pipeline stage's share, from that
+stage's lead), ``commit(version, weight_maps)`` (serve the version once all shares are in),
+``close()`` and ``pushed`` (byte/tensor/bucket totals); the engine
+(:class:`megatron_zcpo.rollout.sglang_client.SGLangEngine`) picks one from ``weight_sync`` and
+flushes and verifies the servers afterwards (see :func:`megatron_zcpo.recipe.weight_push.push_weights`).
 """
 
 from megatron_zcpo.rollout.update_weight.disk import DiskWeightUpdate

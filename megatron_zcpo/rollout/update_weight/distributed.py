@@ -3,7 +3,10 @@
 The trainer joins, as rank 0, a process group with every server's TP ranks
 (``/init_weights_update_group``, on first push); each bucket's metadata goes to
 ``/update_weights_from_distributed`` while the tensors are broadcast; the last bucket carries
-the new version; :meth:`DistributedWeightUpdate.close` destroys the group on both sides.
+the new version; :meth:`DistributedWeightUpdate.close` destroys the group on both sides. Under
+pipeline parallelism every stage's lead has its own group and pushes its share with
+:meth:`DistributedWeightUpdate.push_part`, its last bucket carrying the new version (generation
+never runs during a push, so no request sees a server between two stages' shares).
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ import concurrent.futures
 import datetime
 import threading
 import time
-from typing import Any, Dict, Iterable, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.megatron.weights import bucket_tensors, flatten_tensors
 from megatron_zcpo.rollout.sglang_api import SERVER_INFO_PATHS
-from megatron_zcpo.rollout.weight_sync import bucket_tensors, dtype_name, init_custom_process_group, start_broadcast
+from megatron_zcpo.rollout.weight_sync import dtype_name, init_custom_process_group, start_broadcast
 from megatron_zcpo.utils.network import master_address_for
 from megatron_zcpo.utils.runtime import free_port
 
@@ -31,9 +35,21 @@ class DistributedWeightUpdate:
         self.http = http
         self.config = config
         self._group = None
+        self.pushed = {"bytes": 0, "tensors": 0, "buckets": 0}  # totals over this transport's pushes
 
     def push(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast ``stream`` (HF name, tensor) in buckets of ``bucket_bytes``; the servers serve ``version`` after."""
+        self._broadcast(stream, version)
+
+    def push_part(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int, file_prefix: str) -> None:
+        """Broadcast one stage's share; its last bucket carries ``version``."""
+        self._broadcast(stream, version)
+
+    def commit(self, version: int, weight_maps: Sequence[Optional[dict]] = ()) -> None:
+        """Nothing left to do: every share's last bucket carried ``version``."""
+
+    def _broadcast(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast ``stream`` in buckets; the last bucket's request carries ``version``."""
         if self._group is None:
             self._join_group()
         buckets = bucket_tensors(stream, self.config.bucket_bytes)
@@ -50,11 +66,27 @@ class DistributedWeightUpdate:
                 "flush_cache": False,
                 "weight_version": None if following is not None else str(int(version)),
             }
+            flat = self._flat_or_none(bucket)
+            if flat is not None:
+                request["load_format"] = "flattened_bucket"
             answer = self.http.submit(self.http.on_all_servers(
                 "POST", "/update_weights_from_distributed", request, retry=False, timeout=self.config.update_timeout_s
             ))
-            self._wait_alongside(start_broadcast(bucket, self._group), answer, f"bucket {request['names'][:3]}...")
+            self._wait_alongside(start_broadcast(bucket, self._group, flat=flat), answer,
+                                 f"bucket {request['names'][:3]}...")
+            self.pushed["buckets"] += 1
+            self.pushed["tensors"] += len(bucket)
+            self.pushed["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
             bucket = following
+
+    def _flat_or_none(self, bucket) -> Optional[torch.Tensor]:
+        """The bucket as one byte buffer when configured and its dtypes align, else None (per tensor)."""
+        if not self.config.flattened_buckets:
+            return None
+        try:
+            return flatten_tensors([tensor for _, tensor in bucket])
+        except ValueError:  # e.g. 1-byte FP8 weights before a 4-byte scale: send tensor by tensor
+            return None
 
     def _wait_alongside(self, works, answer: concurrent.futures.Future, what: str) -> None:
         """Wait for collective ``works`` while the servers' HTTP ``answer`` is pending.
