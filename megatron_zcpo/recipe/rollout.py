@@ -31,7 +31,7 @@ def samples_from_groups(result, group_offset: int) -> List[RolloutSample]:
                 rollout_logprobs=list(completion.output_logprobs),
                 info={"score": float(rewards.score[group, member]),
                       "truncated": bool(rewards.truncated[group, member]),
-                      "uid": record.uid},
+                      "uid": record.uid, "weight_version": completion.weight_version},
             ))
     return samples
 

@@ -28,6 +28,7 @@ class RLRecipe:
         self.rollout = None
         self.logger = None
         self.stages = None
+        self.overlap = None
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -36,6 +37,7 @@ class RLRecipe:
 
         from megatron_zcpo.megatron.initialize import setup_megatron
         from megatron_zcpo.recipe.inputs import eval_records, load_tokenizer
+        from megatron_zcpo.recipe.overlap import overlapped_rollouts
         from megatron_zcpo.recipe.rollout import Rollout
         from megatron_zcpo.recipe.weight_push import push_weights, stage_weight_push
 
@@ -58,6 +60,7 @@ class RLRecipe:
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
         self.stages = stage_weight_push(config, self.engine)
         push_weights(self.trainer, self.engine, self.start_step, self.stages)
+        self.overlap = overlapped_rollouts(config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state)
 
     def _build_trainer(self, tokenizer):
         """``self.trainer`` on the configured model (random, HF or Megatron weights); returns its ModelConfig."""
@@ -84,14 +87,14 @@ class RLRecipe:
         from megatron_zcpo.megatron.checkpoint import find_latest
 
         config = self.config
-        self.start_step = 0
+        self.start_step, self.loop_state = 0, {}
         resume = config.checkpoint.resume
         checkpoint = None if resume == "never" else (find_latest(config.checkpoint_dir) if resume == "auto" else Path(resume))
         if checkpoint is not None:
-            loop_state = self.trainer.load(checkpoint).get("loop", {})
+            self.loop_state = self.trainer.load(checkpoint).get("loop", {})
             self.start_step = self.trainer.step
-            if self.rank == 0 and "data" in loop_state:
-                self.rollout.dataset.load_state_dict(loop_state["data"])
+            if self.rank == 0 and "data" in self.loop_state:
+                self.rollout.dataset.load_state_dict(self.loop_state["data"])
         return checkpoint
 
     def _make_logger(self):
@@ -126,14 +129,24 @@ class RLRecipe:
         return {"run_dir": str(self.run_dir), "first_eval": first_eval, "last_eval": last_eval, "steps": trainer.step}
 
     def train_step(self, step: int) -> None:
-        """Rollout (rank 0) -> broadcast -> trainer step -> weight push; logs the step's metrics."""
+        """Rollout (rank 0) -> broadcast -> trainer step -> weight push; logs the step's metrics.
+
+        With ``rollout.overlap`` the step takes the rollout generated during the previous step,
+        pushes the current weights and starts the next rollout before training.
+        """
         import torch.distributed as dist
 
         from megatron_zcpo.recipe.rollout import broadcast_samples
         from megatron_zcpo.recipe.weight_push import push_weights
 
         started = time.perf_counter()
-        samples, rollout_stats = (self.rollout.collect(step) if self.rank == 0 else (None, {}))
+        overlap = self.overlap
+        if overlap is None:
+            samples, rollout_stats = (self.rollout.collect(step) if self.rank == 0 else (None, {}))
+        else:  # take step k's rollout, push, and generate step k+1's while step k trains
+            samples, rollout_stats = overlap.collect(step)
+            overlap.push_current_weights()
+            rollout_stats.update(overlap.launch(step + 1))
         time_rollout = time.perf_counter() - started
         count = [len(samples) if self.rank == 0 else 0]
         dist.broadcast_object_list(count, src=0)
@@ -142,12 +155,14 @@ class RLRecipe:
         samples = broadcast_samples(samples)
         metrics = self.trainer.train_step(samples)
         started_push = time.perf_counter()
-        push_weights(self.trainer, self.engine, self.trainer.step, self.stages)
+        if overlap is None:
+            push_weights(self.trainer, self.engine, self.trainer.step, self.stages)
         if self.rank != 0:
             return
         metrics.update(rollout_stats)
+        push_s = time.perf_counter() - started_push if overlap is None else overlap.push_s
         # time/world_size: the devices this step held, so `zcpo report --align-by gpu-hours` can sum GPU time
-        metrics.update({"time/rollout": time_rollout, "time/weight_sync": time.perf_counter() - started_push,
+        metrics.update({"time/rollout": time_rollout, "time/weight_sync": push_s,
                         "time/step": time.perf_counter() - started, "time/world_size": self.world_size})
         self.logger.log(self.trainer.step, metrics)
         gap = metrics.get("rollout/logprob_diff_max", 0.0)
@@ -157,7 +172,10 @@ class RLRecipe:
                               f"to {gap:.2e} at step 0 (same weights: expected < 1e-3)")
 
     def evaluate(self, step: int) -> Dict[str, float]:
-        """Held-out metrics at trainer step ``step`` (rank 0, when there are held-out prompts; {} otherwise)."""
+        """Held-out metrics at trainer step ``step`` (rank 0, when there are held-out prompts; {} otherwise).
+        Collective with ``rollout.overlap`` (the engine first gets the current weights)."""
+        if self.overlap is not None:
+            self.overlap.settle()
         if self.rank != 0 or not self.held_out:
             return {}
         k = self.config.eval.k
@@ -170,12 +188,18 @@ class RLRecipe:
     # ----------------------------------------------------------------------------- save & cleanup
     def save(self, step: int) -> None:
         """Checkpoint the trainer and the prompt stream at ``step`` (collective)."""
-        state = {"loop": {"data": self.rollout.dataset.state_dict()} if self.rank == 0 else {}}
+        loop = {}
+        if self.rank == 0:
+            if self.overlap is not None:  # first: the rollout in flight advances the prompt stream
+                loop["in_flight"] = self.overlap.state()
+            loop["data"] = self.rollout.dataset.state_dict()
         # Every rank passes its state; rank 0's is the one written (it owns the prompt stream).
-        self.trainer.save(self.config.checkpoint_dir, state, keep_last=self.config.checkpoint.keep_last)
+        self.trainer.save(self.config.checkpoint_dir, {"loop": loop}, keep_last=self.config.checkpoint.keep_last)
 
     def cleanup(self) -> None:
         """Stop the rollout side (engines, reward workers) and close the loggers."""
+        if self.overlap is not None:
+            self.overlap.close()
         if self.stages is not None and self.stages.engine is not None:
             self.stages.engine.shutdown()
         if self.rollout is not None:

@@ -1,0 +1,151 @@
+"""Overlapped rollouts (rollout.overlap): the prefetch thread, bounded staleness, exact resume, and
+with overlap off the loop is the plain sequential one, bit for bit."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.rollout.overlap import RolloutPrefetch, in_flight_state, staleness_metrics
+from megatron_zcpo.testing import run_distributed
+from tests.cli.test_train import _train, tiny_model, write_config  # noqa: F401 - tiny_model is a fixture
+
+def test_prefetch_collects_in_the_background_and_reports_waits():
+    running = threading.Event()
+
+    def collect(step):
+        running.set()
+        time.sleep(0.3)
+        return [step], {"step": float(step)}
+
+    prefetch = RolloutPrefetch(collect)
+    (samples, metrics), waited = prefetch.take(0)  # nothing in flight: collected now
+    assert samples == [0] and waited >= 0.25
+    prefetch.launch(1)
+    assert running.wait(5) and prefetch.pending_step == 1
+    time.sleep(0.35)  # "training" while step 1 is generated
+    (samples, _), waited = prefetch.take(1)
+    assert samples == [1] and waited < 0.1  # it was ready
+    time.sleep(0.05)
+    prefetch.launch(2)
+    assert prefetch.engine_wait_s >= 0.05
+    with pytest.raises(RuntimeError, match="step 2 is still pending"):
+        prefetch.launch(3)
+    assert in_flight_state(prefetch) == {"step": 2, "samples": [2], "metrics": {"step": 2.0}}
+    restored = RolloutPrefetch(collect)
+    restored.restore(2, ([2], {"step": 2.0}))
+    assert restored.take(2)[0] == ([2], {"step": 2.0})
+    prefetch.close()
+
+
+def test_prefetch_raises_the_collectors_error_in_the_caller():
+    def collect(step):
+        raise RolloutError(f"server gone at step {step}")
+
+    prefetch = RolloutPrefetch(collect)
+    prefetch.launch(4)
+    with pytest.raises(RolloutError, match="server gone at step 4"):
+        prefetch.take(4)
+    assert prefetch.pending_step is None
+
+
+def test_staleness_is_measured_and_bounded():
+    assert staleness_metrics([3, 3, 2], trainer_version=4, max_staleness=2) == {
+        "rollout/staleness_mean": 4 / 3, "rollout/staleness_max": 2.0}
+    with pytest.raises(RolloutError, match=r"versions \[1, 3\].*max_staleness=1"):
+        staleness_metrics([3, 1], trainer_version=3, max_staleness=1)
+    with pytest.raises(RolloutError, match="weight_version"):
+        staleness_metrics([None], trainer_version=0, max_staleness=1)
+
+
+def _metrics_by_step(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "rollout/reward_mean" in r}
+
+
+def _deterministic_keys(metrics):
+    """The metrics that depend on the data and the weights, not on the clock."""
+    return [k for k, v in metrics.items() if isinstance(v, float) and k not in ("time", "step")
+            and not k.startswith(("time/", "train/tokens_per_s"))]
+
+
+def _run_training(rank, world, path):
+    from megatron_zcpo.recipe.config import load_run_config
+    from megatron_zcpo.recipe.training import run_training
+
+    run_training(load_run_config(str(path)))
+
+
+def _plain_sequential_loop(rank, world, path):
+    """The on-policy recipe written out: collect, train, push; nothing else."""
+    from megatron_zcpo.diagnostics import build_diagnostics
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.trainer import PolicyTrainer
+    from megatron_zcpo.recipe.config import load_run_config
+    from megatron_zcpo.recipe.inputs import load_tokenizer, resolve_model
+    from megatron_zcpo.recipe.rollout import Rollout, broadcast_samples
+    from megatron_zcpo.recipe.weight_push import push_weights
+
+    config = load_run_config(str(path))
+    setup_megatron(tensor_parallel=1, pipeline_parallel=1, context_parallel=1, seed=config.train.seed)
+    tokenizer = load_tokenizer(config)
+    model_config, initial = resolve_model(config.model.path)
+    trainer = PolicyTrainer(model_config, config.algorithm, config.train, config.parallel, initial_weights=initial,
+                            temperature=config.rollout.temperature,
+                            diagnostics=build_diagnostics(config.diagnostics, config.algorithm))
+    rollout = Rollout(config, model_config, tokenizer)
+    push_weights(trainer, rollout.engine, 0)
+    steps = {}
+    for step in range(config.train.steps):
+        samples, stats = rollout.collect(step)
+        metrics = trainer.train_step(broadcast_samples(samples))
+        push_weights(trainer, rollout.engine, trainer.step)
+        steps[trainer.step] = {**metrics, **stats}
+    rollout.close()
+    return steps
+
+
+def test_overlap_off_is_the_sequential_loop_bit_for_bit(tmp_path, tiny_model):  # noqa: F811
+    path = write_config(tmp_path, tiny_model, parallel={"tensor": 1},
+                        eval={"at_start": False, "at_end": False}, checkpoint={"every": 0})
+    run_distributed(_run_training, 1, path, timeout=600)
+    [reference] = run_distributed(_plain_sequential_loop, 1, path, timeout=600)
+    logged = _metrics_by_step(tmp_path / "run")
+    assert sorted(logged) == sorted(reference) == [1, 2]
+    for step, metrics in reference.items():
+        keys = [k for k in _deterministic_keys(metrics) if k in logged[step]]
+        assert {"rollout/reward_mean", "experience/kl", "update/grad_norm"} <= set(keys)
+        for key in keys:
+            assert logged[step][key] == metrics[key] or metrics[key] != metrics[key], (step, key)  # exact (NaN aside)
+        assert "rollout/staleness_max" not in logged[step]
+
+
+def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tiny_model):  # noqa: F811
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    path = write_config(whole, tiny_model, parallel={"tensor": 1}, rollout={"overlap": True},
+                        train={"steps": 3}, eval={"at_start": False, "at_end": False})
+    done = _train(path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    uninterrupted = _metrics_by_step(whole / "run")
+    assert [uninterrupted[s]["rollout/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all("time/wait_for_data" in m and "time/engine_wait_for_weights" in m for m in uninterrupted.values())
+    dumped = (whole / "run" / "config.yaml").read_text()
+    assert "overlap: true" in dumped and "importance_sampling:\n    enabled: true" in dumped  # on by default here
+
+    split = tmp_path / "split"
+    split.mkdir()
+    path = write_config(split, tiny_model, parallel={"tensor": 1}, rollout={"overlap": True},
+                        train={"steps": 2}, eval={"at_start": False, "at_end": False})
+    first = _train(path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _train(path, "train.steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 2" in resumed.stdout
+    interrupted = _metrics_by_step(split / "run")
+    keys = _deterministic_keys(uninterrupted[3])
+    assert {"rollout/reward_mean", "experience/kl", "update/grad_norm", "rollout/staleness_max"} <= set(keys)
+    for key in keys:  # step 3 trains on the rollout the step-2 checkpoint recorded in flight
+        assert interrupted[3][key] == uninterrupted[3][key] or uninterrupted[3][key] != uninterrupted[3][key], key
