@@ -122,13 +122,19 @@ def test_overlap_off_is_the_sequential_loop_bit_for_bit(tmp_path, tiny_model):  
         assert "rollout/staleness_max" not in logged[step]
 
 
+def _overlapped_run(root, model_dir, steps, *overrides):
+    """`zcpo train` with rollout.overlap=true in ``root`` (TP1, no evaluation); its stdout."""
+    root.mkdir(exist_ok=True)
+    path = write_config(root, model_dir, parallel={"tensor": 1}, rollout={"overlap": True},
+                        train={"steps": steps}, eval={"at_start": False, "at_end": False})
+    done = _train(path, *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tiny_model):  # noqa: F811
     whole = tmp_path / "whole"
-    whole.mkdir()
-    path = write_config(whole, tiny_model, parallel={"tensor": 1}, rollout={"overlap": True},
-                        train={"steps": 3}, eval={"at_start": False, "at_end": False})
-    done = _train(path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _overlapped_run(whole, tiny_model, 3)
     uninterrupted = _metrics_by_step(whole / "run")
     assert [uninterrupted[s]["rollout/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert all("time/wait_for_data" in m and "time/engine_wait_for_weights" in m for m in uninterrupted.values())
@@ -136,14 +142,8 @@ def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tin
     assert "overlap: true" in dumped and "importance_sampling:\n    enabled: true" in dumped  # on by default here
 
     split = tmp_path / "split"
-    split.mkdir()
-    path = write_config(split, tiny_model, parallel={"tensor": 1}, rollout={"overlap": True},
-                        train={"steps": 2}, eval={"at_start": False, "at_end": False})
-    first = _train(path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _train(path, "train.steps=3")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "at step 2" in resumed.stdout
+    _overlapped_run(split, tiny_model, 2)
+    assert "at step 2" in _overlapped_run(split, tiny_model, 2, "train.steps=3")
     interrupted = _metrics_by_step(split / "run")
     keys = _deterministic_keys(uninterrupted[3])
     assert {"rollout/reward_mean", "experience/kl", "update/grad_norm", "rollout/staleness_max"} <= set(keys)
