@@ -117,7 +117,7 @@ class DiscardingEngine(RolloutEngine):
 def run_overlap(args) -> list:
     """Two `zcpo train` runs (overlap off / on) against one paced mock server; per-mode rows."""
     from megatron_zcpo.cli.demo import demo_config
-    from megatron_zcpo.cli.demo_assets import DemoSpec, build_demo_assets
+    from megatron_zcpo.recipe.demo_assets import DemoSpec, build_demo_assets
     from megatron_zcpo.convert.hf_checkpoint import read_hf_config
     from megatron_zcpo.convert.mapping import model_config_from_hf
     from megatron_zcpo.megatron.initialize import free_port
@@ -173,7 +173,7 @@ def _push_worker(rank, world, pp, url, per_stage, model_config, bucket_bytes):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.cli.train import StageWeightPush, push_weights
+    from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
     from megatron_zcpo.megatron.weights import is_stage_lead
@@ -189,7 +189,7 @@ def _push_worker(rank, world, pp, url, per_stage, model_config, bucket_bytes):
     stages = None
     if per_stage:
         stages = StageWeightPush(engine(f"bench-pp{ps.get_pipeline_model_parallel_rank()}") if is_stage_lead() else None)
-    rollout = types.SimpleNamespace(engine=engine("bench-rank0")) if rank == 0 else None
+    rank0_engine = engine("bench-rank0") if rank == 0 else None
     received = [0]
     recv = dist.recv
 
@@ -199,16 +199,16 @@ def _push_worker(rank, world, pp, url, per_stage, model_config, bucket_bytes):
 
     dist.recv = counted
     trainer = types.SimpleNamespace(policy=model, model_config=model_config)
-    push_weights(trainer, rollout, 1, stages)  # joins the update groups: not timed
+    push_weights(trainer, rank0_engine, 1, stages)  # joins the update groups: not timed
     received[0] = 0
     dist.barrier()
     started = time.perf_counter()
-    push_weights(trainer, rollout, 2, stages)
+    push_weights(trainer, rank0_engine, 2, stages)
     seconds = time.perf_counter() - started
-    sender = stages.engine if stages is not None else (rollout.engine if rollout is not None else None)
+    sender = stages.engine if stages is not None else rank0_engine
     result = {"seconds": seconds, "sent": sender.pushed["bytes"] / 2 if sender is not None else 0.0,
               "received": received[0]}  # pushed counts both pushes: the second one's share
-    for handle in (stages.engine if stages is not None else None, rollout.engine if rollout is not None else None):
+    for handle in (stages.engine if stages is not None else None, rank0_engine):
         if handle is not None:
             handle.shutdown()
     return result
