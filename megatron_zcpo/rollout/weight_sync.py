@@ -47,10 +47,12 @@ def init_custom_process_group(
     """
     import inspect
 
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The TCP store directly, not c10d.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE) the
+    # latter would connect to the launcher's store instead of serving this group's on rank 0.
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout)
     helper_args = inspect.signature(c10d._new_process_group_helper).parameters
     # torch renamed pg_options to backend_options (2.6); both default to None.
     options = {"backend_options": None} if "backend_options" in helper_args else {"pg_options": None}

@@ -149,3 +149,30 @@ def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tin
     assert {"rollout/reward_mean", "experience/kl", "update/grad_norm", "rollout/staleness_max"} <= set(keys)
     for key in keys:  # step 3 trains on the rollout the step-2 checkpoint recorded in flight
         assert interrupted[3][key] == uninterrupted[3][key] or uninterrupted[3][key] != uninterrupted[3][key], key
+
+
+def test_overlapped_sglang_run_pushes_per_stage_at_pp2(tmp_path, tiny_model):  # noqa: F811
+    """`zcpo train` at PP2 against a mock SGLang server, overlap on: each stage's lead joins its own
+    weight-update group, rank 0 commits the version, and the rollouts are one version behind."""
+    from megatron_zcpo.convert.hf_checkpoint import read_hf_config
+    from megatron_zcpo.convert.mapping import model_config_from_hf
+    from megatron_zcpo.rollout.embedded import EmbeddedEngine
+    from megatron_zcpo.rollout.mock_server import MockSGLangServer
+    from megatron_zcpo.utils.runtime import free_port
+
+    backend = EmbeddedEngine(model_config_from_hf(read_hf_config(tiny_model)), seed=7)
+    with MockSGLangServer(backend, port=free_port()) as server:
+        client = {"group_backend": "gloo", "master_address": "127.0.0.1", "max_concurrency": 4}
+        path = write_config(tmp_path, tiny_model, parallel={"tensor": 1, "pipeline": 2},
+                            rollout={"overlap": True, "engine": "sglang",
+                                     "sglang": {"server_urls": [server.url], "client": client}},
+                            train={"steps": 2}, eval={"at_start": False, "at_end": False})
+        done = _train(path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        events = [path for path, _ in server.events]
+    assert events.count("/init_weights_update_group") == 2  # one group per pipeline stage
+    # start-up (version 0), then version 1 before generating step 2's rollout; version 2 stays in
+    # the checkpoint (nothing generates after the last step, no evaluation asked)
+    assert events.count("/update_weight_version") == 2 and server.served_version == "1"
+    logged = _metrics_by_step(tmp_path / "run")
+    assert [logged[s]["rollout/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
