@@ -153,7 +153,7 @@ def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tin
 
 def test_overlapped_sglang_run_pushes_per_stage_at_pp2(tmp_path, tiny_model):  # noqa: F811
     """`zcpo train` at PP2 against a mock SGLang server, overlap on: each stage's lead joins its own
-    weight-update group, rank 0 commits the version, and the rollouts are one version behind."""
+    weight-update group and pushes its share, and the rollouts are one version behind."""
     from megatron_zcpo.convert.hf_checkpoint import read_hf_config
     from megatron_zcpo.convert.mapping import model_config_from_hf
     from megatron_zcpo.rollout.embedded import EmbeddedEngine
@@ -173,6 +173,6 @@ def test_overlapped_sglang_run_pushes_per_stage_at_pp2(tmp_path, tiny_model):  #
     assert events.count("/init_weights_update_group") == 2  # one group per pipeline stage
     # start-up (version 0), then version 1 before generating step 2's rollout; version 2 stays in
     # the checkpoint (nothing generates after the last step, no evaluation asked)
-    assert events.count("/update_weight_version") == 2 and server.served_version == "1"
+    assert server.served_version == "1"
     logged = _metrics_by_step(tmp_path / "run")
     assert [logged[s]["rollout/staleness_max"] for s in (1, 2)] == [0.0, 1.0]
