@@ -9,7 +9,7 @@ from megatron_zcpo.cli.plan import load_plan_config, model_config_of
 from megatron_zcpo.convert.presets import HF_CONFIGS, preset_model_config
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.megatron.step_time import Cluster, StepLoad, predict_step_time, push_bytes_per_stage
-from tests.cli.test_examples import EXAMPLES, LLAMA33_70B, QUOTED, QWEN25_32B
+from tests.cli.test_examples import EXAMPLES, LLAMA33_70B, QUOTED, QWEN25_32B, QWEN25_72B
 
 QWEN_EXAMPLE = str(EXAMPLES / "qwen2.5-32b-zcpo" / "config.yaml")
 LLAMA_EXAMPLE = str(EXAMPLES / "llama-3.3-70b-zcpo" / "config.yaml")
@@ -18,9 +18,8 @@ LLAMA_EXAMPLE = str(EXAMPLES / "llama-3.3-70b-zcpo" / "config.yaml")
 def test_presets_are_the_public_architectures():
     assert preset_model_config("Qwen2.5-32B") == QWEN25_32B
     assert preset_model_config("llama-3.3-70b-instruct") == LLAMA33_70B
-    qwen72 = preset_model_config("Qwen2.5-72B")
-    assert (qwen72.num_layers, qwen72.hidden_size, qwen72.intermediate_size) == (80, 8192, 29568)
-    assert 72e9 < qwen72.num_parameters < 73e9
+    assert preset_model_config("Qwen2.5-72B") == QWEN25_72B
+    assert 72e9 < QWEN25_72B.num_parameters < 73e9
     with pytest.raises(ValueError, match="Qwen2.5-32B"):
         preset_model_config("Qwen2.5-7B")
 

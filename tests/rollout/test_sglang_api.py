@@ -66,7 +66,7 @@ def test_client_speaks_both_releases_without_a_refused_request(release, tmp_path
         assert refused == []
         # The weight version is read where both releases serve it.
         assert ("/get_model_info", "ok") in server.events and ("/get_weight_version", "ok") not in server.events
-    assert os.path.isdir(tmp_path / "zcpo_weights-v4")
+    assert os.path.isdir(tmp_path / "weights-v4")
 
 
 def test_weight_push_refuses_a_loopback_master_for_remote_servers_before_any_request(monkeypatch):
