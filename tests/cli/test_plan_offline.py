@@ -74,7 +74,8 @@ def test_step_time_terms_by_hand():
 
 
 @pytest.mark.parametrize("example,gpus,preset,decode", [("qwen2.5-32b-zcpo", 32, "Qwen2.5-32B", 1000),
-                                                        ("llama-3.3-70b-zcpo", 64, "Llama-3.3-70B", 500)])
+                                                        ("llama-3.3-70b-zcpo", 64, "Llama-3.3-70B", 500),
+                                                        ("qwen2.5-72b-zcpo", 64, "Qwen2.5-72B", 500)])
 def test_the_examples_quote_the_predicted_step_time(example, gpus, preset, decode, capsys):
     path = str(EXAMPLES / example / "config.yaml")
     main(["plan", path, "--gpus", str(gpus), "--preset", preset, "--decode-tokens-per-s", str(decode), "--json"])
