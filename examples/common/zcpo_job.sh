@@ -136,7 +136,7 @@ zcpo_job_main() {
     local extra=()
     read -r -a extra <<< "${ZCPO_OVERRIDES:-}"
     overrides+=("${extra[@]}" "$@")
-    # On a training node: validation accepts parallel.sequence_parallel only where CUDA is visible.
+    # On a training node: the servers' URLs are known there.
     srun "${runtime[@]}" --nodes=1 --ntasks=1 --nodelist="${train_hosts[0]}" --gpus-per-node="${gpus_per_node}" \
         zcpo train "${CONFIG}" "${overrides[@]}" --dry-run > "${RUN_DIR}/config.resolved.yaml"
     log "config valid: ${RUN_DIR}/config.resolved.yaml"

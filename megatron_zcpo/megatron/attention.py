@@ -86,7 +86,7 @@ def _packed_attention(query, key, value, lengths, offsets, scale, cp_rank, cp_si
 class PackedCausalAttention(torch.nn.Module):
     """Causal core attention accepting megatron's THD ``packed_seq_params`` and context parallelism.
 
-    Built by megatron's ``SelfAttention`` from the layer spec (see :func:`local_layer_spec`), with
+    Built by megatron's ``SelfAttention`` from the layer spec (see :func:`megatron_zcpo.megatron.local_spec.local_layer_spec`), with
     the ``CoreAttentionBuilder`` keywords. Forward: sbhd ``[s, b, heads, d]`` tensors without
     packing (delegated to megatron's DotProductAttention; context parallelism refused), THD
     ``[t, heads, d]`` with packing. Returns ``[s, b, heads*d]`` or ``[t, heads*d]``.
@@ -157,12 +157,3 @@ class PackedCausalAttention(torch.nn.Module):
         out = torch.cat(outputs).index_select(0, torch.argsort(torch.cat(indices)))
         return out.reshape(query.shape[0], -1)
 
-
-def local_layer_spec(qk_layernorm: bool = False):
-    """megatron-core's local GPT layer spec (RMSNorm; per-head q/k RMSNorm when ``qk_layernorm``)
-    with :class:`PackedCausalAttention` as core attention."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
-    spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
-    return spec

@@ -177,10 +177,16 @@ def _sequence(sample: RolloutSample, index: int):
     return sequence[:-1], sequence[1:], start, length, rollout
 
 
-def collate(samples: Sequence[RolloutSample], indices: Sequence[int], pad_id: int = 0) -> MicroBatch:
-    """The padded :class:`MicroBatch` of ``samples[i] for i in indices``: rows [b, longest]."""
+def collate(samples: Sequence[RolloutSample], indices: Sequence[int], pad_id: int = 0, sp_size: int = 1) -> MicroBatch:
+    """The padded :class:`MicroBatch` of ``samples[i] for i in indices``: rows [b, S].
+
+    S is the longest row rounded up to a multiple of ``sp_size`` (the tensor-parallel size when
+    sequence parallelism scatters the sequence dimension over TP ranks, else 1). Padding sits
+    after each row's tokens: causal attention keeps real tokens off it and no response position
+    points into it, so it never reaches a loss.
+    """
     rows = [_sequence(samples[i], i) for i in indices]
-    width = max(inputs.numel() for inputs, *_ in rows)
+    width = -(-max(inputs.numel() for inputs, *_ in rows) // sp_size) * sp_size
     tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), width), pad_id, dtype=torch.long)
     positions, token_index = [], []
@@ -198,22 +204,27 @@ def collate(samples: Sequence[RolloutSample], indices: Sequence[int], pad_id: in
     )
 
 
-def packed_length(sequence_length: int, cp_size: int = 1) -> int:
-    """A sequence's length in a packed micro-batch: padded to a multiple of 2*CP under context parallelism."""
-    if cp_size == 1:
-        return sequence_length
-    return -(-sequence_length // (2 * cp_size)) * 2 * cp_size
+def packed_length(sequence_length: int, cp_size: int = 1, sp_size: int = 1) -> int:
+    """A sequence's length in a packed micro-batch: padded to a multiple of 2*CP under context
+    parallelism, times ``sp_size`` (the TP size) under sequence parallelism, which scatters the
+    sequence dimension over the TP ranks. Megatron's convention: every sequence is padded, so its
+    context-parallel chunks do not depend on which sequences share its micro-batch."""
+    multiple = (2 * cp_size if cp_size > 1 else 1) * sp_size
+    return -(-sequence_length // multiple) * multiple
 
 
 def collate_packed(samples: Sequence[RolloutSample], indices: Sequence[int], cp_rank: int = 0, cp_size: int = 1,
-                   pad_id: int = 0) -> MicroBatch:
+                   pad_id: int = 0, sp_size: int = 1) -> MicroBatch:
     """The padding-free (THD) :class:`MicroBatch` of ``samples[i] for i in indices`` on one CP rank.
 
     The sequences are concatenated into one row [1, T]; with context parallelism each is padded
     to :func:`packed_length` and only this rank's two chunks of it are kept
     (:func:`~megatron_zcpo.megatron.attention.context_parallel_positions`), so T = sum of padded
-    lengths / CP. ``packed_seq_params`` carries the global boundaries megatron's RoPE and the
-    attention (TE's or :class:`~megatron_zcpo.megatron.attention.PackedCausalAttention`) use.
+    lengths / CP; with sequence parallelism (``sp_size`` = the TP size) also a multiple of TP.
+    ``packed_seq_params`` carries the global boundaries megatron's RoPE and the
+    attention (TE's or :class:`~megatron_zcpo.megatron.attention.PackedCausalAttention`) use:
+    ``cu_seqlens_*`` of the real tokens and, whenever there is padding, ``cu_seqlens_*_padded``;
+    padding never holds a response position, so it never reaches a loss.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -223,7 +234,7 @@ def collate_packed(samples: Sequence[RolloutSample], indices: Sequence[int], cp_
     actual, padded, offset = [0], [0], 0
     for i in indices:
         inputs, shifted, start, length, logprobs = _sequence(samples[i], i)
-        full = packed_length(inputs.numel(), cp_size)
+        full = packed_length(inputs.numel(), cp_size, sp_size)
         held = context_parallel_positions(full, cp_rank, cp_size)  # global positions kept here
         pad = full - inputs.numel()
         pieces.append(torch.cat([inputs, torch.full((pad,), pad_id, dtype=torch.long)])[held])
@@ -238,7 +249,7 @@ def collate_packed(samples: Sequence[RolloutSample], indices: Sequence[int], cp_
         padded.append(padded[-1] + full)
         offset += held.numel()
     cu_actual = torch.tensor(actual, dtype=torch.int32)
-    cu_padded = torch.tensor(padded, dtype=torch.int32) if cp_size > 1 else None
+    cu_padded = torch.tensor(padded, dtype=torch.int32) if cp_size > 1 or padded != actual else None
     longest = max(b - a for a, b in zip(padded, padded[1:]))
     return MicroBatch(
         tokens=torch.cat(pieces).unsqueeze(0), position_ids=torch.cat(positions).unsqueeze(0),

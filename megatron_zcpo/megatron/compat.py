@@ -65,8 +65,15 @@ MEGATRON_INTERNALS: Tuple[MegatronInternal, ...] = (
                      changed_in_0_19="now a wrapper over get_gpt_layer_with_transformer_engine_submodules with"
                                      " the same arguments; the dense layer (fused-norm linear_qkv and"
                                      " linear_fc1, no pre_mlp_layernorm) has the same parameter names"),
-    MegatronInternal("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec", "megatron/attention.py",
+    MegatronInternal("megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec", "megatron/local_spec.py",
                      keywords=("normalization", "qk_layernorm")),
+    MegatronInternal("megatron.core.transformer.transformer_block:TransformerBlockSubmodules",
+                     "megatron/local_spec.py (the local block spec with a sequence-parallel final norm)",
+                     keywords=("layer_specs", "layer_norm"),
+                     changed_in_0_19="not yet read against 0.19.2 (added with the CPU sequence-parallel spec)"),
+    MegatronInternal("megatron.core.transformer.transformer_block:get_num_layers_to_build",
+                     "megatron/local_spec.py (layers of this pipeline stage)", positional=("config",),
+                     changed_in_0_19="not yet read against 0.19.2 (added with the CPU sequence-parallel spec)"),
     MegatronInternal("megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward",
                      "megatron/pipeline.py (the output layer's forward is replaced: same arguments)",
                      positional=("self", "input_", "weight"), keywords=("runtime_gather_output",),

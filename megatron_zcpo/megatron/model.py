@@ -173,17 +173,18 @@ def have_transformer_engine() -> bool:
 
 def layer_spec(config, use_te: Optional[bool] = None):
     """The TE layer spec when Transformer Engine is present (and ``use_te`` not False), else the
-    local spec with packed-sequence / context-parallel core attention (megatron_zcpo.megatron.attention).
+    local block spec of this pipeline stage: packed-sequence / context-parallel core attention and
+    sequence-parallel RMSNorms (megatron_zcpo.megatron.local_spec).
     Both carry per-head q/k RMSNorms when ``config.qk_layernorm`` (Qwen3)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron_zcpo.megatron.attention import local_layer_spec
+    from megatron_zcpo.megatron.local_spec import local_block_spec
 
     if use_te is None:
         use_te = have_transformer_engine()
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return local_layer_spec(qk_layernorm=config.qk_layernorm)
+    return local_block_spec(config)
 
 
 def build_gpt_model(

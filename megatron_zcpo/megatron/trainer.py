@@ -66,9 +66,6 @@ class PolicyTrainer:
 
         from megatron_zcpo.algorithms import build_algorithm
 
-        if parallel.sequence_parallel and not has_cuda():
-            raise ValueError("parallel.sequence_parallel needs GPUs with Transformer Engine "
-                             "(megatron-core's CPU layer spec has no sequence-parallel norms)")
         self.algorithm = build_algorithm(algorithm_config)
         check_context_parallel(parallel, train, self.algorithm, diagnostics is not None)
         self.model_config = model_config
@@ -249,11 +246,14 @@ class PolicyTrainer:
         units = units_of(indices, [s.group_id for s in samples], self.algorithm.needs_whole_groups)
         budget = self.train_config.micro_batch_tokens
         device = compute_device()
+        # Sequence parallelism scatters the sequence dimension over the TP ranks: pad to a multiple.
+        sp_size = self.parallel.tensor if self.parallel.sequence_parallel else 1
         if self.train_config.packing == "padded":
             lengths = [s.sequence_length for s in samples]
-            return [collate(samples, chunk).to(device) for chunk in pack_micro_batches(units, lengths, budget)]
-        lengths = [packed_length(s.sequence_length, self.cp_size) for s in samples]
-        return [collate_packed(samples, chunk, self.cp_rank, self.cp_size).to(device)
+            return [collate(samples, chunk, sp_size=sp_size).to(device)
+                    for chunk in pack_micro_batches(units, lengths, budget)]
+        lengths = [packed_length(s.sequence_length, self.cp_size, sp_size) for s in samples]
+        return [collate_packed(samples, chunk, self.cp_rank, self.cp_size, sp_size=sp_size).to(device)
                 for chunk in pack_micro_batches(units, lengths, budget, padded=False)]
 
     def place_reference(self, on_device: bool) -> None:

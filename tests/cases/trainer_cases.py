@@ -47,6 +47,7 @@ def policy_and_reference(rank, world):
 
 def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, micro_batch_tokens=24,
                  distributed_optimizer=False, cp=1, packing="thd", importance_sampling=False, model=MODEL,
+                 sequence_parallel=False,
                  **algorithm_overrides):
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
@@ -64,7 +65,8 @@ def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, mi
                         importance_sampling=ImportanceSamplingConfig(enabled=bool(importance_sampling),
                                                                      **(importance_sampling or {})))
     return PolicyTrainer(model, AlgorithmConfig(name=algorithm, **algorithm_overrides), train,
-                         ParallelConfig(tensor=tp, pipeline=pp, context=cp, distributed_optimizer=distributed_optimizer),
+                         ParallelConfig(tensor=tp, pipeline=pp, context=cp, distributed_optimizer=distributed_optimizer,
+                                        sequence_parallel=sequence_parallel),
                          initial_weights=policy, reference_weights=reference)
 
 
@@ -78,10 +80,11 @@ def with_rollout_logprobs(samples, seed=3):
 
 
 def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distributed_optimizer=False, cp=1,
-               packing="thd", importance_sampling=False):
+               packing="thd", importance_sampling=False, sequence_parallel=False):
     """Coefficients, metrics and the updated global weights after one rollout step."""
     trainer = make_trainer(tp, pp, policy, reference, algorithm, distributed_optimizer=distributed_optimizer, cp=cp,
-                           packing=packing, importance_sampling=importance_sampling)
+                           packing=packing, importance_sampling=importance_sampling,
+                           sequence_parallel=sequence_parallel)
     samples = rollout()
     if importance_sampling:
         samples = with_rollout_logprobs(samples)
