@@ -50,7 +50,12 @@ class ImportanceSamplingConfig:
 
 @dataclass
 class OptimizerSettings:
-    """``train.optimizer``: AdamW through megatron-core's optimizer, LR schedule per rollout step."""
+    """``train.optimizer``: AdamW through megatron-core's optimizer, LR schedule per rollout step.
+
+    Rollout k (0-based) trains at the schedule's value at step k+1 (megatron's
+    OptimizerParamScheduler): warm-up lr * (k+1) / warmup_steps, so the first rollout already
+    learns; the decay reaches ``min_lr`` one step after the last rollout (``train.steps``).
+    """
 
     lr: float = 1e-6
     min_lr: float = 0.0

@@ -152,7 +152,7 @@ class PolicyTrainer:
             ),
             [self.policy],
         )
-        decay_steps = max(train.steps, opt.warmup_steps + 1)
+        decay_steps = max(train.steps, opt.warmup_steps) + 1  # see OptimizerSettings
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if opt.warmup_steps else opt.lr, max_lr=opt.lr, min_lr=opt.min_lr,
             lr_warmup_steps=opt.warmup_steps, lr_decay_steps=decay_steps,
@@ -160,6 +160,7 @@ class PolicyTrainer:
             wd_incr_steps=decay_steps, wd_incr_style="constant",
         )
         self.scheduler.step(0)
+        self.last_lr: Optional[float] = None  # the LR the last update applied
 
     # ----------------------------------------------------------------------------- one step
     def train_step(self, samples: Sequence[RolloutSample]) -> Dict[str, float]:
@@ -200,7 +201,7 @@ class PolicyTrainer:
         out.update(selfcheck)
         out.update(diagnostics)
         out.update(timings)
-        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["train/lr"] = self.last_lr
         out["train/step"] = self.step
         trained_tokens = sum(len(s.response_ids) + len(s.prompt_ids) for s in samples)
         out["train/tokens_per_s"] = trained_tokens / max(timings["time/experience"] + timings["time/update"], 1e-9)
@@ -292,12 +293,14 @@ class PolicyTrainer:
         )
 
     def update(self, step: RolloutStep, metrics: MetricAccumulator, before_minibatch=None) -> List[float]:
-        """One optimizer step per mini-batch, then the LR schedule's step; returns the gradient norms.
+        """The LR schedule's step, then one optimizer step per mini-batch; returns the gradient norms.
 
-        See :func:`megatron_zcpo.megatron.update.run_update`.
+        Rollout k trains at the schedule's step k+1 (``last_lr``). See
+        :func:`megatron_zcpo.megatron.update.run_update`.
         """
-        grad_norms = update_pass.run_update(self, step, metrics, before_minibatch)
         self.scheduler.step(1)
+        self.last_lr = float(self.optimizer.param_groups[0]["lr"])
+        grad_norms = update_pass.run_update(self, step, metrics, before_minibatch)
         self.step += 1
         return grad_norms
 
