@@ -60,6 +60,12 @@ class PolicyWithReference(torch.nn.Module):
 
     ``forward`` returns ``cat([policy_out, reference_out], dim=-1)``: [s, b, 2h] between stages,
     [b, s, 2h] hidden states on the last stage. The reference runs without autograd.
+
+    To megatron's schedules and ``finalize_model_grads`` it is the policy's model chunk: the
+    gradient-buffer calls (``finish_grad_sync``, ``start_grad_sync``, ``scale_gradients``,
+    ``zero_grad_buffer``, ``no_sync``, ``ddp_config``) go to the policy's DDP, and ``module``
+    leads ``get_attr_wrapped_model`` to the policy's GPTModel (its tied embedding's gradient is
+    all-reduced between the first and last pipeline stages). The frozen reference has no gradients.
     """
 
     def __init__(self, policy, reference):
@@ -70,6 +76,30 @@ class PolicyWithReference(torch.nn.Module):
         self.config = unwrap(policy).config
         self.model_type = unwrap(policy).model_type
         self.hidden_size = self.config.hidden_size
+
+    @property
+    def module(self):
+        """The policy's DDP wrapper (what megatron unwraps to find the GPTModel's attributes)."""
+        return self.policy
+
+    @property
+    def ddp_config(self):
+        return self.policy.ddp_config
+
+    def no_sync(self):
+        return self.policy.no_sync()
+
+    def start_grad_sync(self, *unused) -> None:
+        self.policy.start_grad_sync(*unused)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        self.policy.finish_grad_sync(force_all_reduce=force_all_reduce)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self.policy.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        self.policy.zero_grad_buffer()
 
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, (list, tuple)):
