@@ -4,8 +4,11 @@ The *global* state dict uses megatron-core's local-spec parameter names with glo
 (``decoder.layers.{i}.self_attention.linear_qkv.weight``, ``embedding.word_embeddings.weight``,
 ...) and TP=1 shapes (padded vocabulary included). How a tensor is split across tensor-parallel
 ranks is read from the attributes megatron-core sets on every parameter (``tensor_model_parallel``,
-``partition_dim``, ``partition_stride``), so the same code serves every layer type; the stride
-covers SwiGLU's fused [gate; up] fc1, whose rank r holds [gate_r; up_r]. Vocabulary tensors hold the
+``partition_dim``); what each rank's shard stacks is megatron's fixed convention, decided here by
+name and config (:func:`tp_blocks`), never by ``partition_stride`` (Transformer Engine's layers may
+leave it at 1): SwiGLU's fused fc1 on rank r holds [gate_r; up_r] (megatron's MLP chunks its
+local output in two), and the fused QKV on rank r holds its whole query groups, each interleaved
+[q heads; k; v], which is one contiguous slice of the global per-group layout. Vocabulary tensors hold the
 true vocabulary in the global dict: they are zero-padded to Megatron's padded size (which depends on
 TP) on load and trimmed on gather, so one global dict fits every layout.
 """
@@ -65,21 +68,28 @@ def named_global_parameters(model) -> Iterator[Tuple[str, torch.nn.Parameter]]:
         yield name, param
 
 
-def _tp_split(global_tensor: torch.Tensor, param, tp_rank: int, tp_size: int) -> torch.Tensor:
+def tp_blocks(name: str, config) -> int:
+    """How many blocks the global tensor ``name`` stacks along its partition dimension, each split
+    over the TP ranks on its own: 2 for SwiGLU's fc1 [gate; up] when ``config.gated_linear_unit``
+    (rank r holds [gate_r; up_r]), else 1 (a rank holds one contiguous slice)."""
+    return 2 if config.gated_linear_unit and name.rsplit(".", 2)[-2] == "linear_fc1" else 1
+
+
+def _tp_split(global_tensor: torch.Tensor, param, blocks: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return global_tensor
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim = param.partition_dim
     size = global_tensor.shape[dim]
-    if size % (stride * tp_size):
-        raise ValueError(f"dimension {dim} of size {size} does not split into {stride}x{tp_size} parts")
-    blocks = global_tensor.chunk(stride, dim=dim)  # [gate; up] for SwiGLU, the whole tensor else
-    return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim)
+    if size % (blocks * tp_size):
+        raise ValueError(f"dimension {dim} of size {size} does not split into {blocks}x{tp_size} parts")
+    return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in global_tensor.chunk(blocks, dim=dim)],
+                     dim=dim)
 
 
-def _tp_merge(shards, param) -> torch.Tensor:
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([torch.cat([p[s] for p in pieces], dim=dim) for s in range(stride)], dim=dim)
+def _tp_merge(shards, param, blocks: int) -> torch.Tensor:
+    dim = param.partition_dim
+    pieces = [shard.chunk(blocks, dim=dim) for shard in shards]
+    return torch.cat([torch.cat([p[b] for p in pieces], dim=dim) for b in range(blocks)], dim=dim)
 
 
 def _true_vocab_size(model) -> Optional[int]:
@@ -104,6 +114,7 @@ def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: b
     from megatron.core import parallel_state as ps
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    config = unwrap(model).config
     for name, param in named_global_parameters(model):
         if name not in state_dict:
             if strict:
@@ -113,7 +124,7 @@ def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: b
         if name in VOCAB_TENSORS:
             sharded = getattr(param, "tensor_model_parallel", False)
             tensor = _pad_vocab(tensor, param.shape[0] * (tp_size if sharded else 1))
-        shard = _tp_split(tensor, param, tp_rank, tp_size)
+        shard = _tp_split(tensor, param, tp_blocks(name, config), tp_rank, tp_size)
         if tuple(shard.shape) != tuple(param.shape):
             raise ValueError(
                 f"{name}: shard shape {tuple(shard.shape)} (global {tuple(state_dict[name].shape)}) "
@@ -134,13 +145,13 @@ def iter_global_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
     from megatron.core import parallel_state as ps
 
     group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    vocab_size = _true_vocab_size(model)
+    vocab_size, config = _true_vocab_size(model), unwrap(model).config
     for name, param in named_global_parameters(model):
         tensor = param.detach()
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
             dist.all_gather(shards, tensor.contiguous(), group=group)
-            tensor = _tp_merge(shards, param)
+            tensor = _tp_merge(shards, param, tp_blocks(name, config))
         if name in VOCAB_TENSORS and vocab_size is not None:
             tensor = tensor[:vocab_size]
         yield name, tensor
