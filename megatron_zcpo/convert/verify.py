@@ -110,3 +110,77 @@ def max_logit_difference(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike,
     """Max abs difference between the checkpoint's Megatron logits and the Hugging Face model's for ``tokens``."""
     megatron = checkpoint_logits(ckpt_dir, tokens, tensor_parallel, pipeline_parallel)
     return (megatron - hf_logits(hf_dir, tokens)).abs().max().item()
+
+
+# ----------------------------------------------------------------------------- the trainer's start-up check
+
+STARTUP_CHECK_MAX_PARAMETERS = 8e9  # train.verify_against_hf=null: rank 0 holds an fp32 copy (32 GB)
+
+
+def has_hf_weights(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a Hugging Face model directory with safetensors weights."""
+    return Path(path).is_dir() and any(Path(path).glob("*.safetensors"))
+
+
+def startup_check_due(setting: Optional[bool], model_path: Optional[str], model: ModelConfig) -> bool:
+    """``train.verify_against_hf``: True/False as set; None (default) means on when ``model_path``
+    holds Hugging Face weights and the model has at most 8B parameters. Raises ValueError when
+    True but there are no Hugging Face weights to compare with."""
+    has_weights = model_path is not None and has_hf_weights(model_path)
+    if setting and not has_weights:
+        raise ValueError(f"train.verify_against_hf=true needs model.path to be a Hugging Face directory with "
+                         f"safetensors weights, got {model_path!r}")
+    if setting is None:
+        return has_weights and model.num_parameters <= STARTUP_CHECK_MAX_PARAMETERS
+    return bool(setting)
+
+
+def policy_logprob_gap(trainer, hf_dir: str | os.PathLike, seq_length: int = 16) -> float:
+    """Max |log-prob difference| between the trainer's policy and transformers on a few tokens.
+
+    ``trainer``: a :class:`~megatron_zcpo.megatron.trainer.PolicyTrainer`. Its own experience pass
+    scores :func:`sample_tokens` rows (one per data-parallel rank, at least 2; the first token is
+    the prompt), so the check runs at the run's TP/PP/CP/DP, sequence parallelism, layer spec,
+    packing and fused log-prob op; rank 0 scores the same tokens with the Hugging Face model in
+    fp32 at the trainer's temperature. Collective over all ranks; every rank returns the gap.
+    """
+    import torch.distributed as dist
+
+    from megatron_zcpo.megatron.batch import RolloutSample
+
+    model = trainer.model_config
+    rows = max(2, trainer.dp_size)
+    tokens = torch.cat([sample_tokens(hf_dir, model, seq_length),
+                        torch.randint(0, model.vocab_size, (rows - 2, seq_length), generator=torch.Generator().manual_seed(1))])
+    samples = [RolloutSample(row[:1].tolist(), row[1:].tolist(), group_id=i, reward=0.0) for i, row in enumerate(tokens)]
+    experience = trainer.experience(samples, trainer.assign_minibatches(samples))
+    mine = [(index, stats.token_index, stats.old_logprob) for index, stats in experience.items()]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    gap = [0.0]
+    if dist.get_rank() == 0:
+        reference = (hf_logits(hf_dir, tokens)[:, :-1] / trainer.temperature).log_softmax(-1)
+        reference = reference.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)  # [rows, T-1]
+        gap[0] = max(float((logprob - reference[index, token_index]).abs().max())
+                     for entries in everyone for index, token_index, logprob in entries)
+    dist.broadcast_object_list(gap, src=0)
+    return gap[0]
+
+
+def check_policy_against_hf(trainer, hf_dir: str | os.PathLike, tolerance: Optional[float] = None) -> float:
+    """Raise RuntimeError, naming the max difference and the layout, when :func:`policy_logprob_gap`
+    exceeds ``tolerance`` (None: 1e-3 in fp32, 0.5 in bf16); returns the gap. Collective."""
+    from megatron_zcpo.megatron.model import have_transformer_engine
+
+    if tolerance is None:
+        tolerance = 0.5 if trainer.train_config.bf16 else 1e-3
+    gap = policy_logprob_gap(trainer, hf_dir)
+    if gap > tolerance:
+        parallel = trainer.parallel
+        raise RuntimeError(
+            f"start-up check against transformers failed: max |log-prob difference| = {gap:.3e} > "
+            f"train.verify_tolerance = {tolerance:g} at TP={parallel.tensor} PP={parallel.pipeline} "
+            f"CP={parallel.context} SP={parallel.sequence_parallel} with the "
+            f"{'Transformer Engine' if have_transformer_engine() else 'local'} layer spec: the loaded weights do "
+            f"not compute the model in {hf_dir} (a scrambled fused QKV or SwiGLU layout?)")
+    return gap

@@ -90,6 +90,11 @@ class TrainConfig:
     reference_offload: bool = False
     recompute: Optional[str] = None  # None | "selective" | "full"
     selfcheck_tolerance: float = 1e-4  # step-0 policy == reference check; < 0 disables it
+    # Start-up check of the loaded policy against transformers (megatron_zcpo.convert.verify):
+    # None = on when model.path is a Hugging Face directory of at most 8B parameters; tolerance on
+    # the max |log-prob difference|, None = 1e-3 (fp32) or 0.5 (bf16).
+    verify_against_hf: Optional[bool] = None
+    verify_tolerance: Optional[float] = None
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     importance_sampling: ImportanceSamplingConfig = field(default_factory=ImportanceSamplingConfig)
 
@@ -101,6 +106,8 @@ class TrainConfig:
             raise ValueError(f"train.packing must be 'thd' or 'padded', got {self.packing!r}")
         if self.recompute not in (None, "selective", "full"):
             raise ValueError(f"train.recompute must be null, 'selective' or 'full', got {self.recompute!r}")
+        if self.verify_tolerance is not None and not self.verify_tolerance > 0:
+            raise ValueError(f"train.verify_tolerance must be > 0 (or null), got {self.verify_tolerance!r}")
 
 
 def check_context_parallel(parallel: ParallelConfig, train: TrainConfig, algorithm, diagnostics: bool) -> None:

@@ -63,7 +63,9 @@ class RLRecipe:
         self.overlap = overlapped_rollouts(config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state)
 
     def _build_trainer(self, tokenizer):
-        """``self.trainer`` on the configured model (random, HF or Megatron weights); returns its ModelConfig."""
+        """``self.trainer`` on the configured model (random, HF or Megatron weights), checked against
+        transformers when ``train.verify_against_hf`` says so; returns its ModelConfig."""
+        from megatron_zcpo.convert.verify import check_policy_against_hf, startup_check_due
         from megatron_zcpo.diagnostics import build_diagnostics
         from megatron_zcpo.megatron.trainer import PolicyTrainer
         from megatron_zcpo.recipe.inputs import resolve_model
@@ -80,6 +82,8 @@ class RLRecipe:
                                      initial_weights=initial, reference_weights=reference,
                                      temperature=config.rollout.temperature,
                                      diagnostics=build_diagnostics(config.diagnostics, config.algorithm))
+        if startup_check_due(config.train.verify_against_hf, config.model.path, model_config):
+            check_policy_against_hf(self.trainer, config.model.path, config.train.verify_tolerance)
         return model_config
 
     def _resume(self) -> Optional[Path]:

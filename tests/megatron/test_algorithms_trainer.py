@@ -47,5 +47,7 @@ def test_variant_matches_single_process(steps, weights, variant, tp, pp):
             torch.testing.assert_close(result["coefficients"], expected["coefficients"], rtol=1e-5, atol=1e-6)
         for name, value in expected["params"].items():
             torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=0, msg=name)
+        if expected["probe_norm"] is not None:  # the diagnostics' probe with the reference alongside
+            assert result["probe_norm"] == pytest.approx(expected["probe_norm"], rel=1e-5)
     if "kl_coef" in algorithm_cases.VARIANTS[variant]:
         assert abs(expected["metrics"]["update/kl_loss"]) > 1e-6
