@@ -1,10 +1,11 @@
 """Convert a Hugging Face Qwen2/Qwen2.5, Qwen3 (dense) or Llama checkpoint into a Megatron dist checkpoint (loads at any TP/PP).
 
-    python tools/convert_hf_to_megatron.py --hf-dir DIR --out DIR [--tp N] [--pp N] [--verify]
+    python tools/convert_hf_to_megatron.py --hf-dir DIR --out DIR [--tp N] [--pp N] [--sequence-parallel] [--verify]
 
 Streams the safetensors shards one tensor at a time; needs no GPU and no target parallelism.
 --tp/--pp name the layout the checkpoint is meant for (checked against the architecture);
---verify loads the result in Megatron at that layout, runs sample text through it and through
+--verify loads the result in Megatron at that layout (with the layer spec a run uses: Transformer
+Engine's where it is installed, and sequence parallelism with --sequence-parallel), runs sample text through it and through
 Hugging Face transformers, and prints the max abs logit difference last (exit 1 above --tolerance).
 """
 
@@ -18,6 +19,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="output Megatron checkpoint directory")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism to check and verify at")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism to check and verify at")
+    parser.add_argument("--sequence-parallel", action="store_true", help="verify with sequence parallelism (TP > 1)")
     parser.add_argument("--verify", action="store_true", help="compare logits with transformers after converting")
     parser.add_argument("--tolerance", type=float, default=1e-3, help="max abs logit difference --verify accepts")
     parser.add_argument("--seq-length", type=int, default=32, help="tokens per sample sequence for --verify")
@@ -41,9 +43,9 @@ def main(argv=None) -> int:
     from megatron_zcpo.convert.verify import max_logit_difference, sample_tokens
 
     tokens = sample_tokens(args.hf_dir, model, args.seq_length)
-    difference = max_logit_difference(args.out, args.hf_dir, tokens, args.tp, args.pp)
+    difference = max_logit_difference(args.out, args.hf_dir, tokens, args.tp, args.pp, args.sequence_parallel)
     verdict = "ok" if difference <= args.tolerance else f"FAILED: above tolerance {args.tolerance:g}"
-    print(f"verify at TP={args.tp} PP={args.pp} on {tuple(tokens.shape)} tokens: {verdict}")
+    print(f"verify at TP={args.tp} PP={args.pp} SP={args.sequence_parallel} on {tuple(tokens.shape)} tokens: {verdict}")
     print(f"max abs logit difference: {difference:.3e}", flush=True)
     return 0 if difference <= args.tolerance else 1
 

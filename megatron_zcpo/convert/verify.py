@@ -76,7 +76,8 @@ def megatron_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     return logits[..., : unwrap(model).zcpo_model_config.vocab_size].float().cpu()
 
 
-def _checkpoint_logits_on_rank(rank, world_size, ckpt_dir, tensor_parallel, pipeline_parallel, tokens):
+def _checkpoint_logits_on_rank(rank, world_size, ckpt_dir, tensor_parallel, pipeline_parallel, sequence_parallel,
+                               tokens):
     from megatron.core import parallel_state as ps
 
     from megatron_zcpo.megatron.checkpoint import load_model_checkpoint, read_model_config
@@ -86,29 +87,34 @@ def _checkpoint_logits_on_rank(rank, world_size, ckpt_dir, tensor_parallel, pipe
     setup_megatron(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
     model_config = read_model_config(ckpt_dir)
     model = build_gpt_model(model_config, transformer_config(
-        model_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel))
+        model_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+        sequence_parallel=sequence_parallel))
     load_model_checkpoint(model, ckpt_dir)
     logits = megatron_logits(model, tokens)
     return logits if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
 def checkpoint_logits(ckpt_dir: str | os.PathLike, tokens: torch.Tensor, tensor_parallel: int = 1,
-                      pipeline_parallel: int = 1) -> torch.Tensor:
-    """Logits ``[B, T, V]`` (fp32) of a converted checkpoint loaded in Megatron at the given TP/PP.
+                      pipeline_parallel: int = 1, sequence_parallel: bool = False) -> torch.Tensor:
+    """Logits ``[B, T, V]`` (fp32) of a converted checkpoint loaded in Megatron at the given TP/PP
+    (and sequence parallelism: T must then be a multiple of TP).
 
     Runs ``tensor_parallel * pipeline_parallel`` local processes (gloo on CPU, NCCL on GPUs).
     """
     from megatron_zcpo.utils.spawn import run_distributed
 
-    results = run_distributed(_checkpoint_logits_on_rank, tensor_parallel * pipeline_parallel,
-                              str(ckpt_dir), tensor_parallel, pipeline_parallel, tokens, timeout=3600)
+    if sequence_parallel and tokens.shape[1] % tensor_parallel:
+        raise ValueError(f"sequence parallelism needs a sequence length that is a multiple of TP={tensor_parallel}, "
+                         f"got {tokens.shape[1]}")
+    results = run_distributed(_checkpoint_logits_on_rank, tensor_parallel * pipeline_parallel, str(ckpt_dir),
+                              tensor_parallel, pipeline_parallel, sequence_parallel, tokens, timeout=3600)
     return next(logits for logits in results if logits is not None)
 
 
 def max_logit_difference(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike, tokens: torch.Tensor,
-                         tensor_parallel: int = 1, pipeline_parallel: int = 1) -> float:
+                         tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False) -> float:
     """Max abs difference between the checkpoint's Megatron logits and the Hugging Face model's for ``tokens``."""
-    megatron = checkpoint_logits(ckpt_dir, tokens, tensor_parallel, pipeline_parallel)
+    megatron = checkpoint_logits(ckpt_dir, tokens, tensor_parallel, pipeline_parallel, sequence_parallel)
     return (megatron - hf_logits(hf_dir, tokens)).abs().max().item()
 
 

@@ -67,3 +67,18 @@ def test_startup_check_default_is_on_for_hugging_face_directories(hf_dir, tmp_pa
     assert not startup_check_due(None, None, model)
     with pytest.raises(ValueError, match="train.verify_against_hf"):
         startup_check_due(True, str(tmp_path), model)
+
+
+def test_convert_tool_verifies_at_tp2_with_sequence_parallelism(hf_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(root / "tools" / "convert_hf_to_megatron.py"), "--hf-dir", str(hf_dir),
+                             "--out", str(tmp_path / "megatron"), "--tp", "2", "--sequence-parallel", "--verify",
+                             "--tolerance", "1e-4", "--seq-length", "16"],
+                            capture_output=True, text=True, cwd=root, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert "TP=2 PP=1 SP=True" in lines[-2] and float(lines[-1].split(":")[1]) < 1e-4, result.stdout
