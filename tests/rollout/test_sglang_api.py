@@ -1,10 +1,12 @@
 """SGLang's HTTP API table (rollout/sglang_api.py): the mock refuses what SGLang refuses, the client speaks both releases."""
 
+import json
 import os
 import socket
+import urllib.error
+import urllib.request
 
 import pytest
-import requests
 
 from megatron_zcpo.rollout.engine import RolloutError, SamplingParams
 from megatron_zcpo.rollout.mock_server import MockSGLangServer
@@ -15,6 +17,17 @@ from tests.rollout.test_sglang_client import ScriptedEngine, _config, _named_ten
 
 GROUP = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
          "group_name": "g", "backend": "gloo"}
+
+
+def _http(method, url, body):
+    """(status code, body bytes) of one request with an optional JSON body, errors included."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
 
 
 @pytest.mark.parametrize("method,path,body,status,named", [
@@ -35,10 +48,10 @@ GROUP = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "wor
 def test_mock_refuses_like_sglang(method, path, body, status, named):
     assert check_request(method, path, body)[0] == status
     with MockSGLangServer(ScriptedEngine()) as server:
-        answer = requests.request(method, server.url + path, json=body, timeout=10)
-        assert answer.status_code == status
+        status_code, payload = _http(method, server.url + path, body)
+        assert status_code == status
         if status == 400:
-            assert named in answer.json()["error"]["message"]
+            assert named in json.loads(payload)["error"]["message"]
         assert server.events == [(path, str(status))]
 
 
@@ -51,6 +64,8 @@ def test_releases_differ_where_sglang_moved_endpoints():
     for path in ("/get_model_info", "/get_server_info", "/health_generate"):
         assert check_request("GET", path, None, PINNED_RELEASE) is None
         assert check_request("GET", path, None, NEWEST_CHECKED_RELEASE) is None
+
+
 @pytest.mark.parametrize("release", [PINNED_RELEASE, NEWEST_CHECKED_RELEASE])
 def test_client_speaks_both_releases_without_a_refused_request(release, tmp_path):
     backend = ScriptedEngine()
