@@ -9,20 +9,32 @@ along under its own keys), so a trained policy converts back or seeds another ru
 Layout of one training checkpoint (``<root>/step_00000010``):
 - ``weights/``: dist_checkpointing of ``{"model", "optimizer"}`` and ``model_config.json``,
   reshardable to another TP/PP/DP (the distributed optimizer is saved fully reshardable);
-- ``trainer_state.pt``: step, LR scheduler, data position, anything the loop adds, the run
-  config and the model config (written by global rank 0);
-- ``rng/rank_XXXXX.pt``: every rank's generator states (restored when the world size matches).
-Every rank writes into ``step_00000010.tmp``; after a barrier rank 0 renames it and then points
-``<root>/latest`` at it (write + rename), so a crash leaves either the old or the new checkpoint,
-never half of one. ``keep_last`` checkpoints are kept.
+- ``trainer_state.pt``: step, LR scheduler, data position and anything the loop adds, as tensors
+  and plain values (written by global rank 0, last);
+- ``rng/rank_XXXXX.pt``: every rank's generator states as tensors and plain values (restored when
+  the world size matches).
+Both are read with ``torch.load(weights_only=True)``: a checkpoint cannot run code when loaded.
+
+Every rank writes into ``step_00000010.tmp``; once all ranks are done, rank 0 writes
+``trainer_state.pt``, renames the directory and then points ``<root>/latest`` at it (write + fsync +
+rename), so a crash (``kill -9`` of any rank at any point) leaves either the old or the new
+checkpoint, never half of one: only complete directories ever carry a ``step_XXXXXXXX`` name, and
+directories leave that name (renamed to ``*.discarded``) before they are deleted. Leftovers of an
+interrupted save are removed by the next one. ``keep_last`` checkpoints are kept. The directory is
+probed at start-up and before each save (:func:`check_checkpoint_dir`: writable, room for one more
+checkpoint the size of the last); a failed write on any rank raises :class:`CheckpointWriteError`
+on every rank, naming the path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -35,6 +47,11 @@ from megatron_zcpo.utils.runtime import unwrap
 
 STEP_PREFIX = "step_"
 LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+_COMPLETE_NAME = re.compile(STEP_PREFIX + r"\d{8}")
+_DISCARDED_SUFFIX = ".discarded"
+_PROBE_BYTES = 4096
+_PLAIN_TYPES = (str, int, float, bool, type(None), bytes, torch.Tensor)
 MODEL_CONFIG_FILE = "model_config.json"
 # Training choices that do not change what the weights mean; a loading run may differ in them.
 NON_ARCHITECTURE_FIELDS = ("init_method_std", "make_vocab_size_divisible_by")
@@ -124,7 +141,21 @@ def load_model_checkpoint(model_chunks, ckpt_dir: str | os.PathLike) -> None:
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
+    """``root/step_XXXXXXXX``: where the checkpoint of ``step`` lives once complete."""
     return Path(root) / f"{STEP_PREFIX}{step:08d}"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint directory cannot be written (read-only, full, ...); the message names the path."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds something other than tensors and plain values; it is not unpickled."""
+
+
+def _is_complete(path: Path) -> bool:
+    # Only a finished save is renamed to step_XXXXXXXX, and trainer_state.pt is its last file.
+    return bool(_COMPLETE_NAME.fullmatch(path.name)) and (path / TRAINER_STATE).is_file()
 
 
 def list_checkpoints(root: str | os.PathLike) -> List[Path]:
@@ -132,9 +163,7 @@ def list_checkpoints(root: str | os.PathLike) -> List[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-             and not p.name.endswith(".tmp") and (p / "trainer_state.pt").is_file()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted((p for p in root.iterdir() if p.is_dir() and _is_complete(p)), key=lambda p: p.name)
 
 
 def find_latest(root: str | os.PathLike) -> Optional[Path]:
@@ -143,21 +172,86 @@ def find_latest(root: str | os.PathLike) -> Optional[Path]:
     pointer = root / LATEST
     if pointer.is_file():
         candidate = root / pointer.read_text().strip()
-        if (candidate / "trainer_state.pt").is_file():
+        if _is_complete(candidate):
             return candidate
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
+def check_checkpoint_dir(root: str | os.PathLike, needed_bytes: int = 0) -> None:
+    """Probe that ``root`` can take a checkpoint: created, a file written and synced, ``needed_bytes`` free.
+
+    Raises :class:`CheckpointWriteError` naming the path and the reason (read-only, no space,
+    not a directory, ...). Cheap: one small file, removed again.
+    """
+    root = Path(root)
+    probe = root / ".zcpo_write_probe"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as handle:
+            handle.write(b"\0" * _PROBE_BYTES)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise CheckpointWriteError(f"checkpoint directory {root} is not writable: {error.strerror or error}") from error
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    free = shutil.disk_usage(root).free
+    if free < needed_bytes:
+        raise CheckpointWriteError(f"checkpoint directory {root} has {free / 2**20:.1f} MiB free, but "
+                                   f"a checkpoint needs about {needed_bytes / 2**20:.1f} MiB")
+
+
+def _directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def check_plain_state(value: Any, where: str = "trainer_state") -> None:
+    """Refuse anything but tensors and plain values (what ``torch.load(weights_only=True)`` reads back).
+
+    Raises ``TypeError`` naming the offending key path, e.g. ``trainer_state.loop.data``.
+    """
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}, not a str or int")
+            check_plain_state(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_plain_state(item, f"{where}[{index}]")
+    elif not isinstance(value, _PLAIN_TYPES):
+        raise TypeError(f"{where} is a {type(value).__name__}: checkpoints hold only tensors and plain values "
+                        "(dict, list, tuple, str, int, float, bool, None)")
+
+
+def read_plain_state(path: str | os.PathLike) -> Dict[str, Any]:
+    """Load a checkpoint file of tensors and plain values without running any pickled code.
+
+    Raises :class:`UnsafeCheckpointError` naming the file when it holds anything else (a
+    crafted file, or one written by a version that stored arbitrary objects).
+    """
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(
+            f"{path} holds objects other than tensors and plain values and was not loaded (loading it "
+            f"could run arbitrary code; only load checkpoints written by megatron_zcpo): {error}") from error
+
+
 def _rng_state() -> Dict[str, Any]:
     from megatron.core import tensor_parallel
 
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    version, mt_words, gauss = random.getstate()
+    state = {"python": {"version": version, "words": torch.tensor(mt_words, dtype=torch.int64), "gauss": gauss},
+             "torch": torch.get_rng_state(),
+             "tracker": dict(tensor_parallel.get_cuda_rng_tracker().get_states())}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     except ImportError:
         pass
     if has_cuda():
@@ -168,13 +262,16 @@ def _rng_state() -> Dict[str, Any]:
 def _set_rng_state(state: Dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["words"].tolist()), python["gauss"]))
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        numpy_state = state["numpy"]
+        np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                             numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
     if "cuda" in state and has_cuda():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -188,6 +285,64 @@ def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
             "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)}
 
 
+def _raise_if_any_rank_failed(error: Optional[BaseException], where: Path) -> None:
+    """Collective: every rank raises :class:`CheckpointWriteError` when any rank's ``error`` is set."""
+    import torch.distributed as dist
+
+    messages: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    failed = {rank: message for rank, message in enumerate(messages) if message is not None}
+    if failed:
+        details = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
+        raise CheckpointWriteError(f"saving checkpoint {where} failed ({details}); "
+                                   f"the previous checkpoint is kept") from error
+
+
+def _fsync_directory(path: Path) -> None:
+    # The renames below are durable only once their directory entry is synced.
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _discard(path: Path) -> None:
+    """Rename ``path`` out of the checkpoint namespace first, then delete it: a crash mid-delete
+    never leaves a half-deleted directory under a checkpoint's name."""
+    doomed = path.with_name(path.name + _DISCARDED_SUFFIX)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _start_save(root: Path, tmp: Path) -> None:
+    """Rank 0: clear leftovers of crashed saves, check the space, create the staging directory."""
+    for leftover in root.glob(f"{STEP_PREFIX}*"):
+        if not _COMPLETE_NAME.fullmatch(leftover.name):  # *.tmp or *.discarded of an interrupted save
+            shutil.rmtree(leftover, ignore_errors=True)
+    previous = find_latest(root)
+    check_checkpoint_dir(root, needed_bytes=_directory_bytes(previous) if previous is not None else 0)
+    (tmp / "weights").mkdir(parents=True)
+    (tmp / "rng").mkdir()
+
+
+def _publish(root: Path, tmp: Path, final: Path, keep_last: int) -> None:
+    """Rank 0: make the staged checkpoint visible under its name, then move ``latest`` to it."""
+    if final.exists():  # re-saving a step (a resumed run): the old copy leaves the namespace first
+        _discard(final)
+    os.replace(tmp, final)
+    _fsync_directory(root)
+    pointer = root / (LATEST + ".tmp")
+    with open(pointer, "w") as handle:
+        handle.write(final.name)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(pointer, root / LATEST)
+    _fsync_directory(root)
+    for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+        _discard(old)
+
+
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -199,37 +354,44 @@ def save_checkpoint(
 ) -> Path:
     """Save everything needed to resume at ``step``; collective over all ranks.
 
-    ``trainer_state`` holds the picklable loop state (stored as given, plus the step). The
-    model's :class:`ModelConfig` is written beside the weights. Returns the checkpoint directory.
+    ``trainer_state`` holds the loop state: tensors and plain values only (checked before
+    anything is written, ``TypeError`` naming the key), stored with the step and world size. The
+    model's :class:`ModelConfig` is written beside the weights. A write failure on any rank
+    (read-only or full directory) raises :class:`CheckpointWriteError` on every rank naming the
+    path, and leaves the previous checkpoint and ``latest`` as they were. Returns the checkpoint
+    directory.
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a shard's write failed on some rank
 
-    final = step_dir(root, step)
+    trainer_state = {**trainer_state, "step": step, "world_size": dist.get_world_size()}
+    check_plain_state(trainer_state)
+    root, final = Path(root), step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
+    error: Optional[BaseException] = None
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "weights").mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "weights"))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        try:
+            _start_save(root, tmp)
+        except OSError as failure:
+            error = failure
+    _raise_if_any_rank_failed(error, tmp)
+    try:
+        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "weights"))
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            write_model_config(tmp / "weights", unwrap(model).zcpo_model_config)
+    except (OSError, CheckpointException) as failure:
+        error = failure
+    _raise_if_any_rank_failed(error, tmp)
     if rank == 0:
-        write_model_config(tmp / "weights", unwrap(model).zcpo_model_config)
-    dist.barrier()
-    if rank == 0:
-        torch.save({**trainer_state, "step": step, "world_size": dist.get_world_size()}, tmp / "trainer_state.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = Path(root) / (LATEST + ".tmp")
-        pointer.write_text(final.name)
-        os.replace(pointer, Path(root) / LATEST)
-        for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            torch.save(trainer_state, tmp / TRAINER_STATE)
+            _publish(root, tmp, final, keep_last)
+        except OSError as failure:
+            error = failure
+    _raise_if_any_rank_failed(error, final)
     return final
 
 
@@ -237,22 +399,23 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> Dict[str, Any]
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer``.
 
     The stored model config is compared with the model's first (:class:`CheckpointMismatchError`
-    naming the differing fields). RNG states are restored when the world size matches. Returns
+    naming the differing fields). Files are read as tensors and plain values only
+    (:class:`UnsafeCheckpointError` for anything else: nothing pickled is executed). RNG states are restored when the world size matches. Returns
     the trainer state dict. Collective over all ranks.
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    state_file = path / "trainer_state.pt"
+    state_file = path / TRAINER_STATE
     if not state_file.is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer_state.pt)")
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
     check_same_architecture(read_model_config(path / "weights"), unwrap(model).zcpo_model_config, path)
-    trainer_state = torch.load(state_file, weights_only=False)
+    trainer_state = read_plain_state(state_file)
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path / "weights"))
     unwrap(model).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if trainer_state.get("world_size") == dist.get_world_size() and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(read_plain_state(rng_file))
     return trainer_state
