@@ -20,7 +20,7 @@ def _trainer():
 
 
 def _local_parameters(trainer):
-    from megatron_zcpo.megatron.pipeline import unwrap
+    from megatron_zcpo.utils.runtime import unwrap
 
     return list(unwrap(trainer.policy).parameters())
 

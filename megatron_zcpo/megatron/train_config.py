@@ -95,11 +95,12 @@ class TrainConfig:
     # the max |log-prob difference|, None = 1e-3 (fp32) or 0.5 (bf16).
     verify_against_hf: Optional[bool] = None
     verify_tolerance: Optional[float] = None
+    max_skipped_steps: int = 8  # this many consecutive optimizer steps skipped (non-finite) stop the run
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     importance_sampling: ImportanceSamplingConfig = field(default_factory=ImportanceSamplingConfig)
 
     def validate(self) -> None:
-        for key in ("steps", "mini_batches", "micro_batch_tokens", "kl_chunk_size"):
+        for key in ("steps", "mini_batches", "micro_batch_tokens", "kl_chunk_size", "max_skipped_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
         if self.packing not in ("thd", "padded"):

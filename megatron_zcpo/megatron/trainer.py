@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -41,6 +42,8 @@ from megatron_zcpo.megatron.pipeline import install_hidden_state_head
 from megatron_zcpo.megatron.platform import compute_device, has_cuda
 from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats, RolloutStep
 from megatron_zcpo.megatron.train_config import ParallelConfig, TrainConfig, check_context_parallel
+
+logger = logging.getLogger(__name__)
 
 Weights = Union[Dict[str, torch.Tensor], str, os.PathLike, None]
 
@@ -73,6 +76,8 @@ class PolicyTrainer:
         self.parallel = parallel
         self.temperature = float(temperature)
         self.step = 0
+        self.skipped_in_a_row = 0  # consecutive optimizer steps skipped for non-finite values
+        self.skipped: List[str] = []  # this rollout step's skipped optimizer steps, one message each
         self.last_coefficients: Optional[torch.Tensor] = None
         self.diagnostics = diagnostics
         self.reference_is_initial_policy = reference_weights is None
@@ -195,9 +200,15 @@ class PolicyTrainer:
             before_minibatch = self._diagnostics_hook(step, diagnostics)
 
         started = time.perf_counter()
+        self.skipped = []
         self.update(step, metrics, before_minibatch=before_minibatch)
         timings["time/update"] = time.perf_counter() - started
         out = metrics.reduce(contribute=self.reports_metrics)
+        out["update/skipped_steps"] = float(len(self.skipped))
+        import torch.distributed as dist
+
+        for message in self.skipped if dist.get_rank() == 0 else []:
+            logger.warning("%s", message)
         out.update(selfcheck)
         out.update(diagnostics)
         out.update(timings)

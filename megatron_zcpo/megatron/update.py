@@ -8,6 +8,7 @@ micro-batches and DP ranks, then gradient clipping and one optimizer step. The g
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
@@ -189,6 +190,8 @@ def run_update(trainer: "PolicyTrainer", step: RolloutStep, metrics: MetricAccum
             before_minibatch(index)
         reports = forward_backward(trainer, step, my_share, trainer.normalizer(step.samples, minibatch), loss_fn,
                                    use_reference=use_reference)
+        if skip_if_not_finite(trainer, reports, index):
+            continue
         _, grad_norm, _ = trainer.optimizer.step()
         grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         for report in reports:
@@ -202,6 +205,44 @@ def run_update(trainer: "PolicyTrainer", step: RolloutStep, metrics: MetricAccum
         metrics.add_max("update/grad_norm_max", norm)
     metrics.add("update/grad_norm", sum(grad_norms), len(grad_norms))
     return grad_norms
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """``train.max_skipped_steps`` consecutive optimizer steps had a non-finite loss or gradient."""
+
+
+def skip_if_not_finite(trainer: "PolicyTrainer", reports, minibatch: int) -> bool:
+    """Collective: whether this mini-batch's optimizer step is skipped on every rank.
+
+    megatron-core's optimizers check for inf/NaN only with an fp16 loss scaler; with fp32 or
+    bf16 parameters a NaN gradient would reach the weights (clipping scales by NaN). So every
+    rank checks its loss reports and its whole local gradient buffers (non-finite values
+    survive the data-parallel reduction), and one all-reduce makes the decision common. A skip
+    leaves weights and optimizer state untouched (the next backward zeroes the gradients), is
+    recorded in ``trainer.skipped`` naming the step, mini-batch, ranks and micro-batches, and
+    ``train.max_skipped_steps`` in a row raise :class:`NonFiniteUpdateError`.
+    """
+    import torch.distributed as dist
+
+    bad_micro_batch = next((i for i, report in enumerate(reports) if not math.isfinite(report["loss"][0])), -1)
+    finite_grads = all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in trainer.policy.buffers)
+    flag = torch.tensor([float(bad_micro_batch >= 0 or not finite_grads)], device=compute_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        trainer.skipped_in_a_row = 0
+        return False
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (bad_micro_batch, finite_grads))
+    where = "; ".join(f"rank {rank}: " + (f"non-finite loss in micro-batch {micro}" if micro >= 0 else
+                                          "non-finite gradient")
+                      for rank, (micro, finite) in enumerate(seen) if micro >= 0 or not finite)
+    trainer.skipped.append(f"step {trainer.step}, mini-batch {minibatch}: optimizer step skipped on every rank ({where})")
+    trainer.skipped_in_a_row += 1
+    if trainer.skipped_in_a_row >= trainer.train_config.max_skipped_steps:
+        raise NonFiniteUpdateError(f"{trainer.skipped_in_a_row} consecutive optimizer steps skipped for non-finite "
+                                   f"values (train.max_skipped_steps = {trainer.train_config.max_skipped_steps}); "
+                                   f"last: {trainer.skipped[-1]}")
+    return True
 
 
 def gradient_vector(trainer: "PolicyTrainer", step: RolloutStep, indices, normalizer: float, loss_fn: Callable,
