@@ -7,7 +7,10 @@ with a missing, unknown or mistyped field 400, as SGLang does (stricter on unkno
 serves /generate from a backend engine (e.g. :class:`EmbeddedEngine`), loads pushed weights into
 it (received by broadcast in a weight-update group, or read from safetensors on disk), and can
 misbehave on purpose: ``faults`` maps an endpoint path to actions used by its next requests, in
-order: "drop" (close the connection without answering), "503", or "hang" (never answer).
+order: "drop" (close the connection without answering), "503", "hang" (never answer), or a
+corruption of a /generate answer at output position 1 (position 0 of a one-token answer):
+"bad_token" (an id far outside any vocabulary), "nan_logprob", "positive_logprob" or
+"mismatched_ids" (``output_token_logprobs`` names another token).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from megatron_zcpo.rollout.engine import RolloutEngine, SamplingParams
 from megatron_zcpo.rollout.sglang_api import PINNED_RELEASE, RELEASES, check_request
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 
-FAULTS = ("drop", "503", "hang")
+CORRUPTIONS = ("bad_token", "nan_logprob", "positive_logprob", "mismatched_ids")
+FAULTS = ("drop", "503", "hang", *CORRUPTIONS)
 
 
 class MockSGLangServer:
@@ -145,6 +149,8 @@ class MockSGLangServer:
         if action == "drop":
             request.transport.close()
             raise ConnectionResetError("mock server dropped the connection")
+        if action in CORRUPTIONS:
+            request["corrupt"] = action
         return await self._handlers[path](request)
 
     async def _blocking(self, fn, *args):
@@ -202,6 +208,8 @@ class MockSGLangServer:
                     "weight_version": self.served_version,
                 },
             })
+        if request.get("corrupt"):
+            _corrupt(answers[0], request["corrupt"])
         return web.json_response(answers if batch else answers[0])
 
     async def _health(self, request):
@@ -294,6 +302,22 @@ class MockSGLangServer:
         self._run_backend(self.backend.update_weights, named_tensors, version)
         if weight_version is not None:
             self.served_version = str(weight_version)
+
+
+def _corrupt(answer: Dict[str, Any], action: str) -> None:
+    """Apply one of :data:`CORRUPTIONS` to a /generate answer, at output position 1 (or 0)."""
+    entries = answer["meta_info"]["output_token_logprobs"]
+    if not entries:
+        return
+    position = min(1, len(entries) - 1)
+    if action == "bad_token":
+        answer["output_ids"][position] = entries[position][1] = 10**9
+    elif action == "nan_logprob":
+        entries[position][0] = float("nan")
+    elif action == "positive_logprob":
+        entries[position][0] = 0.5
+    else:
+        entries[position][1] += 1
 
 
 def main(argv: Optional[List[str]] = None) -> None:

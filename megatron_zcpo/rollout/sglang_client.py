@@ -39,8 +39,9 @@ from megatron_zcpo.rollout.engine import (
     SamplingParams,
     validate_prompts,
 )
+from megatron_zcpo.rollout.output_checks import engine_output_problem, rejected_completion, rejected_messages
 from megatron_zcpo.rollout.sglang_api import MODEL_INFO_PATHS
-from megatron_zcpo.rollout.sglang_http import RETRYABLE, SGLangHTTP
+from megatron_zcpo.rollout.sglang_http import RETRYABLE, SGLangHTTP, SGLangHTTPError
 from megatron_zcpo.rollout.update_weight import weight_update_for
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,10 @@ class SGLangEngineConfig:
     ``sampling_seeds``: forward ``SamplingParams.seed`` as SGLang's per-request ``sampling_seed``
     (SGLang honours it only with ``--sampling-backend pytorch``; its default flashinfer sampler
     rejects it), else seeds are not sent and SGLang sampling is not reproducible.
+    Answers are checked (:mod:`megatron_zcpo.rollout.output_checks`, token ids against
+    ``vocab_size``, the trainer's vocabulary): a bad one is rejected (its group is dropped) and
+    counted in ``rejected_samples``; when more than ``max_rejected_fraction`` of one
+    :meth:`SGLangEngine.generate` call is rejected, it raises ``RolloutError`` with the messages.
     """
 
     server_urls: List[str]
@@ -90,6 +95,8 @@ class SGLangEngineConfig:
     quantization: Optional[str] = None
     sampling_seeds: bool = False
     flattened_buckets: bool = False
+    vocab_size: Optional[int] = None
+    max_rejected_fraction: float = 0.05
 
     def validate(self, prefix: str = "rollout.sglang") -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -106,6 +113,8 @@ class SGLangEngineConfig:
                 raise ValueError(f"{prefix}.{key} must be positive, got {getattr(self, key)}")
         if self.max_retries < 0:
             raise ValueError(f"{prefix}.max_retries must be >= 0, got {self.max_retries}")
+        if not 0.0 <= self.max_rejected_fraction <= 1.0:
+            raise ValueError(f"{prefix}.max_rejected_fraction must be in [0, 1], got {self.max_rejected_fraction}")
 
 
 def sglang_sampling_params(params: SamplingParams, seed: Optional[int] = None) -> Dict[str, Any]:
@@ -132,24 +141,32 @@ def parse_weight_version(value: Any) -> int:
         return -1
 
 
-def completion_from_sglang(prompt_ids: Sequence[int], response: Dict[str, Any]) -> Completion:
-    """A :class:`Completion` from one /generate answer; raises ``RolloutError`` on a malformed one."""
+def completion_from_sglang(prompt_ids: Sequence[int], response: Dict[str, Any], *, vocab_size: Optional[int] = None,
+                           server: str = "?") -> Completion:
+    """A :class:`Completion` from one /generate answer of ``server``.
+
+    Raises ``RolloutError`` on a malformed answer. An answer with wrong content (token ids
+    outside ``[0, vocab_size)``, NaN or positive log-probs, ids that disagree with
+    ``output_token_logprobs``) becomes a rejected completion (see
+    :func:`megatron_zcpo.rollout.output_checks.rejected_completion`) whose message names the
+    server, the request and the position.
+    """
     try:
         meta = response["meta_info"]
         output_ids = [int(t) for t in response["output_ids"]]
         entries = meta["output_token_logprobs"]
         finish = meta["finish_reason"]
-    except (KeyError, TypeError) as err:
-        raise RolloutError(f"malformed /generate response (missing {err}): {str(response)[:300]}") from None
-    logprobs = [float(entry[0]) for entry in entries]
-    if [int(entry[1]) for entry in entries] != output_ids:
-        raise RolloutError(
-            f"/generate response {meta.get('id')}: output_token_logprobs do not match output_ids "
-            f"({len(entries)} log-probs for {len(output_ids)} tokens)"
-        )
+        logprobs, logprob_ids = [float(entry[0]) for entry in entries], [int(entry[1]) for entry in entries]
+    except (KeyError, TypeError, IndexError, ValueError) as err:
+        raise RolloutError(f"malformed /generate response from {server} (bad or missing {err}): "
+                           f"{str(response)[:300]}") from None
+    info = {"rid": meta.get("id"), "cached_tokens": meta.get("cached_tokens"), "server": server}
+    problem = engine_output_problem(output_ids, logprobs, logprob_ids, vocab_size)
+    if problem is not None:
+        return rejected_completion(prompt_ids, f"server {server}, request {meta.get('id')}: {problem}", info)
     reason = finish.get("type") if isinstance(finish, dict) else finish
     if reason not in ("stop", "length", "abort"):
-        raise RolloutError(f"/generate response {meta.get('id')}: unknown finish_reason {finish!r}")
+        raise RolloutError(f"/generate response {meta.get('id')} from {server}: unknown finish_reason {finish!r}")
     version = meta.get("weight_version")
     return Completion(
         prompt_ids=list(prompt_ids),
@@ -157,7 +174,7 @@ def completion_from_sglang(prompt_ids: Sequence[int], response: Dict[str, Any]) 
         output_logprobs=logprobs,
         finish_reason=reason,
         weight_version=None if version is None else parse_weight_version(version),
-        info={"rid": meta.get("id"), "cached_tokens": meta.get("cached_tokens")},
+        info=info,
     )
 
 
@@ -174,6 +191,7 @@ class SGLangEngine(RolloutEngine):
         self._http = SGLangHTTP(config)
         self._weights = weight_update_for(self._http, config)
         self._closed = False
+        self.rejected_samples = 0  # answers rejected by the output checks, over the engine's life
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -188,7 +206,16 @@ class SGLangEngine(RolloutEngine):
         self._check_open()
         params.validate()
         validate_prompts(prompts, n)
-        return self._http.run(self._generate_all(prompts, params, n))
+        groups = self._http.run(self._generate_all(prompts, params, n))
+        rejected = rejected_messages(groups)
+        self.rejected_samples += len(rejected)
+        for message in rejected:
+            logger.warning("rejected a sample: %s", message)
+        if len(rejected) > self.config.max_rejected_fraction * len(prompts) * n:
+            raise RolloutError(f"{len(rejected)} of {len(prompts) * n} samples rejected, more than "
+                               f"rollout.sglang.client.max_rejected_fraction = {self.config.max_rejected_fraction}: "
+                               + "; ".join(rejected[:5]))
+        return groups
 
     async def _generate_all(self, prompts, params: SamplingParams, n: int) -> List[List[Completion]]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
@@ -239,7 +266,7 @@ class SGLangEngine(RolloutEngine):
                 raise
         if isinstance(response, list):  # a batch answer; we send one prompt per request
             response = response[0]
-        return completion_from_sglang(prompt, response)
+        return completion_from_sglang(prompt, response, vocab_size=self.config.vocab_size, server=url)
 
     # -- health, cache, versions ----------------------------------------------------------------
 

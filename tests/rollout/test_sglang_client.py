@@ -71,9 +71,10 @@ def test_request_and_response_follow_the_schema():
     completion = completion_from_sglang([1, 4], answer)
     assert (completion.output_ids, completion.output_logprobs, completion.finish_reason, completion.weight_version) == (
         [5, 2], [-0.5, -1.5], "stop", 3)
-    answer["meta_info"]["output_token_logprobs"][1][1] = 7
-    with pytest.raises(RolloutError, match="do not match output_ids"):
-        completion_from_sglang([1, 4], answer)
+    answer["meta_info"]["output_token_logprobs"][1][1] = 7  # rejected, not raised (tests/test_engine_output_checks.py)
+    rejected = completion_from_sglang([1, 4], answer, server="http://s1")
+    assert (rejected.finish_reason, rejected.output_ids, rejected.info["rejected"]) == (
+        "abort", [], "server http://s1, request r1: output_ids has token 2 at position 1 but output_token_logprobs has 7")
     with pytest.raises(RolloutError, match="missing 'meta_info'"):
         completion_from_sglang([1], {"output_ids": []})
 
