@@ -7,6 +7,8 @@ import os
 
 from megatron_zcpo.recipe.config import dump_run_config, load_run_config
 
+STARTUP_CHECKED = "ZCPO_STARTUP_CHECKED"  # set once the start-up checks passed in this process tree
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("train", help="train a policy with the configured RL algorithm",
@@ -32,6 +34,11 @@ def run(args: argparse.Namespace) -> int:
         print(dump_run_config(config), end="")
         return 0
     distributed_env_from_slurm()
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(STARTUP_CHECKED):
+        from megatron_zcpo.recipe.preflight import run_startup_checks
+
+        run_startup_checks(config)  # files, directories, reward function: before any process starts
+        os.environ[STARTUP_CHECKED] = "1"  # the processes torchrun starts below inherit it
     if "RANK" not in os.environ:
         nproc = world_size_needed(config, args.nproc)
         if nproc > 1:

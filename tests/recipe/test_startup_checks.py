@@ -1,0 +1,40 @@
+"""`zcpo train` reports broken files, directories and reward functions before launching anything."""
+
+import time
+
+import pytest
+
+from megatron_zcpo.cli.main import main
+from megatron_zcpo.recipe.preflight import check_reward_function
+from megatron_zcpo.data.records import PromptRecord
+from tests.cli.test_train import tiny_model, write_config  # noqa: F401 - the fixture is used by name
+
+
+def test_every_problem_is_named_before_any_process_starts(tmp_path, tiny_model, capsys, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("ZCPO_STARTUP_CHECKED", raising=False)
+    blocked = tmp_path / "not_a_dir"
+    blocked.write_text("")
+    path = write_config(tmp_path, tiny_model, data={"train_files": [str(tmp_path / "missing.jsonl")]},
+                        reward={"function": "megatron_zcpo.rewards.no_such_module:score"},
+                        checkpoint={"dir": str(blocked / "ckpt")})
+    started = time.monotonic()
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - started < 60  # nothing was launched
+    assert "start-up checks failed" in err
+    assert "data: DataError: " in err and "missing.jsonl" in err
+    assert f"checkpoint.dir: CheckpointWriteError: checkpoint directory {blocked}/ckpt is not writable" in err
+    # The reward function is checked on the first record, so with bad data it waits for good data:
+    path = write_config(tmp_path, tiny_model, reward={"function": "megatron_zcpo.rewards.no_such_module:score"})
+    assert main(["train", str(path)]) == 2
+    assert "reward.function: RewardFunctionLoadError: cannot import module 'megatron_zcpo.rewards.no_such_module'" \
+        in capsys.readouterr().err
+
+
+def test_reward_function_is_called_once_with_the_scorers_signature():
+    record = PromptRecord(uid="a:1", messages=[], answer="7", data_source="a")
+    with pytest.raises(TypeError, match=r"calling math:sqrt\(response, ground_truth, metadata\) failed"):
+        check_reward_function("math:sqrt", record)
+    with pytest.raises(TypeError, match="builtins:print returned None for the first training record"):
+        check_reward_function("builtins:print", record)
+    assert check_reward_function("megatron_zcpo.rewards.math:dapo_math_reward", record) in (-1.0, 1.0)
