@@ -7,6 +7,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from megatron_zcpo.megatron.platform import compute_device
+
 # The exit status of a run stopped by a signal after its checkpoint: EX_TEMPFAIL ("try again"),
 # what the examples' sbatch scripts requeue on (examples/common/zcpo_job.sh).
 PREEMPTED_EXIT_CODE = 75
@@ -53,8 +55,7 @@ class PreemptionGuard:
         """Collective: the name of the signal any rank received (the highest number), or None."""
         import torch.distributed as dist
 
-        flag = torch.tensor([float(self.received or 0)],
-                            device="cuda" if torch.cuda.is_available() else "cpu")
+        flag = torch.tensor([float(self.received or 0)], device=compute_device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         signum = int(flag.item())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests import trainer_cases
+from tests.cases import trainer_cases
 
 
 def _trainer():

@@ -19,9 +19,9 @@ from megatron_zcpo.megatron.checkpoint import (
     find_latest,
     read_plain_state,
 )
-from megatron_zcpo.megatron.initialize import free_port
 from megatron_zcpo.testing import run_distributed
-from tests import checkpoint_fault_cases
+from megatron_zcpo.utils.runtime import free_port
+from tests.cases import checkpoint_fault_cases
 
 KILL_ROUNDS = 3
 
