@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from megatron_zcpo.recipe.config import dump_run_config, load_run_config
 
@@ -43,5 +44,11 @@ def run(args: argparse.Namespace) -> int:
         nproc = world_size_needed(config, args.nproc)
         if nproc > 1:
             return relaunch_with_torchrun(["train", args.config, *args.overrides], nproc)
-    summary = run_training(config)
+    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+    try:
+        summary = run_training(config)
+    except Preempted as stopped:
+        print(f"zcpo train: {stopped}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0 if summary is not None else 1

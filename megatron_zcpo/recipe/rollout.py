@@ -6,6 +6,8 @@ Global rank 0 drives the rollout engine, the reward workers and the prompt strea
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -119,7 +121,8 @@ def make_engine(config: RunConfig, model_config, tokenizer):
     if not (rollout.sglang.server_urls or rollout.sglang.launch):
         raise ValueError("rollout.engine=sglang needs rollout.sglang.server_urls (attach to running servers) "
                          "or rollout.sglang.launch (start them)")
-    client = dict(rollout.sglang.client, quantization=rollout.quantization)
+    # Token ids are checked against the trainer's vocabulary (rollout/output_checks.py).
+    client = dict(rollout.sglang.client, quantization=rollout.quantization, vocab_size=model_config.vocab_size)
     if rollout.sglang.launch is not None:
         from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, launch_sglang
 
@@ -153,20 +156,31 @@ class Rollout:
         return self.scorer.score_completions(records, completions, self.tokenizer)
 
     def collect(self, step: int):
-        """One training batch of groups (dynamic sampling), as trainer samples and metrics."""
-        from megatron_zcpo.rollout.dynamic_sampling import sample_groups
+        """One training batch of groups (dynamic sampling), as trainer samples and metrics.
+
+        Round r of step ``step`` samples with seed ``round_seed(rollout.seed, step, r)``: a resumed
+        run draws the same samples as an uninterrupted one.
+        """
+        from megatron_zcpo.rollout.dynamic_sampling import round_seed, sample_groups
 
         rollout = self.config.rollout
+        rounds = itertools.count()
+        rejected_before = getattr(self.engine, "rejected_samples", 0)
+
+        def generate(records):
+            params = dataclasses.replace(self.params, seed=round_seed(rollout.seed, step, next(rounds)))
+            return self.engine.generate([r.prompt_ids for r in records], params, n=rollout.samples_per_prompt)
+
         result = sample_groups(
             next_prompts=self.dataset.next_batch,
-            generate=lambda records: self.engine.generate([r.prompt_ids for r in records], self.params,
-                                                          n=rollout.samples_per_prompt),
+            generate=generate,
             score=self.score,
             num_groups=rollout.prompts_per_step,
             config=rollout.dynamic_sampling,
         )
         samples = samples_from_groups(result, group_offset=step * 10 ** 6)
         metrics = dict(result.metrics)
+        metrics["rollout/rejected_samples"] = float(getattr(self.engine, "rejected_samples", 0) - rejected_before)
         metrics.update(result.rewards.metrics())
         if samples:
             metrics.update(rollout_metrics(samples))

@@ -116,16 +116,32 @@ class RLRecipe:
 
     # ----------------------------------------------------------------------------- train
     def train(self) -> Dict[str, Any]:
-        """Every remaining step, with the configured evaluations and checkpoints; returns the run's summary."""
+        """Every remaining step, with the configured evaluations and checkpoints; returns the run's summary.
+
+        SIGTERM or SIGUSR1 (a preemption, Slurm's time-limit warning) on any rank ends the run
+        after the step in progress, on every rank, with a checkpoint: :class:`Preempted` is raised
+        (``zcpo train`` exits with ``PREEMPTED_EXIT_CODE``; ``checkpoint.resume=auto`` continues).
+        """
+        from megatron_zcpo.megatron.preemption import Preempted, PreemptionGuard
+
         config, trainer = self.config, self.trainer
         first_eval = self.evaluate(self.start_step) if config.eval.at_start and self.start_step == 0 else {}
         last_eval: Dict[str, float] = {}
-        for step in range(self.start_step, config.train.steps):
-            self.train_step(step)
-            if config.eval.every and trainer.step % config.eval.every == 0 and trainer.step < config.train.steps:
-                last_eval = self.evaluate(trainer.step) or last_eval
-            if config.checkpoint.every and trainer.step % config.checkpoint.every == 0:
-                self.save(trainer.step)
+        with PreemptionGuard() as guard:
+            for step in range(self.start_step, config.train.steps):
+                self.train_step(step)
+                if config.eval.every and trainer.step % config.eval.every == 0 and trainer.step < config.train.steps:
+                    last_eval = self.evaluate(trainer.step) or last_eval
+                saved = bool(config.checkpoint.every) and trainer.step % config.checkpoint.every == 0
+                if saved:
+                    self.save(trainer.step)
+                stop = guard.should_stop() if trainer.step < config.train.steps else None
+                if stop:
+                    if not saved:
+                        self.save(trainer.step)
+                    if self.logger is not None:
+                        self.logger.print(f"{stop}: stopping after step {trainer.step} (checkpoint written)")
+                    raise Preempted(stop, trainer.step)
         if config.eval.at_end:
             last_eval = self.evaluate(trainer.step) or last_eval
         if not config.checkpoint.every or trainer.step % config.checkpoint.every:

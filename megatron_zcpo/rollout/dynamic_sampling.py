@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 from typing import Any, Callable, Dict, List, Sequence
@@ -71,6 +72,17 @@ class DynamicSamplingResult:
     completions: List[List[Any]]
     rewards: RewardBatch
     metrics: Dict[str, float]
+
+
+def round_seed(seed: int, step: int, round_index: int) -> int:
+    """The sampling seed of generation round ``round_index`` of training step ``step``, in [0, 2**31).
+
+    A function of (``rollout.seed``, step, round) only, so a run resumed from a checkpoint draws
+    exactly the samples the uninterrupted run drew; the engines derive each request's seed from
+    it and the request's (prompt, sample) position (see ``SGLangEngine.generate``).
+    """
+    digest = hashlib.blake2b(f"{seed}/{step}/{round_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
 
 
 def tied_groups(values: torch.Tensor) -> torch.Tensor:

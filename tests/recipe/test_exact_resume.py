@@ -1,0 +1,79 @@
+"""Resumed runs equal uninterrupted ones, rollouts included: after a plain restart (TP1) and after SIGUSR1 (TP2)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE
+from tests.cli.test_train import tiny_model, write_config  # noqa: F401 - the fixture is used by name
+
+NO_EVAL = {"at_start": False, "at_end": False}
+
+
+def _command(path, *overrides):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("RANK", "ZCPO_STARTUP_CHECKED"):
+        env.pop(name, None)
+    return [sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(path), *overrides], env
+
+
+def _config(directory, model, **changes):
+    directory.mkdir()
+    return write_config(directory, model, **changes)
+
+
+def _train(path, *overrides):
+    command, env = _command(path, *overrides)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _step_metrics(run_dir):
+    """{step: metrics} of the trained steps, without timings (which differ run to run)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "train/tokens_per_s"}
+            for r in records if "rollout/reward_mean" in r}
+
+
+def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):  # noqa: F811
+    straight = _config(tmp_path / "a", tiny_model, parallel={"tensor": 1}, eval=NO_EVAL)
+    _train(straight)
+    resumed = _config(tmp_path / "b", tiny_model, parallel={"tensor": 1}, eval=NO_EVAL)
+    _train(resumed, "train.steps=1")
+    assert "at step 1" in _train(resumed).stdout
+    expected, got = _step_metrics(tmp_path / "a" / "run"), _step_metrics(tmp_path / "b" / "run")
+    assert sorted(got) == [1, 2]
+    assert got[2] == expected[2]
+
+
+def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, tiny_model):  # noqa: F811
+    changes = dict(train={"steps": 3}, checkpoint={"every": 0}, eval=NO_EVAL)
+    _train(_config(tmp_path / "a", tiny_model, **changes))
+    expected = _step_metrics(tmp_path / "a" / "run")
+    path = _config(tmp_path / "b", tiny_model, **changes)
+    command, env = _command(path)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    metrics = tmp_path / "b" / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and '"rollout/reward_mean"' in metrics.read_text()):  # step 1 is trained
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.kill(process.pid, signal.SIGUSR1)  # what Slurm sends (--signal=B:USR1@300) ahead of the time limit
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
+    stopped = int((tmp_path / "b" / "run" / "checkpoints" / "latest").read_text().split("_")[1])
+    assert stopped in (1, 2) and f"stopped at step {stopped} after SIGUSR1" in stderr
+    rerun = _train(path)
+    assert f"at step {stopped}" in rerun.stdout
+    got = _step_metrics(tmp_path / "b" / "run")
+    assert sorted(got) == [1, 2, 3]
+    for step in range(stopped + 1, 4):
+        assert got[step] == expected[step], step
