@@ -9,7 +9,9 @@
 #   4. run `zcpo train` with srun on the training nodes, one task per GPU: every task reads
 #      SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR is the first training node and
 #      MASTER_PORT comes from the job id; global rank 0 drives the rollout servers;
-#   5. stop the servers when training ends (or fails).
+#   5. stop the servers when training ends (or fails); when it stopped at a checkpoint after
+#      USR1/TERM (exit 75: the time limit is near, or the job is preempted) requeue the job, which
+#      resumes from that checkpoint (checkpoint.resume=auto).
 #
 # The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
 # TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, TRAIN_TP, TRAIN_PP,
@@ -161,8 +163,38 @@ zcpo_job_main() {
     srun "${runtime[@]}" --nodes="${TRAIN_NODES}" --ntasks-per-node="${gpus_per_node}" --nodelist="${train_list}" \
         --gpus-per-node="${gpus_per_node}" --cpus-per-task=$(( cpus_per_node / gpus_per_node )) \
         --kill-on-bad-exit=1 \
-        zcpo train "${CONFIG}" "${overrides[@]}"
+        zcpo train "${CONFIG}" "${overrides[@]}" &
+    wait_for_training $!
+    local rc=${TRAINING_EXIT_CODE}
+    if (( rc == PREEMPTED_EXIT_CODE )); then
+        log "training stopped at a checkpoint (exit ${rc}): requeueing job ${SLURM_JOB_ID} to resume"
+        scontrol requeue "${SLURM_JOB_ID}"
+        return 0
+    fi
+    (( rc == 0 )) || die "training failed (exit ${rc})"
     log "training finished"
+}
+
+# `zcpo train` exits with this after SIGUSR1/SIGTERM once its checkpoint is written
+# (megatron_zcpo/megatron/preemption.py).
+PREEMPTED_EXIT_CODE=75
+
+# Wait for the training srun (pid $1); its exit code ends up in TRAINING_EXIT_CODE. Slurm's time-limit warning
+# (--signal=B:USR1@300) and a preemption's TERM reach this batch shell: they are passed to srun,
+# which forwards them to every training task; the tasks stop after their current step.
+wait_for_training() {
+    local pid=$1 rc=0
+    trap 'log "USR1: training stops after its current step"; kill -USR1 '"${pid}"' 2>/dev/null || true' USR1
+    trap 'log "TERM: training stops after its current step"; kill -TERM '"${pid}"' 2>/dev/null || true' TERM
+    while :; do
+        rc=0
+        wait "${pid}" || rc=$?
+        # A trapped signal interrupts `wait` (status > 128) while srun still runs: wait again.
+        if (( rc > 128 )) && kill -0 "${pid}" 2>/dev/null; then continue; fi
+        break
+    done
+    trap - USR1 TERM
+    TRAINING_EXIT_CODE=${rc}
 }
 
 # Poll every server and the router until all answer /health_generate (what the client checks too).
