@@ -129,7 +129,7 @@ def make_engine(config: RunConfig, model_config, tokenizer):
         return launch_sglang(SGLangLauncher(SGLangServerConfig(**rollout.sglang.launch)), **client)
     engine = SGLangEngine(SGLangEngineConfig(server_urls=list(rollout.sglang.server_urls),
                                              router_url=rollout.sglang.router_url, **client))
-    engine.wait_until_healthy(client.get("connect_timeout_s", 600.0))
+    engine.wait_until_healthy()  # rollout.sglang.client.startup_timeout_s
     return engine
 
 

@@ -245,6 +245,8 @@ class MockSGLangServer:
 
         body = await request.json()
         self.aborted_rids.add("*" if body.get("abort_all") else body.get("rid"))
+        if body.get("abort_all"):
+            self.running_rids.clear()  # SGLang ends every running request
         return web.Response(status=200)
 
     async def _update_from_disk(self, request):

@@ -69,6 +69,13 @@ class SGLangEngineConfig:
     ``sampling_seeds``: forward ``SamplingParams.seed`` as SGLang's per-request ``sampling_seed``
     (SGLang honours it only with ``--sampling-backend pytorch``; its default flashinfer sampler
     rejects it), else seeds are not sent and SGLang sampling is not reproducible.
+    Server loss: a server whose request fails its retries leaves the rotation (see
+    :class:`~megatron_zcpo.rollout.server_pool.ServerPool`) and its requests go to the others; with
+    a router, a failed request has the servers health-checked instead. Below ``min_healthy``
+    servers the call fails naming the lost ones. A lost server that answers its health check again
+    rejoins at the next weight push, which includes it. Bounded time: each request
+    ``request_timeout_s`` (x (1 + ``max_retries``)), each :meth:`SGLangEngine.generate` call
+    ``rollout_timeout_s``, the start-up health wait ``startup_timeout_s``.
     Answers are checked (:mod:`megatron_zcpo.rollout.output_checks`, token ids against
     ``vocab_size``, the trainer's vocabulary): a bad one is rejected (its group is dropped) and
     counted in ``rejected_samples``; when more than ``max_rejected_fraction`` of one
@@ -78,8 +85,11 @@ class SGLangEngineConfig:
     server_urls: List[str]
     router_url: Optional[str] = None
     max_concurrency: int = 256
-    request_timeout_s: float = 3600.0
+    request_timeout_s: float = 900.0
     connect_timeout_s: float = 30.0
+    rollout_timeout_s: float = 7200.0
+    startup_timeout_s: float = 1800.0
+    min_healthy: int = 1
     max_retries: int = 3
     backoff_s: float = 1.0
     backoff_max_s: float = 30.0
@@ -108,7 +118,8 @@ class SGLangEngineConfig:
             raise ValueError(f"{prefix}.weight_dir must be set (a directory the servers can read) for weight_sync='disk'")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"{prefix}.quantization must be null or 'fp8', got {self.quantization!r}")
-        for key in ("max_concurrency", "request_timeout_s", "bucket_bytes", "update_timeout_s"):
+        for key in ("max_concurrency", "request_timeout_s", "bucket_bytes", "update_timeout_s", "rollout_timeout_s",
+                    "startup_timeout_s", "min_healthy"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{prefix}.{key} must be positive, got {getattr(self, key)}")
         if self.max_retries < 0:
@@ -200,13 +211,15 @@ class SGLangEngine(RolloutEngine):
 
         With ``params.seed`` set and ``config.sampling_seeds`` on, sample j of prompt i gets
         ``sampling_seed = seed + i*n + j``.
-        A request that still fails after its retries aborts the whole call: the other requests
-        are cancelled and aborted on the servers, and ``RolloutError`` names the failure.
+        A request that still fails after its retries is sent to another server in rotation (the
+        failed one leaves it); when too few servers remain, or the call exceeds
+        ``rollout_timeout_s``, the other requests are cancelled and aborted on the servers, and
+        ``RolloutError`` names the failure.
         """
         self._check_open()
         params.validate()
         validate_prompts(prompts, n)
-        groups = self._http.run(self._generate_all(prompts, params, n))
+        groups = self._http.run(self._generate_with_deadline(prompts, params, n))
         rejected = rejected_messages(groups)
         self.rejected_samples += len(rejected)
         for message in rejected:
@@ -217,19 +230,23 @@ class SGLangEngine(RolloutEngine):
                                + "; ".join(rejected[:5]))
         return groups
 
+    async def _generate_with_deadline(self, prompts, params: SamplingParams, n: int) -> List[List[Completion]]:
+        try:
+            return await asyncio.wait_for(self._generate_all(prompts, params, n), self.config.rollout_timeout_s)
+        except asyncio.TimeoutError:
+            raise RolloutError(f"the rollout of {len(prompts) * n} samples did not finish within "
+                               f"rollout.sglang.client.rollout_timeout_s = {self.config.rollout_timeout_s} s") from None
+
     async def _generate_all(self, prompts, params: SamplingParams, n: int) -> List[List[Completion]]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
         given_up = asyncio.Event()  # set by the first request that fails: queued ones do not start
-        targets = [self.config.router_url] if self.config.router_url else self.config.server_urls
         tasks = []
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 index = i * n + j
                 seed = params.seed + index if params.seed is not None and self.config.sampling_seeds else None
                 sampling = sglang_sampling_params(params, seed)
-                tasks.append(asyncio.ensure_future(
-                    self._generate_one(targets[index % len(targets)], prompt, sampling, limit, given_up)
-                ))
+                tasks.append(asyncio.ensure_future(self._generate_one(index, prompt, sampling, limit, given_up)))
         try:
             completions = await asyncio.gather(*tasks)
         except BaseException:
@@ -240,7 +257,7 @@ class SGLangEngine(RolloutEngine):
             raise
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    async def _generate_one(self, url: str, prompt, sampling: Dict[str, Any], limit: asyncio.Semaphore,
+    async def _generate_one(self, index: int, prompt, sampling: Dict[str, Any], limit: asyncio.Semaphore,
                             given_up: asyncio.Event) -> Completion:
         async with limit:
             if given_up.is_set():
@@ -259,7 +276,7 @@ class SGLangEngine(RolloutEngine):
                 payload["rid"] = uuid.uuid4().hex
 
             try:
-                response = await self._http.request("POST", url + "/generate", payload, before_retry=fresh_request_id)
+                url, response = await self._request_on_a_server(index, payload, fresh_request_id)
             except BaseException:
                 given_up.set()
                 await asyncio.shield(self._http.abort_quietly(payload["rid"]))
@@ -268,15 +285,45 @@ class SGLangEngine(RolloutEngine):
             response = response[0]
         return completion_from_sglang(prompt, response, vocab_size=self.config.vocab_size, server=url)
 
+    async def _request_on_a_server(self, index: int, payload, before_retry) -> Tuple[str, Any]:
+        """(url, answer) of /generate request ``index``: moved to another server while servers are lost.
+
+        Without a router, the server that failed the request's retries leaves the rotation and the
+        next in-rotation server gets it. Through a router, a failed request has every server
+        health-checked (the unhealthy ones leave the rotation) and goes to the router again. Raises
+        :class:`ServersLostError` below ``min_healthy``; a 4xx answer is not retried.
+        """
+        pool, last_error = self._http.pool, None
+        for _ in range(len(pool.urls) + 1):
+            url = self.config.router_url or pool.pick(index)
+            try:
+                return url, await self._http.request("POST", url + "/generate", payload, before_retry=before_retry)
+            except SGLangHTTPError:
+                raise
+            except RolloutError as err:
+                await before_retry()
+                if self.config.router_url is None:
+                    pool.take_out(url, str(err))
+                    continue
+                healthy = await self._health(pool.in_rotation())
+                for server, ok in zip(pool.in_rotation(), healthy):
+                    if not ok:
+                        pool.take_out(server, f"unhealthy after {err}")
+                last_error = err
+        raise RolloutError(f"request {index} failed through the router on every attempt: {last_error}")
+
     # -- health, cache, versions ----------------------------------------------------------------
 
-    def wait_until_healthy(self, timeout_s: float = 900.0, poll_s: float = 2.0, is_alive: Optional[Callable[[], bool]] = None) -> None:
+    def wait_until_healthy(self, timeout_s: Optional[float] = None, poll_s: float = 2.0,
+                           is_alive: Optional[Callable[[], bool]] = None) -> None:
         """Block until every server (and the router) answers ``/health_generate`` with 200.
 
         ``is_alive`` (e.g. "the launched processes still run") is checked between polls; raises
-        ``RolloutError`` when it turns False or after ``timeout_s``, naming the servers not ready.
+        ``RolloutError`` when it turns False or after ``timeout_s`` (default: the config's
+        ``startup_timeout_s``), naming the servers not ready.
         """
         self._check_open()
+        timeout_s = self.config.startup_timeout_s if timeout_s is None else timeout_s
         urls = list(self.config.server_urls) + ([self.config.router_url] if self.config.router_url else [])
         deadline = time.monotonic() + timeout_s
         waiting = urls
@@ -301,20 +348,59 @@ class SGLangEngine(RolloutEngine):
         return await asyncio.gather(*(healthy(url) for url in urls))
 
     def flush_cache(self) -> None:
-        """Empty every server's prefix cache (SGLang refuses, with 400, while requests run)."""
+        """Empty the prefix cache of every server in rotation.
+
+        SGLang refuses (400) while requests run; between rollouts those can only be requests whose
+        abort was lost, so a refusal aborts everything on that server and asks again, up to
+        ``max_retries`` times with backoff. A server that does not answer leaves the rotation.
+        """
         self._check_open()
-        self._http.run(self._http.on_all_servers("POST", "/flush_cache"))
+        self._http.run(self._flush_all())
+
+    async def _flush_all(self) -> None:
+        async def flush(url):
+            for attempt in range(self.config.max_retries + 1):
+                try:
+                    return await self._http.request("POST", url + "/flush_cache")
+                except SGLangHTTPError as err:
+                    if err.status != 400 or attempt == self.config.max_retries:
+                        raise
+                    logger.warning("%s refused to flush its cache (%s): aborting its requests and retrying", url, err)
+                    await self._http.request("POST", url + "/abort_request", {"abort_all": True})
+                    await asyncio.sleep(min(self.config.backoff_max_s, self.config.backoff_s * 2**attempt))
+
+        pool = self._http.pool
+        urls = pool.in_rotation()
+        for url, answer in zip(urls, await asyncio.gather(*(flush(url) for url in urls), return_exceptions=True)):
+            if isinstance(answer, SGLangHTTPError) or not isinstance(answer, RolloutError):
+                if isinstance(answer, BaseException):
+                    raise answer
+                continue
+            pool.take_out(url, f"/flush_cache failed: {answer}")
 
     def served_weight_versions(self) -> Dict[str, int]:
-        """{server url: the weight version it serves}."""
+        """{server url: the weight version it serves}, for the servers in rotation."""
         self._check_open()
-        return dict(zip(self.config.server_urls, self._http.run(self._served_versions())))
+        return self._http.run(self._served_versions())
 
-    async def _served_versions(self) -> List[int]:
+    async def _served_versions(self) -> Dict[str, int]:
+        pool = self._http.pool
+
         # /get_model_info carries weight_version in 0.5.3.post3 and (deprecated) in 0.5.23, whose
         # /get_weight_version is gone; /model_info is its newer name.
-        answers = await self._http.get_from_all_servers(MODEL_INFO_PATHS)
-        return [parse_weight_version(answer["weight_version"]) for answer in answers]
+        async def version(url):
+            return parse_weight_version((await self._http.get_first_served(url, MODEL_INFO_PATHS))["weight_version"])
+
+        urls = pool.in_rotation()
+        versions = {}
+        for url, answer in zip(urls, await asyncio.gather(*(version(url) for url in urls), return_exceptions=True)):
+            if isinstance(answer, RolloutError) and not isinstance(answer, SGLangHTTPError):
+                pool.take_out(url, f"weight version check failed: {answer}")
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                versions[url] = answer
+        return versions
 
     def weight_version(self) -> int:
         """The version all servers serve; raises ``RolloutError`` naming them when they disagree."""
@@ -332,12 +418,15 @@ class SGLangEngine(RolloutEngine):
         process broadcasts the tensors (rank 0 of the weight-update group, joined on first use);
         the last bucket carries ``version``. "disk": the stream is written as safetensors under
         ``weight_dir`` and the servers reload it with ``/update_weights_from_disk``. Afterwards
-        every server's cache is flushed and its served version must equal ``version``. Under
+        every server's cache is flushed and its served version must equal ``version`` (else it
+        leaves the rotation); servers out of rotation that are healthy again are included first.
+        Under
         pipeline parallelism each stage pushes its share with :meth:`push_part` (an engine per
         stage, distinct ``group_name``) and one engine then calls :meth:`commit_weights` (see
         :func:`megatron_zcpo.recipe.weight_push.push_weights`).
         """
         self._check_open()
+        self._bring_back_returning_servers()
         self._weights.push(self._quantized(named_hf_tensors), version)
         self._flush_and_verify(version)
 
@@ -350,6 +439,7 @@ class SGLangEngine(RolloutEngine):
         and return its weight map {name: file} for :meth:`commit_weights`.
         """
         self._check_open()
+        self._bring_back_returning_servers()
         return self._weights.push_part(self._quantized(named_hf_tensors), version, file_prefix)
 
     def commit_weights(self, version: int, weight_maps: Sequence[Optional[Dict[str, str]]] = ()) -> None:
@@ -374,10 +464,19 @@ class SGLangEngine(RolloutEngine):
 
     def _flush_and_verify(self, version: int) -> None:
         self.flush_cache()
-        served = self.served_weight_versions()
-        stale = {url: v for url, v in served.items() if v != int(version)}
-        if stale:
-            raise RolloutError(f"after pushing weight version {version}, servers still serve {stale}")
+        for url, served in self.served_weight_versions().items():
+            if served != int(version):  # never serve stale weights
+                self._http.pool.take_out(url, f"serves weight version {served} after the push of version {version}")
+
+    def _bring_back_returning_servers(self) -> None:
+        """Servers out of rotation that answer their health check again rejoin it for this push
+        (which then re-syncs them to the current weights before they get any request)."""
+        pool = self._http.pool
+        lost = list(pool.lost)
+        if lost:
+            for url, healthy in zip(lost, self._http.run(self._health(lost))):
+                if healthy:
+                    pool.bring_back(url)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -11,11 +11,12 @@ import concurrent.futures
 import logging
 import random
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import aiohttp
 
 from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.rollout.server_pool import ServerPool
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +72,13 @@ class SGLangHTTP:
     """Requests to the servers of ``config`` (an SGLangEngineConfig) from synchronous code.
 
     ``run(coroutine)`` / ``submit(coroutine)`` execute on the loop thread; the coroutines below
-    (``request``, ``on_all_servers``, ...) are meant to run there.
+    (``request``, ``on_all_servers``, ...) are meant to run there. Fan-outs go to the servers in
+    rotation (``pool``, a :class:`ServerPool` with ``config.min_healthy``).
     """
 
     def __init__(self, config):
         self.config = config
+        self.pool = ServerPool(config.server_urls, config.min_healthy)
         self._loop = _LoopThread("sglang-client")
         self._session = None
 
@@ -145,28 +148,48 @@ class SGLangHTTP:
 
     async def on_all_servers(self, method: str, path: str, payload=None, *, payloads: Optional[Sequence] = None,
                               **kwargs) -> List[Any]:
-        """The same request (or server i gets ``payloads[i]``) on every server, concurrently."""
-        payloads = payloads if payloads is not None else [payload] * len(self.config.server_urls)
+        """The same request (or server i gets ``payloads[i]``) on every server in rotation, concurrently."""
+        urls = self.pool.in_rotation()
+        payloads = payloads if payloads is not None else [payload] * len(urls)
         return await asyncio.gather(*(
-            self.request(method, url + path, body, **kwargs) for url, body in zip(self.config.server_urls, payloads)
+            self.request(method, url + path, body, **kwargs) for url, body in zip(urls, payloads)
         ))
 
-    async def get_from_all_servers(self, paths: Sequence[str]) -> List[Any]:
-        """``GET`` on every server the first of ``paths`` it serves (a 404 moves to the next path).
+    async def get_first_served(self, url: str, paths: Sequence[str]) -> Any:
+        """``GET`` on ``url`` the first of ``paths`` it serves (a 404 moves to the next path).
 
         For endpoints SGLang renamed between releases (see :mod:`megatron_zcpo.rollout.sglang_api`):
         the pinned release's name first, then the newer one.
         """
-        async def first_served(url):
-            for path in paths[:-1]:
-                try:
-                    return await self.request("GET", url + path)
-                except SGLangHTTPError as err:
-                    if err.status != 404:
-                        raise
-            return await self.request("GET", url + paths[-1])
+        for path in paths[:-1]:
+            try:
+                return await self.request("GET", url + path)
+            except SGLangHTTPError as err:
+                if err.status != 404:
+                    raise
+        return await self.request("GET", url + paths[-1])
 
-        return await asyncio.gather(*(first_served(url) for url in self.config.server_urls))
+    async def get_from_all_servers(self, paths: Sequence[str]) -> List[Any]:
+        """:meth:`get_first_served` on every server in rotation."""
+        return await asyncio.gather(*(self.get_first_served(url, paths) for url in self.pool.in_rotation()))
+
+    async def on_servers_in_rotation(self, method: str, path: str, payload=None, **kwargs) -> Dict[str, Any]:
+        """{url: answer} of the same request on every server in rotation; a server that fails it
+        after its retries (not a 4xx answer) is taken out of rotation instead of failing the call
+        (:class:`ServersLostError` when too few remain)."""
+        urls = self.pool.in_rotation()
+        answers = await asyncio.gather(*(self.request(method, url + path, payload, **kwargs) for url in urls),
+                                       return_exceptions=True)
+        for url, answer in zip(urls, answers):
+            if isinstance(answer, SGLangHTTPError) or not isinstance(answer, Exception):
+                continue
+            if isinstance(answer, RolloutError):
+                self.pool.take_out(url, f"{method} {path} failed: {answer}")
+        for answer in answers:
+            if isinstance(answer, BaseException) and not (isinstance(answer, RolloutError)
+                                                          and not isinstance(answer, SGLangHTTPError)):
+                raise answer
+        return {url: answer for url, answer in zip(urls, answers) if not isinstance(answer, BaseException)}
 
     async def abort_quietly(self, rid: str) -> None:
         """Best effort: tell every server to drop request ``rid`` (it runs on one of them)."""
@@ -176,4 +199,4 @@ class SGLangHTTP:
             except Exception as err:  # noqa: BLE001 - the request is being given up anyway
                 logger.debug("abort of %s on %s failed: %r", rid, url, err)
 
-        await asyncio.gather(*(abort(url) for url in self.config.server_urls))
+        await asyncio.gather(*(abort(url) for url in self.pool.in_rotation()))

@@ -15,7 +15,7 @@ import concurrent.futures
 import datetime
 import threading
 import time
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,6 +36,7 @@ class DistributedWeightUpdate:
         self.config = config
         self._group = None
         self.pushed = {"bytes": 0, "tensors": 0, "buckets": 0}  # totals over this transport's pushes
+        self._members: List[str] = []  # the servers in the group, in rank order
 
     def push(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast ``stream`` (HF name, tensor) in buckets of ``bucket_bytes``; the servers serve ``version`` after."""
@@ -49,7 +50,13 @@ class DistributedWeightUpdate:
         """Nothing left to do: every share's last bucket carried ``version``."""
 
     def _broadcast(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
-        """Broadcast ``stream`` in buckets; the last bucket's request carries ``version``."""
+        """Broadcast ``stream`` in buckets; the last bucket's request carries ``version``.
+
+        The group holds the servers in rotation: when they changed (a server was lost, or came
+        back), the old group is left and a new one formed first.
+        """
+        if self._group is not None and self._members != self.http.pool.in_rotation():
+            self.close()
         if self._group is None:
             self._join_group()
         buckets = bucket_tensors(stream, self.config.bucket_bytes)
@@ -109,6 +116,7 @@ class DistributedWeightUpdate:
             address = master_address_for(self.config.server_urls, self.config.master_address)
         except ValueError as error:
             raise RolloutError(f"weight-update group: {error}") from None
+        members = self.http.pool.in_rotation()
         infos = self.http.run(self.http.get_from_all_servers(SERVER_INFO_PATHS))
         tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
         world_size = 1 + sum(tp_sizes)
@@ -143,16 +151,21 @@ class DistributedWeightUpdate:
         if "error" in joined:
             raise RolloutError(f"joining the weight-update group at {address}:{port} failed: {joined['error']!r}")
         answer.result()
-        self._group = joined["group"]
+        self._group, self._members = joined["group"], members
 
     def close(self) -> None:
-        """Leave the weight-update group on the servers and here (a no-op when never joined)."""
+        """Leave the weight-update group on the servers still in rotation and here (a no-op when never joined).
+
+        Best effort on the servers: a lost member cannot answer, and the group is left here anyway.
+        """
         if self._group is None:
             return
-        self.http.run(self.http.on_all_servers(
-            "POST", "/destroy_weights_update_group", {"group_name": self.config.group_name}, retry=False, timeout=30.0
-        ))
         import torch.distributed as dist
 
-        dist.destroy_process_group(self._group)
-        self._group = None
+        try:
+            self.http.run(self.http.on_servers_in_rotation(
+                "POST", "/destroy_weights_update_group", {"group_name": self.config.group_name}, retry=False,
+                timeout=30.0))
+        finally:
+            dist.destroy_process_group(self._group)
+            self._group, self._members = None, []
