@@ -11,11 +11,14 @@ order: "drop" (close the connection without answering), "503", "hang" (never ans
 corruption of a /generate answer at output position 1 (position 0 of a one-token answer):
 "bad_token" (an id far outside any vocabulary), "nan_logprob", "positive_logprob" or
 "mismatched_ids" (``output_token_logprobs`` names another token).
+``random_faults`` (a probability) adds a random "drop", "503" or "hang" to /generate requests
+(soak runs: benchmarks/soak.py), each appended to ``fault_log`` when given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from typing import Any, Dict, List, Optional
 
@@ -37,7 +40,8 @@ class MockSGLangServer:
     """
 
     def __init__(self, backend: RolloutEngine, *, host: str = "127.0.0.1", port: int = 0,
-                 faults: Optional[Dict[str, List[str]]] = None, release: str = PINNED_RELEASE):
+                 faults: Optional[Dict[str, List[str]]] = None, release: str = PINNED_RELEASE,
+                 random_faults: float = 0.0, seed: int = 0, fault_log: Optional[str] = None):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
         self.release = release
@@ -48,6 +52,7 @@ class MockSGLangServer:
         self.backend = backend
         self.host, self.port = host, port
         self.faults = {path: list(actions) for path, actions in (faults or {}).items()}
+        self.random_faults, self._random, self.fault_log = random_faults, random.Random(seed), fault_log
         self.events: List[tuple] = []
         self.served_version = "default"  # SGLang's initial --weight-version
         self.running_rids: set = set()
@@ -141,6 +146,11 @@ class MockSGLangServer:
             return web.json_response({"error": {"message": reason, "type": "Bad Request", "code": 400}}, status=400)
         queue = self.faults.get(path)
         action = queue.pop(0) if queue else None
+        if action is None and path == "/generate" and self._random.random() < self.random_faults:
+            action = self._random.choice(("drop", "503", "hang"))
+            if self.fault_log:
+                with open(self.fault_log, "a") as log:
+                    log.write(f"{self.port} {action}\n")
         self.events.append((path, action or "ok"))
         if action == "503":
             return web.Response(status=503, text="Service Unavailable")
@@ -338,11 +348,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random /generate fault")
+    parser.add_argument("--fault-log", default=None, help="append each random fault to this file")
     args, _ = parser.parse_known_args(argv)
     engine = EmbeddedEngine(model_config_from_hf(read_hf_config(args.model_path)), seed=args.random_seed)
     with SafetensorsCheckpoint(args.model_path) as checkpoint:
         engine.update_weights(((name, checkpoint.tensor(name)) for name in checkpoint.names()), version=0)
-    server = MockSGLangServer(engine, host=args.host, port=args.port)
+    server = MockSGLangServer(engine, host=args.host, port=args.port, random_faults=args.fault_rate,
+                              seed=args.random_seed, fault_log=args.fault_log)
     server.start()
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())

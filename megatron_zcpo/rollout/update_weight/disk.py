@@ -49,8 +49,9 @@ class DiskWeightUpdate:
         directory = self._directory(version)
         write_safetensors_index(directory, {k: v for part in weight_maps if part for k, v in part.items()})
         payload = {"model_path": directory, "weight_version": str(int(version))}
-        self.http.run(self.http.on_all_servers("POST", "/update_weights_from_disk", payload,
-                                               timeout=self.config.update_timeout_s))
+        # A server lost meanwhile leaves the rotation; the others load the new version.
+        self.http.run(self.http.on_servers_in_rotation("POST", "/update_weights_from_disk", payload,
+                                                       timeout=self.config.update_timeout_s))
         if self._last_weight_dir and self._last_weight_dir != directory:
             shutil.rmtree(self._last_weight_dir, ignore_errors=True)
         self._last_weight_dir = directory
