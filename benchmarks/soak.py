@@ -106,6 +106,29 @@ def count_lines(path: Path) -> dict:
     return counts
 
 
+def summarize(out: Path, steps_wanted: int, exit_code: int, restarts: int, injected: dict, wall_s: float) -> dict:
+    """The soak's outcome from the run's metrics and the fault logs."""
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "rollout/reward_mean" in r]
+    steps = [int(r["step"]) for r in trained]
+    return {
+        "exit_code": exit_code,
+        "wall_s": round(wall_s, 1),
+        "steps_trained": len(set(steps)),
+        "steps_lost": len(steps) - len(set(steps)) + len(set(range(1, steps_wanted + 1)) - set(steps)),
+        "restarts_after_sigusr1": restarts,
+        "faults_injected": {**injected, **{f"request_{k}": v for k, v in count_lines(out / "server_faults.log").items()},
+                            **{f"reward_{k}": v for k, v in count_lines(out / "reward_faults.log").items()}},
+        "servers_back_in_rotation": sum("back in rotation" in line for line in
+                                        (out / "train.log").read_text().splitlines()),
+        "steps_with_failed_rewards_trained": sum(r.get("reward/failed", 0) > 0 for r in trained),
+        "stale_samples_trained": sum(r.get("rollout/stale_samples", 0) for r in trained),
+        "rejected_samples": sum(r.get("rollout/rejected_samples", 0) for r in trained),
+        "groups_dropped_invalid": sum(r.get("dynamic_sampling/groups_dropped_invalid", 0) for r in trained),
+        "reward_mean_first_last": [trained[0]["rollout/reward_mean"], trained[-1]["rollout/reward_mean"]] if trained else [],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
@@ -166,25 +189,7 @@ def main() -> int:
             down[0].start()
         for server in servers:
             server.stop()
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    trained = [r for r in records if "rollout/reward_mean" in r]
-    steps = [int(r["step"]) for r in trained]
-    report = {
-        "exit_code": train.returncode,
-        "wall_s": round(time.monotonic() - started, 1),
-        "steps_trained": len(set(steps)),
-        "steps_lost": len(steps) - len(set(steps)) + len(set(range(1, args.steps + 1)) - set(steps)),
-        "restarts_after_sigusr1": restarts,
-        "faults_injected": {**injected, **{f"request_{k}": v for k, v in count_lines(out / "server_faults.log").items()},
-                            **{f"reward_{k}": v for k, v in count_lines(out / "reward_faults.log").items()}},
-        "servers_lost_and_rejoined": sum("back in rotation" in line for line in
-                                         (out / "train.log").read_text().splitlines()),
-        "steps_with_failed_rewards_trained": sum(r.get("reward/failed", 0) > 0 for r in trained),
-        "stale_samples_trained": sum(r.get("rollout/stale_samples", 0) for r in trained),
-        "rejected_samples": sum(r.get("rollout/rejected_samples", 0) for r in trained),
-        "groups_dropped_invalid": sum(r.get("dynamic_sampling/groups_dropped_invalid", 0) for r in trained),
-        "reward_mean_first_last": [trained[0]["rollout/reward_mean"], trained[-1]["rollout/reward_mean"]] if trained else [],
-    }
+    report = summarize(out, args.steps, train.returncode, restarts, injected, time.monotonic() - started)
     (out / "soak_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     ok = report["exit_code"] == 0 and report["steps_lost"] == 0 and not report["stale_samples_trained"] \
