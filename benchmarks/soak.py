@@ -18,6 +18,7 @@ groups) and the current weights (rollout/stale_samples == 0).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -106,13 +107,15 @@ def count_lines(path: Path) -> dict:
     return counts
 
 
-def summarize(out: Path, steps_wanted: int, exit_code: int, restarts: int, injected: dict, wall_s: float) -> dict:
-    """The soak's outcome from the run's metrics and the fault logs."""
+def summarize(out: Path, steps_wanted, exit_code: int, restarts: int, injected: dict, wall_s: float) -> dict:
+    """The soak's outcome from the run's metrics and the fault logs (``steps_wanted`` None: up to the last trained)."""
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "rollout/reward_mean" in r]
     steps = [int(r["step"]) for r in trained]
+    steps_wanted = steps_wanted or max(steps, default=0)
     return {
         "exit_code": exit_code,
+        "stopped_at_deadline": exit_code != 0,
         "wall_s": round(wall_s, 1),
         "steps_trained": len(set(steps)),
         "steps_lost": len(steps) - len(set(steps)) + len(set(range(1, steps_wanted + 1)) - set(steps)),
@@ -137,16 +140,21 @@ def main() -> int:
     parser.add_argument("--fault-rate", type=float, default=0.02, help="share of /generate requests failed")
     parser.add_argument("--server-kill-every", type=float, default=90.0, help="mean seconds between server kills")
     parser.add_argument("--preempt-every", type=float, default=240.0, help="mean seconds between SIGUSR1s")
+    parser.add_argument("--sft-steps", type=int, default=0,
+                        help="cap on the demo model's warm-up steps (default: the demo's own; a loaded machine may need fewer)")
+    parser.add_argument("--max-minutes", type=float, default=0.0,
+                        help="stop (by SIGUSR1, not restarted) after this long and report the steps trained so far")
     args = parser.parse_args()
 
     from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE
-    from megatron_zcpo.recipe.demo_assets import build_demo_assets
+    from megatron_zcpo.recipe.demo_assets import DemoSpec, build_demo_assets
     from megatron_zcpo.utils.runtime import free_port
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    assets = build_demo_assets()
+    spec = DemoSpec()
+    assets = build_demo_assets(dataclasses.replace(spec, sft_max_steps=args.sft_steps) if args.sft_steps else spec)
     servers = [MockServer(assets, free_port(), out, args.fault_rate, args.seed + i) for i in range(2)]
     for server in servers:
         server.start()
@@ -156,6 +164,7 @@ def main() -> int:
     env.pop("RANK", None)
     injected = {"server_kill": 0, "sigusr1": 0}
     restarts, started = 0, time.monotonic()
+    stop_at = started + 60 * args.max_minutes if args.max_minutes else float("inf")
     down = None  # (server, restart time) while one is dead
     try:
         while True:
@@ -175,12 +184,12 @@ def main() -> int:
                     injected["server_kill"] += 1
                     down = (victim, now + rng.uniform(5.0, 30.0))
                     next_kill = now + rng.expovariate(1 / args.server_kill_every)
-                if now >= next_preempt:
+                if now >= min(next_preempt, stop_at):
                     os.kill(train.pid, signal.SIGUSR1)
                     injected["sigusr1"] += 1
-                    next_preempt = float("inf")  # one per training process
+                    next_preempt = stop_at = float("inf")  # one per training process
                 time.sleep(0.2)
-            if train.returncode == PREEMPTED_EXIT_CODE:
+            if train.returncode == PREEMPTED_EXIT_CODE and time.monotonic() < started + 60 * (args.max_minutes or 1e9):
                 restarts += 1
                 continue
             break
@@ -189,10 +198,12 @@ def main() -> int:
             down[0].start()
         for server in servers:
             server.stop()
-    report = summarize(out, args.steps, train.returncode, restarts, injected, time.monotonic() - started)
+    stopped_at_deadline = train.returncode == PREEMPTED_EXIT_CODE  # --max-minutes ran out
+    report = summarize(out, None if stopped_at_deadline else args.steps, train.returncode, restarts, injected,
+                       time.monotonic() - started)
     (out / "soak_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    ok = report["exit_code"] == 0 and report["steps_lost"] == 0 and not report["stale_samples_trained"] \
+    ok = report["exit_code"] in (0, PREEMPTED_EXIT_CODE) and report["steps_lost"] == 0 and not report["stale_samples_trained"] \
         and not report["steps_with_failed_rewards_trained"]
     return 0 if ok else 1
 

@@ -41,6 +41,7 @@ from megatron_zcpo.rollout.engine import (
 )
 from megatron_zcpo.rollout.output_checks import engine_output_problem, rejected_completion, rejected_messages
 from megatron_zcpo.rollout.sglang_api import MODEL_INFO_PATHS
+from megatron_zcpo.rollout.server_pool import ServersLostError
 from megatron_zcpo.rollout.sglang_http import RETRYABLE, SGLangHTTP, SGLangHTTPError
 from megatron_zcpo.rollout.update_weight import weight_update_for
 
@@ -72,8 +73,9 @@ class SGLangEngineConfig:
     Server loss: a server whose request fails its retries leaves the rotation (see
     :class:`~megatron_zcpo.rollout.server_pool.ServerPool`) and its requests go to the others; with
     a router, a failed request has the servers health-checked instead. Below ``min_healthy``
-    servers the call fails naming the lost ones. A lost server that answers its health check again
-    rejoins at the next weight push, which includes it. Bounded time: each request
+    servers the call fails naming the lost ones, unless lost servers answer their health check
+    again and the transport can re-sync them at once (disk). Otherwise a lost server that is
+    healthy again rejoins at the next weight push, which includes it. Bounded time: each request
     ``request_timeout_s`` (x (1 + ``max_retries``)), each :meth:`SGLangEngine.generate` call
     ``rollout_timeout_s``, the start-up health wait ``startup_timeout_s``.
     Answers are checked (:mod:`megatron_zcpo.rollout.output_checks`, token ids against
@@ -303,7 +305,11 @@ class SGLangEngine(RolloutEngine):
             except RolloutError as err:
                 await before_retry()
                 if self.config.router_url is None:
-                    pool.take_out(url, str(err))
+                    try:
+                        pool.take_out(url, str(err))
+                    except ServersLostError:
+                        if not await self._resync_returning_servers():
+                            raise
                     continue
                 healthy = await self._health(pool.in_rotation())
                 for server, ok in zip(pool.in_rotation(), healthy):
@@ -311,6 +317,19 @@ class SGLangEngine(RolloutEngine):
                         pool.take_out(server, f"unhealthy after {err}")
                 last_error = err
         raise RolloutError(f"request {index} failed through the router on every attempt: {last_error}")
+
+    async def _resync_returning_servers(self) -> bool:
+        """Below ``min_healthy`` mid-rollout: lost servers that are healthy again are re-synced to the
+        current weights, if the transport can (disk), and rejoin. Returns whether enough servers are back."""
+        pool = self._http.pool
+        lost = list(pool.lost)
+        for url, healthy in zip(lost, await self._health(lost)):
+            try:
+                if healthy and await self._weights.resync(url):
+                    pool.bring_back(url)
+            except RolloutError as err:
+                logger.warning("re-syncing %s failed: %s", url, err)
+        return len(pool.in_rotation()) >= pool.min_healthy
 
     # -- health, cache, versions ----------------------------------------------------------------
 

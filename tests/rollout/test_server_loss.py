@@ -137,3 +137,26 @@ def test_default_request_timeout_is_minutes():
 
     config = SGLangEngineConfig(server_urls=["http://x"])
     assert 60 <= config.request_timeout_s <= 1800 and config.startup_timeout_s > config.connect_timeout_s
+
+
+def test_last_server_lost_mid_rollout_a_returned_one_is_resynced_from_disk_at_once(tmp_path):
+    """a dies and comes back; then b dies mid-rollout: rather than stopping, the client re-loads the
+    current weights into a (disk transport) and finishes the rollout there, at the current version."""
+    a, b = MockSGLangServer(SlowEngine()), MockSGLangServer(SlowEngine())
+    a.start(), b.start()
+    config = _config(a.url, server_urls=[a.url, b.url], weight_sync="disk", weight_dir=str(tmp_path), max_retries=1,
+                     request_timeout_s=5.0, max_concurrency=4)
+    with SGLangEngine(config) as engine:
+        engine.update_weights(_named_tensors(0), version=1)
+        killer = _kill_after(a, 2)
+        engine.generate(PROMPTS[:6], SamplingParams(max_new_tokens=2), n=2)
+        killer.join()
+        restarted = MockSGLangServer(SlowEngine(), port=a.port)
+        restarted.start()
+        killer = _kill_after(b, _generated_on(b) + 2)
+        groups = engine.generate(PROMPTS, SamplingParams(max_new_tokens=3), n=2)
+        killer.join()
+        assert [[c.output_ids for c in group] for group in groups] == [[_expected_output(p, 3)] * 2 for p in PROMPTS]
+        assert list(engine._http.pool.lost) == [b.url] and restarted.backend.version == 1
+        assert {c.weight_version for group in groups for c in group} == {1}
+    restarted.stop()

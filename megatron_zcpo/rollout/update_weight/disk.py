@@ -23,6 +23,7 @@ class DiskWeightUpdate:
         self.config = config
         self._last_weight_dir: Optional[str] = None
         self.pushed = {"bytes": 0, "tensors": 0, "buckets": 0}  # totals over this transport's pushes
+        self._last_version: Optional[int] = None
 
     def push(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Write ``stream`` (HF name, tensor) as safetensors shards and have every server load them as ``version``."""
@@ -54,7 +55,18 @@ class DiskWeightUpdate:
                                                        timeout=self.config.update_timeout_s))
         if self._last_weight_dir and self._last_weight_dir != directory:
             shutil.rmtree(self._last_weight_dir, ignore_errors=True)
-        self._last_weight_dir = directory
+        self._last_weight_dir, self._last_version = directory, int(version)
+
+    async def resync(self, url: str) -> bool:
+        """Have the server at ``url`` load the current version again (a returning server, mid-rollout).
+
+        Runs on the HTTP loop. Returns whether it now serves that version (False before any push).
+        """
+        if self._last_weight_dir is None:
+            return False
+        payload = {"model_path": self._last_weight_dir, "weight_version": str(self._last_version)}
+        await self.http.request("POST", url + "/update_weights_from_disk", payload, timeout=self.config.update_timeout_s)
+        return True
 
     def _directory(self, version: int) -> str:
         # not named after group_name: every stage's engine (its own group) writes into it

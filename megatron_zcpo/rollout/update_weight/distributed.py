@@ -95,6 +95,11 @@ class DistributedWeightUpdate:
         except ValueError:  # e.g. 1-byte FP8 weights before a 4-byte scale: send tensor by tensor
             return None
 
+    async def resync(self, url: str) -> bool:
+        """A returning server cannot be re-synced between pushes (the weights stream from the
+        trainer's ranks): it rejoins at the next push. Always False."""
+        return False
+
     def _wait_alongside(self, works, answer: concurrent.futures.Future, what: str) -> None:
         """Wait for collective ``works`` while the servers' HTTP ``answer`` is pending.
 
