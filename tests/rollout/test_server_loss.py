@@ -40,13 +40,20 @@ def _kill_after(server, requests):
     return thread
 
 
-def test_server_killed_mid_rollout_then_restarted_rejoins_at_the_current_version(tmp_path):
+def _two_servers_on_disk_weights(tmp_path):
+    """Two started mock servers and an engine over them that pushed weight version 1 from disk."""
     a, b = MockSGLangServer(SlowEngine()), MockSGLangServer(SlowEngine())
     a.start(), b.start()
     config = _config(a.url, server_urls=[a.url, b.url], weight_sync="disk", weight_dir=str(tmp_path), max_retries=1,
                      request_timeout_s=5.0, max_concurrency=4)
-    with SGLangEngine(config) as engine:
-        engine.update_weights(_named_tensors(0), version=1)
+    engine = SGLangEngine(config)
+    engine.update_weights(_named_tensors(0), version=1)
+    return a, b, engine
+
+
+def test_server_killed_mid_rollout_then_restarted_rejoins_at_the_current_version(tmp_path):
+    a, b, engine = _two_servers_on_disk_weights(tmp_path)
+    with engine:
         killer = _kill_after(a, 3)
         groups = engine.generate(PROMPTS, SamplingParams(max_new_tokens=3), n=2)
         killer.join()
@@ -142,12 +149,8 @@ def test_default_request_timeout_is_minutes():
 def test_last_server_lost_mid_rollout_a_returned_one_is_resynced_from_disk_at_once(tmp_path):
     """a dies and comes back; then b dies mid-rollout: rather than stopping, the client re-loads the
     current weights into a (disk transport) and finishes the rollout there, at the current version."""
-    a, b = MockSGLangServer(SlowEngine()), MockSGLangServer(SlowEngine())
-    a.start(), b.start()
-    config = _config(a.url, server_urls=[a.url, b.url], weight_sync="disk", weight_dir=str(tmp_path), max_retries=1,
-                     request_timeout_s=5.0, max_concurrency=4)
-    with SGLangEngine(config) as engine:
-        engine.update_weights(_named_tensors(0), version=1)
+    a, b, engine = _two_servers_on_disk_weights(tmp_path)
+    with engine:
         killer = _kill_after(a, 2)
         engine.generate(PROMPTS[:6], SamplingParams(max_new_tokens=2), n=2)
         killer.join()
