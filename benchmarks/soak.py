@@ -178,6 +178,9 @@ def main() -> int:
                 if down is not None and now >= down[1]:
                     down[0].start()
                     down = None
+                    # One server down at a time: the restarted one gets time to load before the next kill
+                    # (both down at once is below min_healthy, where the run is meant to stop).
+                    next_kill = max(next_kill, now + 60.0)
                 if down is None and now >= next_kill:
                     victim = rng.choice(servers)
                     victim.kill()
