@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Dict, Optional
+
+from megatron_zcpo.megatron.batch import RolloutSample
 
 
 class OverlappedRollouts:
@@ -22,7 +25,8 @@ class OverlappedRollouts:
         self.config, self.trainer, self.engine, self.stages = config, trainer, engine, stages
         self.prefetch = RolloutPrefetch(rollout.collect) if rollout is not None else None
         if self.prefetch is not None and in_flight:
-            self.prefetch.restore(in_flight["step"], (in_flight["samples"], in_flight["metrics"]))
+            samples = [RolloutSample(**sample) for sample in in_flight["samples"]]
+            self.prefetch.restore(in_flight["step"], (samples, in_flight["metrics"]))
         self.pushed_version = trainer.step  # the run pushed these weights at start-up
         self.push_s = 0.0
 
@@ -67,7 +71,10 @@ class OverlappedRollouts:
         """The rollout in flight, for the checkpoint (rank 0; waits for it)."""
         from megatron_zcpo.rollout.overlap import in_flight_state
 
-        return in_flight_state(self.prefetch) if self.prefetch is not None else {}
+        state = in_flight_state(self.prefetch) if self.prefetch is not None else {}
+        if state:  # plain values: checkpoints are read with torch.load(weights_only=True)
+            state = {**state, "samples": [dataclasses.asdict(sample) for sample in state["samples"]]}
+        return state
 
     def close(self) -> None:
         """Wait for a rollout in flight (its thread must not outlive the engine)."""
