@@ -83,7 +83,8 @@ def soak_config(assets: Path, out: Path, steps: int, servers) -> Path:
 
     config = demo_config(assets, out / "run", {
         "train": {"steps": steps},
-        "rollout": {"engine": "sglang", "sglang": {"server_urls": [s.url for s in servers], "client": {
+        # A barely warmed-up model (--sft-steps) ties most groups: keep them, so every step trains.
+        "rollout": {"engine": "sglang", "dynamic_sampling": {"drop_tied_groups": False}, "sglang": {"server_urls": [s.url for s in servers], "client": {
             "weight_sync": "disk", "weight_dir": str(out / "weights"), "request_timeout_s": 10.0,
             "max_retries": 2, "backoff_s": 0.2, "backoff_max_s": 1.0, "min_healthy": 1, "max_concurrency": 32,
             "rollout_timeout_s": 600.0, "startup_timeout_s": 120.0, "sampling_seeds": True}}},
