@@ -261,9 +261,18 @@ def run_sbatch(example: str, tmp_path: Path, args=(), **env_changes) -> list:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+def in_launch_order(steps: list) -> list:
+    """The srun steps as (convert, probe, dry run, SGLang servers, training): the servers' srun runs in the
+    background, so its line may land in the log after the training step's on a loaded machine."""
+    servers = [step for step in steps if "--model-path" in step["command"] and "--print" not in step["command"]]
+    others = [step for step in steps if step not in servers]
+    assert len(servers) == 1 and len(others) == 4, [step["command"][:3] for step in steps]
+    return [*others[:3], servers[0], others[3]]
+
+
 def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_overrides(tmp_path):
     steps = run_sbatch("qwen2.5-32b-zcpo", tmp_path, ["train.steps=3"], ZCPO_OVERRIDES="train.seed=7")
-    convert, probe, dry_run, sglang, train = steps
+    convert, probe, dry_run, sglang, train = in_launch_order(steps)
     assert convert["command"][-4:] == ["--tp", "8", "--pp", "1"] and "--nodelist=gpu01" in convert["options"]
     assert (tmp_path / "ckpt" / "model_config.json").is_file()  # renamed from .partial once complete
     assert "--print" in probe["command"]
@@ -297,7 +306,7 @@ def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_pat
 
 def test_long_context_sbatch_needs_the_reward_function_and_passes_it(tmp_path):
     steps = run_sbatch("qwen3-4b-long-context-zcpo", tmp_path, REWARD_FUNCTION="megatron_zcpo.rewards.math:dapo_math_reward")
-    convert, _, dry_run, _, train = steps
+    convert, _, dry_run, _, train = in_launch_order(steps)
     assert convert["command"][-4:] == ["--tp", "1", "--pp", "1"]
     config = load_run_config(train["command"][2], train["command"][3:])
     assert config.reward.function == "megatron_zcpo.rewards.math:dapo_math_reward" and config.parallel.context == 8
