@@ -77,7 +77,7 @@ class MockServer:
             self.process.wait(timeout=30)
 
 
-def soak_config(assets: Path, out: Path, steps: int, servers) -> Path:
+def soak_config(assets: Path, out: Path, steps: int, servers, request_timeout_s: float = 10.0) -> Path:
     """The demo config on the mock servers, with the fault-tolerance settings a cluster run would use."""
     from megatron_zcpo.cli.demo import demo_config
 
@@ -85,7 +85,7 @@ def soak_config(assets: Path, out: Path, steps: int, servers) -> Path:
         "train": {"steps": steps},
         # A barely warmed-up model (--sft-steps) ties most groups: keep them, so every step trains.
         "rollout": {"engine": "sglang", "dynamic_sampling": {"drop_tied_groups": False}, "sglang": {"server_urls": [s.url for s in servers], "client": {
-            "weight_sync": "disk", "weight_dir": str(out / "weights"), "request_timeout_s": 10.0,
+            "weight_sync": "disk", "weight_dir": str(out / "weights"), "request_timeout_s": request_timeout_s,
             "max_retries": 2, "backoff_s": 0.2, "backoff_max_s": 1.0, "min_healthy": 1, "max_concurrency": 32,
             "rollout_timeout_s": 600.0, "startup_timeout_s": 120.0, "sampling_seeds": True}}},
         "reward": {"function": "soak:flaky_reward", "timeout_s": REWARD_TIMEOUT_S, "on_failure": "skip-group"},
@@ -143,6 +143,8 @@ def main() -> int:
     parser.add_argument("--preempt-every", type=float, default=240.0, help="mean seconds between SIGUSR1s")
     parser.add_argument("--sft-steps", type=int, default=0,
                         help="cap on the demo model's warm-up steps (default: the demo's own; a loaded machine may need fewer)")
+    parser.add_argument("--request-timeout-s", type=float, default=10.0,
+                        help="the client's per-request timeout: how long a hung request stalls a rollout")
     parser.add_argument("--max-minutes", type=float, default=0.0,
                         help="stop (by SIGUSR1, not restarted) after this long and report the steps trained so far")
     args = parser.parse_args()
@@ -159,7 +161,7 @@ def main() -> int:
     servers = [MockServer(assets, free_port(), out, args.fault_rate, args.seed + i) for i in range(2)]
     for server in servers:
         server.start()
-    config = soak_config(assets, out, args.steps, servers)
+    config = soak_config(assets, out, args.steps, servers, args.request_timeout_s)
     env = dict(os.environ, SOAK_DIR=str(out), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("RANK", None)
