@@ -119,13 +119,14 @@ def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None
     :data:`SMALL_SERVER_MAX_PARAMETERS` and 8 above, with the launcher's default memory fraction."""
     from megatron_zcpo.rollout.sglang_server import SGLangServerConfig
 
-    launch = config.rollout.sglang.launch or {}
-    if rollout_tp is None:
-        rollout_tp = launch.get("tp_size", SGLangServerConfig.tp_size) if config.rollout.sglang.launch else (
-            4 if model.num_parameters <= SMALL_SERVER_MAX_PARAMETERS else 8)
+    launch = config.rollout.sglang.launch
+    if rollout_tp is None and launch is not None:
+        rollout_tp = launch.get("tp_size", SGLangServerConfig.tp_size)
+    elif rollout_tp is None:
+        rollout_tp = 4 if model.num_parameters <= SMALL_SERVER_MAX_PARAMETERS else 8
     if rollout_tp < 1:
         raise ValueError(f"--rollout-tp must be at least 1, got {rollout_tp}")
-    return rollout_tp, launch.get("mem_fraction_static", SGLangServerConfig.mem_fraction_static)
+    return rollout_tp, (launch or {}).get("mem_fraction_static", SGLangServerConfig.mem_fraction_static)
 
 
 def decode_rate_of(args, config: RunConfig, model, load, hardware):
