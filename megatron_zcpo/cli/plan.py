@@ -88,7 +88,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=4")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for training (default: TP*PP*CP)")
-    parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU, training and rollout (default: H100 80GB)")
+    parser.add_argument("--gpu-memory", type=float, default=None,
+                        help="GiB per GPU, training and rollout (default: H100 80GB)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-config", default=None, help="the model's Hugging Face config.json (or its directory)")
     source.add_argument("--preset", default=None, help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B")
