@@ -88,14 +88,21 @@ def add_parser(subparsers) -> None:
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=4")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs for training (default: TP*PP*CP)")
-    parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: H100 80GB)")
+    parser.add_argument("--gpu-memory", type=float, default=None,
+                        help="GiB per GPU, training and rollout (default: H100 80GB)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-config", default=None, help="the model's Hugging Face config.json (or its directory)")
     source.add_argument("--preset", default=None, help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B")
     timing = parser.add_argument_group("step time (see megatron_zcpo/megatron/step_time.py)")
     timing.add_argument("--rollout-gpus", type=int, default=None, help="GPUs of the SGLang servers (default: --gpus)")
-    timing.add_argument("--decode-tokens-per-s", type=float, default=1000.0,
-                        help="generated tokens per second per rollout GPU (measure yours)")
+    timing.add_argument("--decode-tokens-per-s", type=float, default=None,
+                        help="generated tokens per second per rollout GPU (measure yours; default: the "
+                             "roofline of megatron_zcpo/megatron/decode_rate.py, calibrated on SGLang's "
+                             "published Llama-3.1-70B 4x H100 throughput)")
+    timing.add_argument("--rollout-tp", type=int, default=None,
+                        help="GPUs per SGLang server for the modelled decode rate (default: "
+                             "rollout.sglang.launch.tp_size when the config launches the servers, else 4 "
+                             "up to 40B parameters and 8 above)")
     timing.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of training")
     timing.add_argument("--response-fraction", type=float, default=0.5,
                         help="mean response length as a fraction of rollout.max_new_tokens")
@@ -103,14 +110,50 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _step_time(args, config: RunConfig, model, layout, gpus: int):
+# Up to this size a model's bf16 weights leave most of 4 H100s to the KV cache; above, servers use a node.
+SMALL_SERVER_MAX_PARAMETERS = 40e9
+
+
+def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None):
+    """(GPUs per SGLang server, its mem_fraction_static): ``rollout_tp`` when given, else the
+    config's ``rollout.sglang.launch`` values when it launches the servers, else 4 GPUs up to
+    :data:`SMALL_SERVER_MAX_PARAMETERS` and 8 above, with the launcher's default memory fraction."""
+    from megatron_zcpo.rollout.sglang_server import SGLangServerConfig
+
+    launch = config.rollout.sglang.launch
+    if rollout_tp is None and launch is not None:
+        rollout_tp = launch.get("tp_size", SGLangServerConfig.tp_size)
+    elif rollout_tp is None:
+        rollout_tp = 4 if model.num_parameters <= SMALL_SERVER_MAX_PARAMETERS else 8
+    if rollout_tp < 1:
+        raise ValueError(f"--rollout-tp must be at least 1, got {rollout_tp}")
+    return rollout_tp, (launch or {}).get("mem_fraction_static", SGLangServerConfig.mem_fraction_static)
+
+
+def decode_rate_of(args, config: RunConfig, model, load, hardware):
+    """(generated tokens/s per rollout GPU, a phrase saying where it comes from): the given
+    ``--decode-tokens-per-s``, else the calibrated roofline for ``load``'s mean lengths."""
+    from megatron_zcpo.megatron.decode_rate import decode_tokens_per_s_per_gpu
+
+    if args.decode_tokens_per_s is not None:
+        return args.decode_tokens_per_s, "given (--decode-tokens-per-s)"
+    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
+    rate = decode_tokens_per_s_per_gpu(model, load.prompt_tokens, load.response_tokens, rollout_tp,
+                                       mem_fraction=mem_fraction, gpu_memory_bytes=hardware.gpu_memory_gib * 2**30)
+    return rate, (f"modelled for TP{rollout_tp} servers (mem_fraction_static {mem_fraction}) from SGLang's "
+                  f"published Llama-3.1-70B 4x H100 throughput, see megatron_zcpo/megatron/decode_rate.py")
+
+
+def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
     from megatron_zcpo.megatron.step_time import Cluster, predict_step_time
 
-    cluster = Cluster(train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus,
-                      decode_tokens_per_s_per_gpu=args.decode_tokens_per_s, mfu=args.mfu)
     load = step_load_of(config, args.response_fraction, prompt_fraction=0.5)
-    return predict_step_time(model, load, cluster, pipeline_parallel=layout.pipeline_parallel,
-                             recompute=layout.recompute)
+    rate, source = decode_rate_of(args, config, model, load, hardware)
+    cluster = Cluster(train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus,
+                      decode_tokens_per_s_per_gpu=rate, mfu=args.mfu)
+    timing = predict_step_time(model, load, cluster, pipeline_parallel=layout.pipeline_parallel,
+                               recompute=layout.recompute)
+    return timing, rate, source
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         hardware = Hardware() if args.gpu_memory is None else Hardware(gpu_memory_gib=args.gpu_memory)
         layout, workload = plan_inputs(config, gpus)
         plan = plan_memory(model, layout, workload, hardware)
-        timing = _step_time(args, config, model, layout, gpus)
+        timing, decode_rate, decode_source = _step_time(args, config, model, layout, gpus, hardware)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise SystemExit(f"zcpo plan: {error}") from None
     best = suggest_layout(model, workload, gpus, hardware=hardware, base=layout) if args.gpus else None
@@ -133,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "suggested": best.to_dict() if best else None,
                           "rollout_mode": "overlapped" if overlap else "sequential",
-                          "step_time": timing.to_dict()}, indent=2))
+                          "step_time": timing.to_dict(), "decode_tokens_per_s_per_gpu": decode_rate,
+                          "decode_source": decode_source}, indent=2))
         return 0 if plan.fits else 1
     print(f"{model.num_parameters / 1e6:,.1f}M parameters, {layout.describe()}, "
           f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
@@ -148,4 +192,5 @@ def run(args: argparse.Namespace) -> int:
           f"(rollout {timing.rollout_s:,.0f} s, training {timing.train_s:,.0f} s, weight push "
           f"{timing.push_per_stage_s:,.1f} s per stage vs {timing.push_funnel_s:,.1f} s through rank 0); "
           f"{other}: {timing.step_s(not overlap):,.0f} s")
+    print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
     return 0 if plan.fits else 1

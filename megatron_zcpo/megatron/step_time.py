@@ -5,7 +5,9 @@ Pure arithmetic on a :class:`~megatron_zcpo.megatron.model.ModelConfig` (no proc
 like :mod:`megatron_zcpo.megatron.planner`. The model, term by term:
 
 * rollout: generated tokens / (decode tokens/s per rollout GPU x rollout GPUs). The per-GPU figure
-  is an input (measure it on your servers); it hides the long-tail effect of the longest response.
+  is an input: measure it on your servers, or take the roofline of
+  :mod:`megatron_zcpo.megatron.decode_rate`, calibrated on SGLang's published throughput. It hides
+  the long-tail effect of the longest response.
 * training: FLOPs / (training GPUs x peak FLOP/s x MFU). Per token a forward costs 2 x parameters
   (embedding excluded, output layer included) + causal attention 4 x layers x heads x head_dim x
   (sequence / 2); the experience pass is two forwards (policy and reference), the update a forward

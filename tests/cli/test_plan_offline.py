@@ -7,6 +7,7 @@ import pytest
 from megatron_zcpo.cli.main import main
 from megatron_zcpo.cli.plan import load_plan_config, model_config_of
 from megatron_zcpo.convert.presets import HF_CONFIGS, preset_model_config
+from megatron_zcpo.megatron.decode_rate import decode_tokens_per_s_per_gpu
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.megatron.step_time import Cluster, StepLoad, predict_step_time, push_bytes_per_stage
 from tests.cli.test_examples import EXAMPLES, LLAMA33_70B, QUOTED, QWEN25_32B, QWEN25_72B
@@ -73,13 +74,46 @@ def test_step_time_terms_by_hand():
     assert time.overlapped_s < time.sequential_s and time.idle_share_overlapped < time.idle_share_sequential
 
 
-@pytest.mark.parametrize("example,gpus,preset,decode", [("qwen2.5-32b-zcpo", 32, "Qwen2.5-32B", 1000),
-                                                        ("llama-3.3-70b-zcpo", 64, "Llama-3.3-70B", 500),
-                                                        ("qwen2.5-72b-zcpo", 64, "Qwen2.5-72B", 500)])
-def test_the_examples_quote_the_predicted_step_time(example, gpus, preset, decode, capsys):
+@pytest.mark.parametrize("example,gpus,preset", [("qwen2.5-32b-zcpo", 32, "Qwen2.5-32B"),
+                                                 ("llama-3.3-70b-zcpo", 64, "Llama-3.3-70B"),
+                                                 ("qwen2.5-72b-zcpo", 64, "Qwen2.5-72B")])
+def test_the_examples_quote_the_predicted_step_time(example, gpus, preset, capsys):
     path = str(EXAMPLES / example / "config.yaml")
-    main(["plan", path, "--gpus", str(gpus), "--preset", preset, "--decode-tokens-per-s", str(decode), "--json"])
-    timing = json.loads(capsys.readouterr().out)["step_time"]
+    main(["plan", path, "--gpus", str(gpus), "--preset", preset, "--json"])
+    answer = json.loads(capsys.readouterr().out)
+    timing = answer["step_time"]
     comments = (EXAMPLES / example / "config.yaml").read_text()
+    assert f"modelled {answer['decode_tokens_per_s_per_gpu']:,.0f} generated tokens/s per rollout GPU" in comments
     assert f"= {timing['sequential_s']:,.0f} s" in comments
     assert f"rollout.overlap=true (one step off-policy) {timing['overlapped_s']:,.0f} s" in comments
+
+
+def _plan_json(capsys, *extra):
+    assert main(["plan", QWEN_EXAMPLE, "--gpus", "32", "--preset", "Qwen2.5-32B", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_decode_rate_is_modelled_unless_given(capsys):
+    """Default: the calibrated roofline at the config's mean lengths (1,024 prompt, 10,240 response)
+    on TP4 servers (32B <= 40B parameters); --rollout-tp and rollout.sglang.launch change the
+    servers; --decode-tokens-per-s overrides the model."""
+    modelled = _plan_json(capsys)
+    expected = decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 4, mem_fraction=0.85)
+    assert modelled["decode_tokens_per_s_per_gpu"] == pytest.approx(expected)
+    assert modelled["decode_source"].startswith("modelled for TP4 servers")
+    assert modelled["step_time"]["rollout_s"] == pytest.approx(12288 * 10240 / (expected * 32))
+    tp8 = _plan_json(capsys, "--rollout-tp", "8")
+    assert tp8["decode_tokens_per_s_per_gpu"] == pytest.approx(
+        decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 8, mem_fraction=0.85))
+    launched = _plan_json(capsys, "rollout.sglang.launch.model_path=hf", "rollout.sglang.launch.tp_size=8",
+                          "rollout.sglang.launch.mem_fraction_static=0.9")
+    assert launched["decode_tokens_per_s_per_gpu"] == pytest.approx(
+        decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 8, mem_fraction=0.9))
+    assert launched["decode_source"].startswith("modelled for TP8 servers (mem_fraction_static 0.9)")
+    given = _plan_json(capsys, "--decode-tokens-per-s", "1000")
+    assert given["decode_tokens_per_s_per_gpu"] == 1000 and given["decode_source"].startswith("given")
+    assert given["step_time"]["rollout_s"] == pytest.approx(12288 * 10240 / (1000 * 32))
+    assert main(["plan", LLAMA_EXAMPLE, "--gpus", "64", "--preset", "Llama-3.3-70B"]) == 0
+    assert "generated tokens/s per rollout GPU, modelled for TP8 servers" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no KV cache left"):
+        main(["plan", LLAMA_EXAMPLE, "--gpus", "64", "--preset", "Llama-3.3-70B", "--rollout-tp", "1"])
