@@ -68,7 +68,7 @@ class SGLangSection:
     client: Dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
-        from megatron_zcpo.rollout.sglang_client import SGLangEngineConfig
+        from megatron_zcpo.rollout.sglang_config import SGLangEngineConfig
         from megatron_zcpo.rollout.sglang_server import SGLangServerConfig
 
         if self.launch is not None and self.server_urls:
