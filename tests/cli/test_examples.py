@@ -222,6 +222,32 @@ elif command[1:2] == ["examples/common/sglang_node.py"]:
 """
 
 
+FAKE_CURL = """#!{python}
+# Stand-in for curl: every endpoint is healthy, but only once the job's background SGLang step has
+# started (logged itself), as real servers answer only after their step runs. Without this wait a
+# loaded machine can end the job, and kill that step, before its interpreter even started.
+import glob, os, sys, time
+log = os.environ["FAKE_SRUN_LOG"]
+def server_step_starting():
+    for pid in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(pid + "/cmdline", "rb") as f:
+                if b"sglang_node.py" not in f.read():
+                    continue
+            with open(pid + "/environ", "rb") as f:
+                if ("FAKE_SRUN_LOG=" + log).encode() in f.read().split(b"\\0"):
+                    return True
+        except OSError:
+            continue
+    return False
+deadline = time.monotonic() + 30
+while server_step_starting() and time.monotonic() < deadline:
+    if os.path.exists(log) and "sglang_node.py" in open(log).read():
+        break
+    time.sleep(0.05)
+"""
+
+
 def fake_slurm_bin(tmp_path: Path) -> Path:
     """srun, scontrol, curl and python stand-ins for running a train.sbatch without Slurm."""
     bin_dir = tmp_path / "bin"
@@ -229,7 +255,7 @@ def fake_slurm_bin(tmp_path: Path) -> Path:
     scripts = {
         "srun": FAKE_SRUN.format(python=sys.executable),
         "scontrol": "#!/bin/bash\nprintf 'gpu%02d\\n' $(seq 1 ${FAKE_NODES:-8})\n",
-        "curl": "#!/bin/bash\nexit 0\n",
+        "curl": FAKE_CURL.format(python=sys.executable),
         "python": f"#!/bin/bash\nexec {sys.executable} \"$@\"\n",
     }
     for name, text in scripts.items():
