@@ -62,7 +62,8 @@ class CallOutcome:
 
 
 def _worker_main(function_path: str, connection) -> None:
-    """Worker process loop: resolve the function, then answer ``(task_id, args)`` requests until ``None``."""
+    """Worker process loop: resolve the function, then run chunks (lists of argument tuples) until ``None``,
+    sending one ``("result", CallOutcome)`` per call as soon as it finishes, in the chunk's order."""
     try:
         function = resolve_function(function_path)
     except BaseException:
@@ -71,26 +72,29 @@ def _worker_main(function_path: str, connection) -> None:
     connection.send(("ready", None))
     while True:
         try:
-            request = connection.recv()
+            chunk = connection.recv()
         except EOFError:  # the parent went away without close()
             return
-        if request is None:
+        if chunk is None:
             return
-        task_id, args = request
-        try:
-            value = function(*args)
-        except BaseException:  # noqa: BLE001 - any failure of user code is reported, never fatal to the worker
-            connection.send(("result", (task_id, CallOutcome("error", error=traceback.format_exc()))))
-            continue
-        if isinstance(value, numbers.Real):
-            outcome = CallOutcome("ok", value=float(value))
-        else:
-            outcome = CallOutcome("invalid", error=f"{type(value).__name__} {repr(value)[:200]}")
-        connection.send(("result", (task_id, outcome)))
+        for args in chunk:
+            # one message per result (not per chunk): the parent restarts the next call's timeout on it
+            connection.send(("result", _run_call(function, args)))
+
+
+def _run_call(function: Callable[..., Any], args: Tuple[Any, ...]) -> CallOutcome:
+    """``function(*args)`` as a :class:`CallOutcome`: "ok", "invalid" (a non-number) or "error" (it raised)."""
+    try:
+        value = function(*args)
+    except BaseException:  # noqa: BLE001 - any failure of user code is reported, never fatal to the worker
+        return CallOutcome("error", error=traceback.format_exc())
+    if isinstance(value, numbers.Real):
+        return CallOutcome("ok", value=float(value))
+    return CallOutcome("invalid", error=f"{type(value).__name__} {repr(value)[:200]}")
 
 
 class _Worker:
-    """One worker process, its pipe and the call it is running."""
+    """One worker process, its pipe and the calls sent to it that it has not answered yet."""
 
     def __init__(self, context, function_path: str, startup_timeout_s: float):
         self.connection, child_connection = context.Pipe()
@@ -102,8 +106,9 @@ class _Worker:
         child_connection.close()
         self.ready = False
         self.startup_deadline = time.monotonic() + startup_timeout_s
-        self.task: Optional[int] = None
-        self.deadline = math.inf
+        # task ids of the current chunk not answered yet; the first is running, the rest wait behind it
+        self.unanswered: collections.deque = collections.deque()
+        self.deadline = math.inf  # for the running call
 
     def kill(self) -> None:
         self.process.kill()
@@ -120,6 +125,12 @@ class RewardWorkerPool:
     survives any reward function. Timeouts are enforced by the calling thread with
     ``multiprocessing.connection.wait`` (no signals), so ``map`` works from any thread.
     The function is imported here first, so a bad path fails at construction.
+
+    Calls go to a worker in chunks of up to ``max_chunk_size`` (one message each way per call costs two
+    process wake-ups, far more than a microsecond reward); the worker streams back one result per call,
+    and each call still gets its own ``timeout_s``, counted from the previous result of its chunk. Calls
+    of a chunk left unanswered when its worker is killed or dies run again, first, on a new worker.
+    ``max_chunk_size=1`` sends one call per message.
     """
 
     def __init__(
@@ -129,13 +140,17 @@ class RewardWorkerPool:
         timeout_s: float,
         start_method: str = "forkserver",
         startup_timeout_s: float = 120.0,
+        max_chunk_size: int = 64,
     ):
         resolve_function(function_path)
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if max_chunk_size < 1:
+            raise ValueError(f"max_chunk_size must be >= 1, got {max_chunk_size}")
         self.function_path = function_path
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
+        self.max_chunk_size = max_chunk_size
         self.restarts = 0
         self._context = multiprocessing.get_context(start_method)
         self._workers: List[_Worker] = [self._start_worker() for _ in range(num_workers)]
@@ -153,62 +168,53 @@ class RewardWorkerPool:
         if not self._workers:
             raise RuntimeError("RewardWorkerPool.map called after close()")
         for worker in list(self._workers):
-            if worker.task is not None:  # still busy from a map that was interrupted: its answer is stale
+            if worker.unanswered:  # still busy from a map that was interrupted: its answers are stale
                 self._replace(worker)
         outcomes: List[Optional[CallOutcome]] = [None] * len(calls)
         pending = collections.deque(range(len(calls)))
-        while pending or any(worker.task is not None for worker in self._workers):
+        while pending or any(worker.unanswered for worker in self._workers):
             for worker in list(self._workers):
-                if worker.ready and worker.task is None and pending:
+                if worker.ready and not worker.unanswered and pending:
                     self._dispatch(worker, pending, calls)
             now = time.monotonic()
-            waiting = [w for w in self._workers if w.task is not None or not w.ready]
+            waiting = [w for w in self._workers if w.unanswered or not w.ready]
             next_deadline = min(w.deadline if w.ready else w.startup_deadline for w in waiting)
             multiprocessing.connection.wait(
                 [w.connection for w in waiting] + [w.process.sentinel for w in waiting],
                 timeout=max(0.0, next_deadline - now),
             )
             for worker in list(self._workers):
-                self._collect(worker, outcomes)
+                self._collect(worker, outcomes, pending)
         return outcomes  # type: ignore[return-value]
 
+    def _chunk_size(self, num_pending: int) -> int:
+        """Calls for the next chunk: a quarter of each worker's share of what is left, so the last chunks
+        shrink and the workers finish together, capped at ``max_chunk_size`` (already 1/64 of the
+        per-message cost; bigger chunks only make larger messages and more calls to rerun after a kill)."""
+        return max(1, min(self.max_chunk_size, math.ceil(num_pending / (4 * len(self._workers)))))
+
     def _dispatch(self, worker: _Worker, pending: collections.deque, calls: Sequence[Tuple[Any, ...]]) -> None:
-        task_id = pending.popleft()
+        chunk = [pending.popleft() for _ in range(self._chunk_size(len(pending)))]
         try:
-            worker.connection.send((task_id, tuple(calls[task_id])))
+            worker.connection.send([tuple(calls[task_id]) for task_id in chunk])
         except OSError:
-            # the worker died while idle: the call never ran, so it goes back to the queue
-            pending.appendleft(task_id)
+            # the worker died while idle: no call of the chunk ran, so they all go back to the queue's front
+            pending.extendleft(reversed(chunk))
             self._replace(worker)
             return
-        worker.task = task_id
+        worker.unanswered.extend(chunk)
         worker.deadline = time.monotonic() + self.timeout_s
 
-    def _collect(self, worker: _Worker, outcomes: List[Optional[CallOutcome]]) -> None:
-        """Take a finished result, a readiness message, or handle a dead or overdue worker."""
-        message = None
-        if worker.connection.poll():
-            try:
-                message = worker.connection.recv()
-            except (EOFError, ConnectionResetError):
-                message = None
-        if message is not None:
-            kind, payload = message
-            if kind == "ready":
-                worker.ready = True
-            elif kind == "load_error":
-                self.close()
-                raise RewardFunctionLoadError(f"reward worker could not load {self.function_path!r}:\n{payload}")
-            else:
-                task_id, outcome = payload
-                outcomes[task_id] = outcome
-                worker.task = None
-                worker.deadline = math.inf
-            return
+    def _collect(self, worker: _Worker, outcomes: List[Optional[CallOutcome]], pending: collections.deque) -> None:
+        """Take every result and readiness message waiting, or handle a dead or overdue worker."""
+        if self._take_messages(worker, outcomes):
+            return  # a dead worker is noticed on a later pass, once its pipe is empty
         if not worker.process.is_alive():
-            if worker.task is not None:
-                outcomes[worker.task] = CallOutcome(
-                    "died", error=f"reward worker exited with code {worker.process.exitcode} during the call"
+            self._take_messages(worker, outcomes)  # what it sent between the poll and its exit
+            if worker.unanswered:
+                self._fail_running_call(
+                    worker, outcomes, pending,
+                    CallOutcome("died", error=f"reward worker exited with code {worker.process.exitcode} during the call"),
                 )
             elif not worker.ready:
                 self.close()
@@ -219,8 +225,11 @@ class RewardWorkerPool:
             self._replace(worker)
             return
         now = time.monotonic()
-        if worker.task is not None and now >= worker.deadline:
-            outcomes[worker.task] = CallOutcome("timeout", error=f"no result within {self.timeout_s:g} s; worker killed")
+        if worker.unanswered and now >= worker.deadline:
+            self._fail_running_call(
+                worker, outcomes, pending,
+                CallOutcome("timeout", error=f"no result within {self.timeout_s:g} s; worker killed"),
+            )
             self._replace(worker)
         elif not worker.ready and now >= worker.startup_deadline:
             self.close()
@@ -228,11 +237,41 @@ class RewardWorkerPool:
                 f"reward worker for {self.function_path!r} did not start within {self.startup_timeout_s:g} s"
             )
 
+    def _take_messages(self, worker: _Worker, outcomes: List[Optional[CallOutcome]]) -> bool:
+        """Read every message waiting from ``worker``; returns whether there was any."""
+        received = False
+        while worker.connection.poll():
+            try:
+                kind, payload = worker.connection.recv()
+            except (EOFError, ConnectionResetError):
+                break
+            received = True
+            if kind == "ready":
+                worker.ready = True
+            elif kind == "load_error":
+                self.close()
+                raise RewardFunctionLoadError(f"reward worker could not load {self.function_path!r}:\n{payload}")
+            else:
+                outcomes[worker.unanswered.popleft()] = payload
+                # the worker starts the chunk's next call right after sending this result
+                worker.deadline = time.monotonic() + self.timeout_s if worker.unanswered else math.inf
+        return received
+
+    @staticmethod
+    def _fail_running_call(
+        worker: _Worker, outcomes: List[Optional[CallOutcome]], pending: collections.deque, outcome: CallOutcome
+    ) -> None:
+        """Give the worker's running call ``outcome``; the chunk's calls behind it never ran (or their answers
+        are lost with the worker), so they go back to the queue's front, in order, for the next worker."""
+        outcomes[worker.unanswered.popleft()] = outcome
+        pending.extendleft(reversed(worker.unanswered))
+        worker.unanswered.clear()
+
     def close(self) -> None:
         """Stop all workers: idle ones exit cleanly, busy ones are killed. Idempotent."""
         workers, self._workers = self._workers, []
         for worker in workers:
-            if worker.task is not None:
+            if worker.unanswered:
                 worker.kill()
                 continue
             try:  # a worker still starting reads this right after its readiness message
@@ -240,7 +279,7 @@ class RewardWorkerPool:
             except OSError:  # it already exited
                 pass
         for worker in workers:
-            if worker.task is None:
+            if not worker.unanswered:
                 worker.process.join(timeout=5.0)
                 if worker.process.is_alive():
                     worker.kill()

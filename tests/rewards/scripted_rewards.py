@@ -6,7 +6,7 @@ import time
 
 def scripted_reward(response, ground_truth, metadata):
     """1.0 if response == ground_truth else 0.0, except for scripted responses that crash, hang, kill the
-    worker or return NaN / a non-number."""
+    worker, return NaN / a non-number, the worker's process id ("pid") or a given number ("echo:<x>"), or take a while ("sleep:<seconds>", then 1.0)."""
     if response == "crash":
         raise ValueError(f"scripted crash for {metadata.get('uid')}")
     if response == "hang":
@@ -17,4 +17,11 @@ def scripted_reward(response, ground_truth, metadata):
         return float("nan")
     if response == "text":
         return "not a number"
+    if response == "pid":
+        return os.getpid()
+    if response.startswith("sleep:"):
+        time.sleep(float(response[len("sleep:"):]))
+        return 1.0
+    if response.startswith("echo:"):
+        return float(response[len("echo:"):])
     return float(response == ground_truth)
