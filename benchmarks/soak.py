@@ -110,13 +110,16 @@ def count_lines(path: Path) -> dict:
 
 def summarize(out: Path, steps_wanted, exit_code: int, restarts: int, injected: dict, wall_s: float) -> dict:
     """The soak's outcome from the run's metrics and the fault logs (``steps_wanted`` None: up to the last trained)."""
+    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE
+
+    steps_wanted_given = steps_wanted
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "rollout/reward_mean" in r]
     steps = [int(r["step"]) for r in trained]
     steps_wanted = steps_wanted or max(steps, default=0)
     return {
         "exit_code": exit_code,
-        "stopped_at_deadline": exit_code != 0,
+        "stopped_at_deadline": steps_wanted_given is None and exit_code == PREEMPTED_EXIT_CODE,
         "wall_s": round(wall_s, 1),
         "steps_trained": len(set(steps)),
         "steps_lost": len(steps) - len(set(steps)) + len(set(range(1, steps_wanted + 1)) - set(steps)),

@@ -18,7 +18,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of the ``zcpo`` console script; returns the process exit code."""
+    """Entry point of the ``zcpo`` console script; returns the process exit code.
+
+    Called without ``argv`` (as a process's entry point), ``zcpo train`` holds stop signals from its
+    first moment to its last (see :mod:`megatron_zcpo.megatron.preemption`)."""
+    training_process = argv is None and sys.argv[1:2] == ["train"]
+    if not training_process:
+        return _dispatch(argv)
+    from megatron_zcpo.megatron import preemption
+
+    preemption.record_stop_signals()  # before the heavy imports: a preemption during start-up must not kill training
+    code = _dispatch(argv)
+    preemption.ignore_stop_signals()  # the run is over: its exit code stands, whatever arrives while exiting
+    return code
+
+
+def _dispatch(argv: Optional[List[str]]) -> int:
     from megatron_zcpo.utils.config_loader import ConfigError
 
     parser = build_parser()

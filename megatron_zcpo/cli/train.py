@@ -26,7 +26,19 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, PreemptionGuard
+
+    # From the first moment: a stop signal during start-up is remembered, never fatal (a launcher
+    # stops before starting the ranks; a rank stops at its first safe point).
+    with PreemptionGuard() as guard:
+        code = _run(args, guard)
+    return PREEMPTED_EXIT_CODE if code is None else code
+
+
+def _run(args: argparse.Namespace, guard) -> "int | None":
+    """``zcpo train`` under ``guard``; None: stopped by a signal before anything was trained."""
     from megatron_zcpo.megatron.initialize import distributed_env_from_slurm
+    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
     from megatron_zcpo.recipe.launch import relaunch_with_torchrun, world_size_needed
     from megatron_zcpo.recipe.training import run_training
 
@@ -42,12 +54,14 @@ def run(args: argparse.Namespace) -> int:
         os.environ[STARTUP_CHECKED] = "1"  # the processes torchrun starts below inherit it
     if "RANK" not in os.environ:
         nproc = world_size_needed(config, args.nproc)
+        if guard.received:  # nothing started yet, so nothing to save: requeue as after a checkpoint
+            print(f"zcpo train: stopped by signal {guard.received} before starting (exit code "
+                  f"{PREEMPTED_EXIT_CODE}: requeue and resume)", file=sys.stderr)
+            return None
         if nproc > 1:
-            return relaunch_with_torchrun(["train", args.config, *args.overrides], nproc)
-    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
-
+            return relaunch_with_torchrun(["train", args.config, *args.overrides], nproc, guard)
     try:
-        summary = run_training(config)
+        summary = run_training(config, guard)
     except Preempted as stopped:
         print(f"zcpo train: {stopped}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE

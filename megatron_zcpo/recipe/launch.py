@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import signal
+import shutil
 import sys
+import tempfile
 from typing import Optional, Sequence
 
 from megatron_zcpo.recipe.config import RunConfig
@@ -15,20 +16,26 @@ def world_size_needed(config: RunConfig, nproc: Optional[int]) -> int:
     return nproc or config.parallel.tensor * config.parallel.pipeline * config.parallel.context
 
 
-def relaunch_with_torchrun(argv: Sequence[str], nproc: int) -> int:
+def relaunch_with_torchrun(argv: Sequence[str], nproc: int, guard) -> int:
     """Re-run the ``zcpo`` command ``argv`` under torchrun with ``nproc`` local processes (the CPU
-    default path); returns the exit code."""
+    default path); returns the exit code.
+
+    ``guard`` is this process's installed :class:`~megatron_zcpo.megatron.preemption.PreemptionGuard`:
+    a stop signal to this process is relayed to the ranks through a file (``$ZCPO_STOP_FILE``), never
+    as a signal, so a rank still starting up cannot die of it; each rank stops at its next safe point.
+    """
     from torch.distributed.run import main as torchrun
 
+    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, STOP_FILE_ENV
     from megatron_zcpo.utils.runtime import free_port
 
-    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Stop signals go to the workers, which stop at their next safe point with a checkpoint; torchrun
-    # would instead pass SIGTERM on and kill them 30 s later, and dies on SIGUSR1.
+    # torchrun must leave SIGTERM and SIGUSR1 to the guard (it would pass SIGTERM on and kill the
+    # ranks 30 s later, and it dies on SIGUSR1).
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGINT,SIGHUP,SIGQUIT"
-    previous = {signum: signal.signal(signum, _forward_to_children) for signum in STOP_SIGNALS}
+    relay_dir = tempfile.mkdtemp(prefix="zcpo-stop-")
+    os.environ[STOP_FILE_ENV] = os.path.join(relay_dir, "requested")
+    guard.relay_to(os.environ[STOP_FILE_ENV])
     args = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
             "-m", "megatron_zcpo.cli.main", *argv]
     try:
@@ -42,17 +49,7 @@ def relaunch_with_torchrun(argv: Sequence[str], nproc: int) -> int:
         print(f"zcpo: a training process failed: {error}", file=sys.stderr)
         return 1
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        guard.relay_to(None)
+        os.environ.pop(STOP_FILE_ENV, None)
+        shutil.rmtree(relay_dir, ignore_errors=True)
     return 0
-
-
-def _forward_to_children(signum, frame) -> None:
-    """Pass a stop signal on to this process's child processes (the training ranks)."""
-    import psutil
-
-    for child in psutil.Process().children():
-        try:
-            child.send_signal(signum)
-        except psutil.NoSuchProcess:
-            pass

@@ -8,6 +8,7 @@ engine after every step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -115,7 +116,7 @@ class RLRecipe:
         return self.rollout.engine if self.rollout is not None else None
 
     # ----------------------------------------------------------------------------- train
-    def train(self) -> Dict[str, Any]:
+    def train(self, guard=None) -> Dict[str, Any]:
         """Every remaining step, with the configured evaluations and checkpoints; returns the run's summary.
 
         SIGTERM or SIGUSR1 (a preemption, Slurm's time-limit warning) on any rank ends the run
@@ -125,9 +126,13 @@ class RLRecipe:
         from megatron_zcpo.megatron.preemption import Preempted, PreemptionGuard
 
         config, trainer = self.config, self.trainer
-        first_eval = self.evaluate(self.start_step) if config.eval.at_start and self.start_step == 0 else {}
-        last_eval: Dict[str, float] = {}
-        with PreemptionGuard() as guard:
+        with contextlib.ExitStack() as stack:
+            guard = guard or stack.enter_context(PreemptionGuard())  # ``guard``: installed by the caller
+            stop = guard.should_stop()
+            if stop:  # came during set-up: nothing trained since the checkpoint resumed from (or the start)
+                raise Preempted(stop, self.start_step, saved=False)
+            first_eval = self.evaluate(self.start_step) if config.eval.at_start and self.start_step == 0 else {}
+            last_eval: Dict[str, float] = {}
             for step in range(self.start_step, config.train.steps):
                 self.train_step(step)
                 if config.eval.every and trainer.step % config.eval.every == 0 and trainer.step < config.train.steps:
@@ -228,11 +233,14 @@ class RLRecipe:
             self.logger.close()
 
 
-def run_training(config: RunConfig) -> Dict[str, Any]:
-    """Run ``config`` in this (already launched) process group; returns a summary on rank 0."""
+def run_training(config: RunConfig, guard=None) -> Dict[str, Any]:
+    """Run ``config`` in this (already launched) process group; returns a summary on rank 0.
+
+    ``guard``: an installed :class:`~megatron_zcpo.megatron.preemption.PreemptionGuard` (so a
+    signal during set-up counts), else :meth:`RLRecipe.train` installs its own."""
     recipe = RLRecipe(config)
     try:
         recipe.setup()
-        return recipe.train()
+        return recipe.train(guard)
     finally:
         recipe.cleanup()

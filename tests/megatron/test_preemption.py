@@ -36,3 +36,22 @@ def test_guard_restores_previous_handlers():
         os.kill(os.getpid(), signal.SIGUSR1)
         assert guard.should_stop() == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_a_launcher_relays_a_stop_through_the_file_its_ranks_read(tmp_path, monkeypatch):
+    from megatron_zcpo.megatron.preemption import STOP_FILE_ENV
+
+    relay = tmp_path / "requested"
+    with PreemptionGuard() as launcher:
+        os.kill(os.getpid(), signal.SIGUSR1)  # before the ranks exist: written as soon as relaying starts
+        launcher.relay_to(str(relay))
+        assert relay.read_text() == str(int(signal.SIGUSR1))
+        launcher.relay_to(None)
+    relay.unlink()
+    rank = PreemptionGuard()  # a rank started with $ZCPO_STOP_FILE: no signal of its own
+    monkeypatch.setenv(STOP_FILE_ENV, str(relay))
+    assert rank.requested() == 0 and rank.should_stop() is None
+    with PreemptionGuard() as launcher:
+        launcher.relay_to(str(relay))
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert rank.should_stop() == "SIGTERM"

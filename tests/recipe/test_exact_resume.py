@@ -34,6 +34,13 @@ def _train(path, *overrides):
     return done
 
 
+def _catches(pid, signum):
+    """Whether process ``pid`` has a handler installed for ``signum`` (Linux: SigCgt in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
 def _step_metrics(run_dir):
     """{step: metrics} of the trained steps, without timings (which differ run to run)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -77,3 +84,39 @@ def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exact
     assert sorted(got) == [1, 2, 3]
     for step in range(stopped + 1, 4):
         assert got[step] == expected[step], step
+
+
+def _ranks_started(pid):
+    import psutil
+
+    ranks = [p for p in psutil.Process(pid).children(recursive=True) if "megatron_zcpo.cli.main" in " ".join(p.cmdline())]
+    return len(ranks) >= 2
+
+
+@pytest.mark.parametrize("first_signal", ["launcher-start-up", "ranks-start-up"])
+def test_stop_signals_from_the_first_moment_never_kill_a_tp2_run(tmp_path, tiny_model, first_signal):  # noqa: F811
+    # SIGUSR1 every 0.3 s from the launcher's first handled moment on (it stops before starting the
+    # ranks), or from the moment its ranks exist (relayed through $ZCPO_STOP_FILE, never signalled to
+    # them, so one still importing cannot die): the run exits with the requeue code, and the rerun
+    # trains every step exactly as an uninterrupted run.
+    changes = dict(train={"steps": 2}, checkpoint={"every": 0}, eval=NO_EVAL)
+    _train(_config(tmp_path / "a", tiny_model, **changes))
+    expected = _step_metrics(tmp_path / "a" / "run")
+    path = _config(tmp_path / "b", tiny_model, **changes)
+    command, env = _command(path)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    deadline = time.monotonic() + 600
+    ready = _catches if first_signal == "launcher-start-up" else (lambda pid, _: _ranks_started(pid))
+    while not ready(process.pid, signal.SIGUSR1):  # (the interpreter's own start-up has no Python handler)
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.01)
+    while process.poll() is None and time.monotonic() < deadline:
+        os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(0.3)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
+    expected_stop = "before starting" if first_signal == "launcher-start-up" else "after SIGUSR1"
+    assert expected_stop in stderr, stderr[-3000:]
+    _train(path)
+    assert _step_metrics(tmp_path / "b" / "run") == expected
