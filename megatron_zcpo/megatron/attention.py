@@ -15,12 +15,18 @@ context-parallel layout run (and are tested) on CPUs too, with the same data lay
   positions <= its own. This is O(sequence) memory per rank for keys and values, which is what a
   CPU test needs; TE's ring attention is what runs at scale.
 
+The layout of a packed micro-batch's attention (length buckets, index tensors) is planned by
+its first attention call and kept on its ``PackedSeqParams``: every layer, the reference's
+forward and later passes over the same micro-batch reuse it.
+
 Without packing and context parallelism the computation is megatron's own ``DotProductAttention``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +43,16 @@ def context_parallel_positions(length: int, cp_rank: int, cp_size: int) -> torch
         return torch.arange(length)
     if length % (2 * cp_size):
         raise ValueError(f"a context-parallel sequence length must be a multiple of 2*CP={2 * cp_size}, got {length}")
-    chunk = length // (2 * cp_size)
+    return context_parallel_position_of(torch.arange(length // cp_size), length // (2 * cp_size), cp_rank, cp_size)
+
+
+def context_parallel_position_of(local_index: torch.Tensor, chunk, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Global positions of the local tokens ``local_index`` (int64, any shape) of sequences cut into
+    chunks of ``chunk`` tokens (an int or a tensor broadcasting with it) on rank ``cp_rank``: the
+    first ``chunk`` local tokens are chunk ``cp_rank``, the rest chunk ``2*CP-1-cp_rank``
+    (:func:`context_parallel_positions` for many sequences at once). Same shape as the broadcast."""
     mirrored = 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange(mirrored * chunk, (mirrored + 1) * chunk)])
+    return torch.where(local_index < chunk, cp_rank * chunk + local_index, mirrored * chunk + local_index - chunk)
 
 
 def _batched(tokens, index):
@@ -48,39 +60,115 @@ def _batched(tokens, index):
     return tokens.index_select(0, index.reshape(-1)).reshape(*index.shape, *tokens.shape[1:]).transpose(1, 2)
 
 
-def _packed_attention(query, key, value, lengths, offsets, scale, cp_rank, cp_size, local_tokens):
-    """Causal attention of the packed sequences ``lengths``/``offsets`` (one length bucket).
+@dataclass
+class _Bucket:
+    """The index tensors of one batched SDPA call: the sequences of one length bucket as padded rows.
 
-    query [t, heads, d] (this rank's tokens); key/value [t, heads, d], or [cp * t, heads, d]
-    gathered over the CP group; lengths [n] global (padded) sequence lengths, offsets [n] where
-    each sequence's local tokens start. The sequences are laid out as a padded batch
-    [n, heads, longest, d] for one SDPA call; returns (this bucket's attention output
-    [tokens, heads, d], their indices into the t local tokens).
+    query_valid/query_index [n, L]: which row slots hold a local token and its index among this
+    rank's t tokens. With context parallelism also key_index [n, P] into the gathered [cp * t]
+    keys, key_position [1, P], key_valid [n, P] and query_position [n, L] (global positions) for
+    the causal mask; None without.
     """
+
+    query_valid: torch.Tensor
+    query_index: torch.Tensor
+    key_index: Optional[torch.Tensor] = None
+    key_position: Optional[torch.Tensor] = None
+    key_valid: Optional[torch.Tensor] = None
+    query_position: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _AttentionPlan:
+    """The layout of one packed micro-batch's attention on one CP rank: its buckets, the permutation
+    back to token order [t] and the tokens per rank, with the boundaries tensor it was computed from."""
+
+    source: torch.Tensor  # the cu_seqlens tensor (held, so its identity cannot pass to another tensor)
+    version: int  # source._version when planned: an in-place change makes the plan stale
+    local_tokens: int
+    buckets: List[_Bucket]
+    order: torch.Tensor
+
+
+def _bucket(lengths, offsets, cp_rank, cp_size, local_tokens, device) -> _Bucket:
+    """The :class:`_Bucket` of sequences with global (padded) lengths [n] whose local tokens start at offsets [n]."""
     local = lengths // cp_size
-    j = torch.arange(int(local.max()), device=query.device).unsqueeze(0)
+    j = torch.arange(int(local.max()), device=device).unsqueeze(0)
     query_valid = j < local.unsqueeze(1)
     query_index = torch.where(query_valid, offsets.unsqueeze(1) + j, torch.zeros_like(j))
-    queries = _batched(query, query_index)
     if cp_size == 1:
-        # Padding rows sit after each sequence's tokens: causal masking keeps real queries off them.
-        out = F.scaled_dot_product_attention(queries, _batched(key, query_index), _batched(value, query_index),
-                                             is_causal=True, scale=scale)
-    else:
-        chunk = (lengths // (2 * cp_size)).unsqueeze(1)
-        mirrored = 2 * cp_size - 1 - cp_rank
-        query_position = torch.where(j < chunk, cp_rank * chunk + j, mirrored * chunk + j - chunk)
-        query_position = torch.where(query_valid, query_position, torch.zeros_like(j))
-        p = torch.arange(int(lengths.max()), device=query.device).unsqueeze(0)
-        key_valid = p < lengths.unsqueeze(1)
-        which = p // chunk  # the chunk holding global position p; its owner and offset there:
-        owner = torch.where(which < cp_size, which, 2 * cp_size - 1 - which)
-        within = torch.where(which < cp_size, p - which * chunk, chunk + p - which * chunk)
-        key_index = torch.where(key_valid, owner * local_tokens + offsets.unsqueeze(1) + within, torch.zeros_like(p))
-        mask = (p.unsqueeze(1) <= query_position.unsqueeze(2)) & key_valid.unsqueeze(1)
-        out = F.scaled_dot_product_attention(queries, _batched(key, key_index), _batched(value, key_index),
-                                             attn_mask=mask.unsqueeze(1), scale=scale)
-    return out.transpose(1, 2)[query_valid], query_index[query_valid]
+        return _Bucket(query_valid, query_index)
+    chunk = (lengths // (2 * cp_size)).unsqueeze(1)
+    query_position = context_parallel_position_of(j, chunk, cp_rank, cp_size)
+    query_position = torch.where(query_valid, query_position, torch.zeros_like(j))
+    p = torch.arange(int(lengths.max()), device=device).unsqueeze(0)
+    key_valid = p < lengths.unsqueeze(1)
+    which = p // chunk  # the chunk holding global position p; its owner and offset there:
+    owner = torch.where(which < cp_size, which, 2 * cp_size - 1 - which)
+    within = torch.where(which < cp_size, p - which * chunk, chunk + p - which * chunk)
+    key_index = torch.where(key_valid, owner * local_tokens + offsets.unsqueeze(1) + within, torch.zeros_like(p))
+    return _Bucket(query_valid, query_index, key_index, p, key_valid, query_position)
+
+
+def attention_plan(cu_seqlens: torch.Tensor, cp_rank: int, cp_size: int, device) -> _AttentionPlan:
+    """The :class:`_AttentionPlan` of the packed sequences with boundaries ``cu_seqlens`` [n + 1]
+    (global, padded) on context-parallel rank ``cp_rank``; index tensors on ``device``."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    local = lengths // cp_size
+    offsets = torch.cumsum(local, 0) - local
+    local_tokens = int(local.sum())
+    # Sequences of similar length (same power of two) share one batched call: padding within a
+    # bucket stays under 4x the causal work, and a few calls replace a loop over sequences.
+    bucket = torch.floor(torch.log2(lengths.double())).long()
+    buckets = []
+    for value_of_bucket in torch.unique(bucket).tolist():
+        chosen = torch.nonzero(bucket == value_of_bucket).reshape(-1)
+        buckets.append(_bucket(lengths[chosen], offsets[chosen], cp_rank, cp_size, local_tokens, device))
+    order = torch.argsort(torch.cat([b.query_index[b.query_valid] for b in buckets]))
+    version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
+    return _AttentionPlan(cu_seqlens, version, local_tokens, buckets, order)
+
+
+def _plan_of(packed_seq_params, cp_rank: int, cp_size: int, device) -> _AttentionPlan:
+    """The micro-batch's plan, computed by its first attention call and reused by every later one.
+
+    Kept on the micro-batch's own ``PackedSeqParams`` object: all layers, the reference's forward
+    and later passes over the same micro-batch share it; another micro-batch (a new object, also
+    after ``MicroBatch.to``, which replaces it) starts without one. Reused only while the
+    boundaries are the same tensor, unmodified (inference tensors have no version: never reused).
+    """
+    cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+    if cu_seqlens is None:
+        cu_seqlens = packed_seq_params.cu_seqlens_q
+    plans = vars(packed_seq_params).setdefault("_packed_attention_plans", {})
+    key = (cp_rank, cp_size, torch.device(device))
+    plan = plans.get(key)
+    if plan is None or plan.source is not cu_seqlens or cu_seqlens.is_inference() or plan.version != cu_seqlens._version:
+        plan = plans[key] = attention_plan(cu_seqlens, cp_rank, cp_size, device)
+    return plan
+
+
+def packed_attention(query, key, value, plan: _AttentionPlan, scale: float, cp_size: int) -> torch.Tensor:
+    """Causal attention of a packed micro-batch laid out by ``plan``.
+
+    query [t, heads, d] (this rank's tokens); key/value [t, heads, d], or [cp * t, heads, d]
+    gathered over the CP group. Each bucket's sequences are one padded batch
+    [n, heads, longest, d] for one SDPA call; returns [t, heads, d] in token order.
+    """
+    outputs = []
+    for bucket in plan.buckets:
+        queries = _batched(query, bucket.query_index)
+        if cp_size == 1:
+            # Padding rows sit after each sequence's tokens: causal masking keeps real queries off them.
+            out = F.scaled_dot_product_attention(queries, _batched(key, bucket.query_index),
+                                                 _batched(value, bucket.query_index), is_causal=True, scale=scale)
+        else:
+            mask = (bucket.key_position.unsqueeze(1) <= bucket.query_position.unsqueeze(2)) & bucket.key_valid.unsqueeze(1)
+            out = F.scaled_dot_product_attention(queries, _batched(key, bucket.key_index),
+                                                 _batched(value, bucket.key_index), attn_mask=mask.unsqueeze(1),
+                                                 scale=scale)
+        outputs.append(out.transpose(1, 2)[bucket.query_valid])
+    return torch.cat(outputs).index_select(0, plan.order)
 
 
 class PackedCausalAttention(torch.nn.Module):
@@ -126,11 +214,10 @@ class PackedCausalAttention(torch.nn.Module):
                                  attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         if attention_bias is not None:
             raise ValueError("PackedCausalAttention takes no attention_bias")
-        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
-        if cu_seqlens is None:
-            cu_seqlens = packed_seq_params.cu_seqlens_q
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
+        plan = _plan_of(packed_seq_params, cp_rank, cp_size, query.device)
+        if plan.local_tokens != query.shape[0]:
+            raise ValueError(f"packed_seq_params cover {plan.local_tokens} tokens per rank, the micro-batch has {query.shape[0]}")
         if self.heads != self.groups:  # grouped-query attention: share each key/value head
             key = key.repeat_interleave(self.heads // self.groups, dim=1)
             value = value.repeat_interleave(self.heads // self.groups, dim=1)
@@ -140,20 +227,4 @@ class PackedCausalAttention(torch.nn.Module):
             # [cp * t, heads, d]; the backward reduce-scatters: each rank's keys serve every rank's queries.
             key = gather_from_sequence_parallel_region(key, True, group=self.cp_group)
             value = gather_from_sequence_parallel_region(value, True, group=self.cp_group)
-        local = lengths // cp_size
-        if int(local.sum()) != query.shape[0]:
-            raise ValueError(f"packed_seq_params cover {int(local.sum())} tokens per rank, the micro-batch has {query.shape[0]}")
-        offsets = torch.cumsum(local, 0) - local
-        # Sequences of similar length (same power of two) share one batched call: padding within a
-        # bucket stays under 4x the causal work, and a few calls replace a loop over sequences.
-        bucket = torch.floor(torch.log2(lengths.double())).long()
-        outputs, indices = [], []
-        for value_of_bucket in torch.unique(bucket).tolist():
-            chosen = torch.nonzero(bucket == value_of_bucket).reshape(-1)
-            out, index = _packed_attention(query, key, value, lengths[chosen], offsets[chosen], self.scale,
-                                           cp_rank, cp_size, query.shape[0])
-            outputs.append(out)
-            indices.append(index)
-        out = torch.cat(outputs).index_select(0, torch.argsort(torch.cat(indices)))
-        return out.reshape(query.shape[0], -1)
-
+        return packed_attention(query, key, value, plan, self.scale, cp_size).reshape(query.shape[0], -1)

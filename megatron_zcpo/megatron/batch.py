@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -164,17 +165,63 @@ def pack_micro_batches(units: Sequence[Sequence[int]], lengths: Sequence[int], t
     return batches
 
 
-def _sequence(sample: RolloutSample, index: int):
-    """(inputs [n], targets [n], first response target, response length, rollout log-probs or None)."""
-    sequence = torch.cat([torch.as_tensor(sample.prompt_ids, dtype=torch.long),
-                          torch.as_tensor(sample.response_ids, dtype=torch.long)])
-    start, length = len(sample.prompt_ids) - 1, len(sample.response_ids)
-    rollout = None
-    if sample.rollout_logprobs is not None:
-        if len(sample.rollout_logprobs) != length:
+@dataclass
+class _FlatSamples:
+    """The token ids, lengths and rollout log-probs of some samples, concatenated (one tensor each)."""
+
+    ids: torch.Tensor  # [sum of prompt + response lengths] int64: each sample's prompt, then its response
+    starts: torch.Tensor  # [n] int64: where each sample's ids start in ``ids``
+    inputs: List[int]  # per sample, the tokens the model sees (prompt + response - 1)
+    prompt: torch.Tensor  # [n] int64 prompt lengths
+    response: torch.Tensor  # [n] int64 response lengths
+    rollout: Optional[torch.Tensor]  # [sum of response lengths] float32, or None when a sample has none
+
+
+def _starts(lengths: torch.Tensor) -> torch.Tensor:
+    """Where each of consecutive pieces of ``lengths`` [n] starts: [n] exclusive prefix sums."""
+    return torch.cumsum(lengths, 0) - lengths
+
+
+def _concatenated(pieces: List, dtype: torch.dtype) -> torch.Tensor:
+    """One 1-D ``dtype`` tensor of lists or tensors laid end to end: one conversion, not one per piece."""
+    if all(isinstance(piece, list) for piece in pieces):
+        return torch.tensor(list(itertools.chain.from_iterable(pieces)), dtype=dtype)
+    if all(isinstance(piece, torch.Tensor) for piece in pieces):
+        return torch.cat(pieces).to(dtype)
+    return torch.cat([torch.as_tensor(piece, dtype=dtype) for piece in pieces])
+
+
+def _flatten(samples: Sequence[RolloutSample], indices: Sequence[int]) -> _FlatSamples:
+    """``samples[i] for i in indices`` as :class:`_FlatSamples`; raises ``ValueError`` naming the first
+    sample whose rollout log-probs do not match its response length, or when ``indices`` is empty."""
+    if not indices:
+        raise ValueError("a micro-batch needs at least one sample")
+    chosen = [samples[i] for i in indices]
+    prompt = [len(s.prompt_ids) for s in chosen]
+    response = [len(s.response_ids) for s in chosen]
+    for index, sample, length in zip(indices, chosen, response):
+        if sample.rollout_logprobs is not None and len(sample.rollout_logprobs) != length:
             raise ValueError(f"sample {index}: {len(sample.rollout_logprobs)} rollout log-probs for {length} response tokens")
-        rollout = torch.as_tensor(sample.rollout_logprobs, dtype=torch.float32)
-    return sequence[:-1], sequence[1:], start, length, rollout
+    total = torch.tensor([p + r for p, r in zip(prompt, response)], dtype=torch.long)
+    has_rollout = all(s.rollout_logprobs is not None for s in chosen)
+    return _FlatSamples(
+        ids=_concatenated([ids for s in chosen for ids in (s.prompt_ids, s.response_ids)], torch.long),
+        starts=_starts(total),
+        inputs=[max(p + r - 1, 0) for p, r in zip(prompt, response)],
+        prompt=torch.tensor(prompt, dtype=torch.long),
+        response=torch.tensor(response, dtype=torch.long),
+        rollout=_concatenated([s.rollout_logprobs for s in chosen], torch.float32) if has_rollout else None,
+    )
+
+
+def _shifted_pair(flat: _FlatSamples, sample: torch.Tensor, position: torch.Tensor, pad_id: int):
+    """(inputs, targets) at ``position`` of each token's ``sample`` (same shapes): the sequence's token
+    at that position and the next one, or ``pad_id`` past its inputs."""
+    real = position < torch.tensor(flat.inputs, dtype=torch.long)[sample]
+    # Padding reads ids[0] (discarded): any index it reads must exist.
+    source = torch.where(real, flat.starts[sample] + position, torch.zeros_like(position))
+    pad = torch.full_like(position, pad_id)
+    return torch.where(real, flat.ids[source], pad), torch.where(real, flat.ids[source + real.long()], pad)
 
 
 def collate(samples: Sequence[RolloutSample], indices: Sequence[int], pad_id: int = 0, sp_size: int = 1) -> MicroBatch:
@@ -185,22 +232,19 @@ def collate(samples: Sequence[RolloutSample], indices: Sequence[int], pad_id: in
     after each row's tokens: causal attention keeps real tokens off it and no response position
     points into it, so it never reaches a loss.
     """
-    rows = [_sequence(samples[i], i) for i in indices]
-    width = -(-max(inputs.numel() for inputs, *_ in rows) // sp_size) * sp_size
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    positions, token_index = [], []
-    for row, (inputs, shifted, start, length, _) in enumerate(rows):
-        tokens[row, :inputs.numel()] = inputs
-        targets[row, :inputs.numel()] = shifted
-        positions.append(row * width + torch.arange(start, start + length))
-        token_index.append(torch.arange(length))
-    rollout = [r for *_, r in rows]
+    flat = _flatten(samples, indices)
+    rows = len(flat.inputs)
+    width = -(-max(flat.inputs) // sp_size) * sp_size
+    row = torch.arange(rows).unsqueeze(1).expand(rows, width)
+    tokens, targets = _shifted_pair(flat, row, torch.arange(width).unsqueeze(0).expand(rows, width), pad_id)
+    # Response token k of row r is target position (prompt - 1 + k), flat index r * S + that.
+    owner = torch.repeat_interleave(torch.arange(rows), flat.response)
+    token_index = torch.arange(owner.numel()) - _starts(flat.response)[owner]
     return MicroBatch(
-        tokens=tokens, position_ids=torch.arange(width).unsqueeze(0).expand(len(rows), width).contiguous(),
-        targets=targets, response_positions=torch.cat(positions), response_token_index=torch.cat(token_index),
-        response_lengths=[length for *_, length, _ in rows], sample_indices=list(indices),
-        rollout_logprobs=torch.cat(rollout) if all(r is not None for r in rollout) else None,
+        tokens=tokens, position_ids=torch.arange(width).unsqueeze(0).expand(rows, width).contiguous(),
+        targets=targets, response_positions=owner * width + flat.prompt[owner] - 1 + token_index,
+        response_token_index=token_index, response_lengths=flat.response.tolist(), sample_indices=list(indices),
+        rollout_logprobs=flat.rollout,
     )
 
 
@@ -228,36 +272,36 @@ def collate_packed(samples: Sequence[RolloutSample], indices: Sequence[int], cp_
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_zcpo.megatron.attention import context_parallel_positions
+    from megatron_zcpo.megatron.attention import context_parallel_position_of
 
-    pieces, targets, positions, response_positions, token_index, lengths, rollout = [], [], [], [], [], [], []
-    actual, padded, offset = [0], [0], 0
-    for i in indices:
-        inputs, shifted, start, length, logprobs = _sequence(samples[i], i)
-        full = packed_length(inputs.numel(), cp_size, sp_size)
-        held = context_parallel_positions(full, cp_rank, cp_size)  # global positions kept here
-        pad = full - inputs.numel()
-        pieces.append(torch.cat([inputs, torch.full((pad,), pad_id, dtype=torch.long)])[held])
-        targets.append(torch.cat([shifted, torch.full((pad,), pad_id, dtype=torch.long)])[held])
-        positions.append(held)
-        mine = torch.nonzero((held >= start) & (held < start + length)).reshape(-1)
-        response_positions.append(offset + mine)
-        token_index.append(held[mine] - start)
-        lengths.append(int(mine.numel()))
-        rollout.append(None if logprobs is None else logprobs[held[mine] - start])
-        actual.append(actual[-1] + inputs.numel())
-        padded.append(padded[-1] + full)
-        offset += held.numel()
+    flat = _flatten(samples, indices)
+    full = [packed_length(n, cp_size, sp_size) for n in flat.inputs]
+    local = torch.tensor([f // cp_size for f in full], dtype=torch.long)
+    # Every local token's sample and its index among that sample's local tokens.
+    sample = torch.repeat_interleave(torch.arange(local.numel()), local)
+    j = torch.arange(sample.numel()) - _starts(local)[sample]
+    held = j  # global positions kept here: all of them, or this rank's two chunks of each sequence
+    if cp_size > 1:
+        held = context_parallel_position_of(j, (torch.tensor(full, dtype=torch.long) // (2 * cp_size))[sample],
+                                            cp_rank, cp_size)
+    tokens, targets = _shifted_pair(flat, sample, held, pad_id)
+    first = (flat.prompt - 1)[sample]  # the position whose target is the first response token
+    response_positions = torch.nonzero((held >= first) & (held < first + flat.response[sample])).reshape(-1)
+    owner = sample[response_positions]
+    token_index = held[response_positions] - first[response_positions]
+    rollout = None
+    if flat.rollout is not None:
+        rollout = flat.rollout[_starts(flat.response)[owner] + token_index]
+    actual, padded = [0, *itertools.accumulate(flat.inputs)], [0, *itertools.accumulate(full)]
     cu_actual = torch.tensor(actual, dtype=torch.int32)
     cu_padded = torch.tensor(padded, dtype=torch.int32) if cp_size > 1 or padded != actual else None
-    longest = max(b - a for a, b in zip(padded, padded[1:]))
     return MicroBatch(
-        tokens=torch.cat(pieces).unsqueeze(0), position_ids=torch.cat(positions).unsqueeze(0),
-        targets=torch.cat(targets).unsqueeze(0), response_positions=torch.cat(response_positions),
-        response_token_index=torch.cat(token_index), response_lengths=lengths, sample_indices=list(indices),
-        rollout_logprobs=torch.cat(rollout) if all(r is not None for r in rollout) else None,
+        tokens=tokens.unsqueeze(0), position_ids=held.unsqueeze(0), targets=targets.unsqueeze(0),
+        response_positions=response_positions, response_token_index=token_index,
+        response_lengths=torch.bincount(owner, minlength=local.numel()).tolist(), sample_indices=list(indices),
+        rollout_logprobs=rollout,
         packed_seq_params=PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu_actual, cu_seqlens_kv=cu_actual, cu_seqlens_q_padded=cu_padded,
-            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest,
+            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(full), max_seqlen_kv=max(full),
         ),
     )

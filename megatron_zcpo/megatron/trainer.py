@@ -79,6 +79,8 @@ class PolicyTrainer:
         self.skipped_in_a_row = 0  # consecutive optimizer steps skipped for non-finite values
         self.skipped: List[str] = []  # this rollout step's skipped optimizer steps, one message each
         self.last_coefficients: Optional[torch.Tensor] = None
+        # During train_step: (its samples, {indices: micro-batches}), see micro_batches.
+        self._step_micro_batches: Optional[tuple] = None
         self.diagnostics = diagnostics
         self.reference_is_initial_policy = reference_weights is None
         self.config = transformer_config(
@@ -176,6 +178,14 @@ class PolicyTrainer:
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
+        self._step_micro_batches = (samples, {})
+        try:
+            return self._train_step(samples)
+        finally:
+            self._step_micro_batches = None
+
+    def _train_step(self, samples: Sequence[RolloutSample]) -> Dict[str, float]:
+        """:meth:`train_step`'s body."""
         metrics, timings = MetricAccumulator(), {}
         started = time.perf_counter()
         assignment = self.assign_minibatches(samples)
@@ -254,7 +264,22 @@ class PolicyTrainer:
 
         Deterministic in (samples, indices): the experience pass and every update see the same
         micro-batches, so per-token statistics line up (on a CP rank: its chunks of each response).
+        Within :meth:`train_step` each list is collated once and handed out again for the same
+        samples and indices (the experience pass and the update with one mini-batch, repeated
+        diagnostics probes): nothing writes into a micro-batch, and the step ends the reuse.
         """
+        cache = self._step_micro_batches
+        cache = cache[1] if cache is not None and cache[0] is samples else None
+        key = tuple(indices)
+        if cache is not None and key in cache:
+            return cache[key]
+        collated = self._collate(samples, indices)
+        if cache is not None:
+            cache[key] = collated
+        return collated
+
+    def _collate(self, samples: Sequence[RolloutSample], indices) -> List[MicroBatch]:
+        """:meth:`micro_batches`, collated afresh."""
         units = units_of(indices, [s.group_id for s in samples], self.algorithm.needs_whole_groups)
         budget = self.train_config.micro_batch_tokens
         device = compute_device()
