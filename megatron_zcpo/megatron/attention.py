@@ -80,14 +80,15 @@ class _Bucket:
 
 @dataclass
 class _AttentionPlan:
-    """The layout of one packed micro-batch's attention on one CP rank: its buckets, the permutation
-    back to token order [t] and the tokens per rank, with the boundaries tensor it was computed from."""
+    """The layout of one packed micro-batch's attention on one CP rank: its buckets, where each local
+    token's output lies among theirs and the tokens per rank, with the boundaries tensor it was
+    computed from."""
 
     source: torch.Tensor  # the cu_seqlens tensor (held, so its identity cannot pass to another tensor)
     version: int  # source._version when planned: an in-place change makes the plan stale
     local_tokens: int
     buckets: List[_Bucket]
-    order: torch.Tensor
+    gather: torch.Tensor  # [t]: each local token's row in the buckets' [n, L] output slots laid end to end
 
 
 def _bucket(lengths, offsets, cp_rank, cp_size, local_tokens, device) -> _Bucket:
@@ -124,9 +125,14 @@ def attention_plan(cu_seqlens: torch.Tensor, cp_rank: int, cp_size: int, device)
     for value_of_bucket in torch.unique(bucket).tolist():
         chosen = torch.nonzero(bucket == value_of_bucket).reshape(-1)
         buckets.append(_bucket(lengths[chosen], offsets[chosen], cp_rank, cp_size, local_tokens, device))
-    order = torch.argsort(torch.cat([b.query_index[b.query_valid] for b in buckets]))
+    slots, tokens, base = [], [], 0
+    for b in buckets:
+        slots.append(base + torch.nonzero(b.query_valid.reshape(-1)).reshape(-1))
+        tokens.append(b.query_index[b.query_valid])
+        base += b.query_valid.numel()
+    gather = torch.cat(slots).index_select(0, torch.argsort(torch.cat(tokens)))
     version = -1 if cu_seqlens.is_inference() else cu_seqlens._version
-    return _AttentionPlan(cu_seqlens, version, local_tokens, buckets, order)
+    return _AttentionPlan(cu_seqlens, version, local_tokens, buckets, gather)
 
 
 def _plan_of(packed_seq_params, cp_rank: int, cp_size: int, device) -> _AttentionPlan:
@@ -167,8 +173,8 @@ def packed_attention(query, key, value, plan: _AttentionPlan, scale: float, cp_s
             out = F.scaled_dot_product_attention(queries, _batched(key, bucket.key_index),
                                                  _batched(value, bucket.key_index), attn_mask=mask.unsqueeze(1),
                                                  scale=scale)
-        outputs.append(out.transpose(1, 2)[bucket.query_valid])
-    return torch.cat(outputs).index_select(0, plan.order)
+        outputs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [n * L, heads, d]
+    return torch.cat(outputs).index_select(0, plan.gather)
 
 
 class PackedCausalAttention(torch.nn.Module):
