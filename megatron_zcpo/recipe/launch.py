@@ -16,17 +16,22 @@ def world_size_needed(config: RunConfig, nproc: Optional[int]) -> int:
     return nproc or config.parallel.tensor * config.parallel.pipeline * config.parallel.context
 
 
-def relaunch_with_torchrun(argv: Sequence[str], nproc: int, guard) -> int:
+def relaunch_with_torchrun(argv: Sequence[str], nproc: int, guard=None) -> int:
     """Re-run the ``zcpo`` command ``argv`` under torchrun with ``nproc`` local processes (the CPU
     default path); returns the exit code.
 
-    ``guard`` is this process's installed :class:`~megatron_zcpo.megatron.preemption.PreemptionGuard`:
-    a stop signal to this process is relayed to the ranks through a file (``$ZCPO_STOP_FILE``), never
-    as a signal, so a rank still starting up cannot die of it; each rank stops at its next safe point.
+    ``guard`` is this process's installed :class:`~megatron_zcpo.megatron.preemption.PreemptionGuard`
+    (None: one is installed for the launch): a stop signal to this process is relayed to the ranks
+    through a file (``$ZCPO_STOP_FILE``), never as a signal, so a rank still starting up cannot die
+    of it; each rank stops at its next safe point.
     """
     from torch.distributed.run import main as torchrun
 
-    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, STOP_FILE_ENV
+    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, STOP_FILE_ENV, PreemptionGuard
+
+    if guard is None:
+        with PreemptionGuard() as guard:
+            return relaunch_with_torchrun(argv, nproc, guard)
     from megatron_zcpo.utils.runtime import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
