@@ -59,14 +59,19 @@ def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):  # 
     assert got[2] == expected[2]
 
 
-def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, tiny_model):  # noqa: F811
-    changes = dict(train={"steps": 3}, checkpoint={"every": 0}, eval=NO_EVAL)
-    _train(_config(tmp_path / "a", tiny_model, **changes))
-    expected = _step_metrics(tmp_path / "a" / "run")
-    path = _config(tmp_path / "b", tiny_model, **changes)
+def _reference_and_started_run(tmp_path, model, steps):
+    """(metrics of an uninterrupted run of ``steps``, config path of a second run, its process just started)."""
+    changes = dict(train={"steps": steps}, checkpoint={"every": 0}, eval=NO_EVAL)
+    _train(_config(tmp_path / "a", model, **changes))
+    path = _config(tmp_path / "b", model, **changes)
     command, env = _command(path)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
+    return _step_metrics(tmp_path / "a" / "run"), path, process
+
+
+def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, tiny_model):  # noqa: F811
+    expected, path, process = _reference_and_started_run(tmp_path, tiny_model, 3)
     metrics = tmp_path / "b" / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and '"rollout/reward_mean"' in metrics.read_text()):  # step 1 is trained
@@ -99,13 +104,7 @@ def test_stop_signals_from_the_first_moment_never_kill_a_tp2_run(tmp_path, tiny_
     # ranks), or from the moment its ranks exist (relayed through $ZCPO_STOP_FILE, never signalled to
     # them, so one still importing cannot die): the run exits with the requeue code, and the rerun
     # trains every step exactly as an uninterrupted run.
-    changes = dict(train={"steps": 2}, checkpoint={"every": 0}, eval=NO_EVAL)
-    _train(_config(tmp_path / "a", tiny_model, **changes))
-    expected = _step_metrics(tmp_path / "a" / "run")
-    path = _config(tmp_path / "b", tiny_model, **changes)
-    command, env = _command(path)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
+    expected, path, process = _reference_and_started_run(tmp_path, tiny_model, 2)
     deadline = time.monotonic() + 600
     ready = _catches if first_signal == "launcher-start-up" else (lambda pid, _: _ranks_started(pid))
     while not ready(process.pid, signal.SIGUSR1):  # (the interpreter's own start-up has no Python handler)
