@@ -1,10 +1,10 @@
 """Start this node's SGLang servers (and, on the first rollout node, the sglang router) for a Slurm job.
 
 The train.sbatch scripts run it as one srun step with one task per rollout node; every task computes
-the same plan (megatron_zcpo.rollout.sglang_server.plan_servers: ``gpus_per_node // tp_size``
+the same layout (megatron_zcpo.rollout.sglang_server.server_specs: ``gpus_per_node // tp_size``
 servers per node, ports ``base_port + i * port_stride``) and starts the processes that belong to
 its node, then supervises them until the step is signalled. ``--print`` prints the plan's addresses
-instead, the server URLs as a JSON list on the first line and the router URL on the second, which
+instead: the server URLs as a JSON list on the first line and the router URL on the second, which
 the scripts pass to ``zcpo train`` as ``rollout.sglang.server_urls=[...]`` and
 ``rollout.sglang.router_url=...``.
 
@@ -21,7 +21,7 @@ import sys
 import time
 from typing import List, Optional
 
-from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, plan_servers
+from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, server_specs
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -58,7 +58,7 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
 
 def planned_addresses(config: SGLangServerConfig) -> dict:
     """{"server_urls": [...], "router_url": ...} of the whole job's plan."""
-    specs = plan_servers(config, env={})
+    specs = server_specs(config, env={})
     return {"server_urls": [spec.url for spec in specs],
             "router_url": f"http://{specs[0].node}:{config.router_port}"}
 

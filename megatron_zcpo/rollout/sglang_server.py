@@ -91,8 +91,8 @@ def _gpus_per_node(config: SGLangServerConfig, env: Mapping[str, str]) -> int:
                      "CUDA_VISIBLE_DEVICES says how many GPUs this node has")
 
 
-def plan_servers(config: SGLangServerConfig, env: Optional[Mapping[str, str]] = None) -> List[ServerSpec]:
-    """Every server of the job, node by node (the same plan on every node)."""
+def server_specs(config: SGLangServerConfig, env: Optional[Mapping[str, str]] = None) -> List[ServerSpec]:
+    """Every server of the job, node by node (every node computes the same list)."""
     env = os.environ if env is None else env
     config.validate()
     nodes = config.nodes or (expand_slurm_nodelist(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else [_this_host(env)])
@@ -151,7 +151,7 @@ class SGLangLauncher:
     def __init__(self, config: SGLangServerConfig, env: Optional[Mapping[str, str]] = None):
         self.config = config
         self.env: Dict[str, str] = dict(os.environ if env is None else env)
-        self.specs = plan_servers(config, self.env)
+        self.specs = server_specs(config, self.env)
         self.processes: Dict[str, subprocess.Popen] = {}
         self._logs: Dict[str, str] = {}
 

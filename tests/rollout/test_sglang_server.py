@@ -14,7 +14,7 @@ from megatron_zcpo.rollout.sglang_server import (
     SGLangLauncher,
     SGLangServerConfig,
     launch_sglang,
-    plan_servers,
+    server_specs,
     router_command,
     server_command,
 )
@@ -29,7 +29,7 @@ def test_expand_slurm_nodelist():
 
 def test_plan_from_slurm_environment():
     env = {"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_GPUS_ON_NODE": "8", "SLURMD_NODENAME": "gpu07"}
-    specs = plan_servers(SGLangServerConfig(model_path="/m", tp_size=4, base_port=31000), env)
+    specs = server_specs(SGLangServerConfig(model_path="/m", tp_size=4, base_port=31000), env)
     assert specs == [
         ServerSpec("gpu07", 31000, ("0", "1", "2", "3")), ServerSpec("gpu07", 31010, ("4", "5", "6", "7")),
         ServerSpec("gpu08", 31000, ("0", "1", "2", "3")), ServerSpec("gpu08", 31010, ("4", "5", "6", "7")),
@@ -37,12 +37,12 @@ def test_plan_from_slurm_environment():
     assert specs[2].url == "http://gpu08:31000"
     # visible GPU ids are kept (a job step that got GPUs 4-7), and num_servers caps the plan
     env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
-    specs = plan_servers(SGLangServerConfig(model_path="/m", tp_size=2, nodes=["h"], num_servers=1), env)
+    specs = server_specs(SGLangServerConfig(model_path="/m", tp_size=2, nodes=["h"], num_servers=1), env)
     assert specs == [ServerSpec("h", 30000, ("4", "5"))]
     with pytest.raises(ValueError, match="tp_size=16 exceeds the 8 GPUs"):
-        plan_servers(SGLangServerConfig(model_path="/m", tp_size=16), {"SLURM_GPUS_ON_NODE": "8"})
+        server_specs(SGLangServerConfig(model_path="/m", tp_size=16), {"SLURM_GPUS_ON_NODE": "8"})
     with pytest.raises(ValueError, match="rollout.servers.gpus_per_node"):
-        plan_servers(SGLangServerConfig(model_path="/m"), {})
+        server_specs(SGLangServerConfig(model_path="/m"), {})
 
 
 def test_command_lines():
