@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import fnmatch
 import html
 import json
 import math
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_zcpo.cli.report_curves import matching_keys, write_curves
 from megatron_zcpo.diagnostics.compare import (
     common_budget, cumulative_gpu_hours, group_by_method, mean_and_standard_error, value_at,
 )
@@ -39,39 +39,6 @@ SUMMARY = (
     ("update/grad_norm", None),
     ("diag/*", "mean"),
 )
-
-# Panels of curves: (title, key patterns); a panel is drawn when any run has any of its keys.
-PANELS = (
-    ("reward", ("rollout/reward_mean",)),
-    ("accuracy (train, eval)", ("rollout/accuracy", "eval/avg@*", "eval/pass@*")),
-    ("KL(pi || pi_ref) per token", ("experience/kl",)),
-    ("response length", ("rollout/response_length_mean",)),
-    ("coefficients: |C|, reward flips", ("coef/coef_abs_mean", "coef/reward_flip_fraction")),
-    ("drift: mean, beta*max|K|", ("coef/drift_mean", "coef/drift_peak_mean")),
-    ("gradient norm", ("update/grad_norm",)),
-    ("KL share of the gradient", ("diag/grad_kl_share",)),
-    ("cos(g_reward, g_KL)", ("diag/grad_cosine",)),
-    ("F1 closed-gate fraction", ("diag/f1_closed_fraction",)),
-    ("F1 KL share at closed gates", ("diag/f1_kl_share_closed",)),
-    ("F2 reward cancellation", ("diag/f2_cancellation", "diag/f2_group_cancellation_mean")),
-    ("F2 KL share: low / high cancellation",
-     ("diag/f2_kl_share_low_cancellation", "diag/f2_kl_share_high_cancellation")),
-    ("F3 tied groups", ("diag/f3_tied_group_fraction",)),
-    ("F3 tied-group gradient share", ("diag/f3_tied_grad_share",)),
-    ("F4 corr(length, drift)", ("diag/f4_corr_length_kl_sum", "diag/f4_corr_length_penalty")),
-    ("F5 KL share: short / long groups", ("diag/f5_kl_share_short", "diag/f5_kl_share_long")),
-    ("F6 KL share of the top tokens", ("diag/f6_kl_top*",)),
-    ("F6 KL by position", ("diag/f6_kl_pos_*",)),
-    ("F6 first-token KL share", ("diag/f6_first_token_share",)),
-    ("F7 negative k1 drift fraction", ("diag/f7_k1_negative_fraction",)),
-    ("F6 share of Var(K): first tokens", ("diag/f6_head*_var_share",)),
-    ("F7 RMSE of K: k1 vs conditional KL", ("diag/f7_k1_drift_rmse",)),
-    ("F7 dispersion of K / noise scale (Fig. 3g)", ("diag/f7_k1_dispersion_ratio", "diag/f7_kappa_dispersion_ratio")),
-    ("F7 noise reference scale", ("diag/f7_noise_reference_scale",)),
-    ("GVPO noise RMS (Fig. 4b)", ("diag/f7_gvpo_noise_rms",)),
-    ("other diagnostics", ("diag/*",)),  # whatever the panels above did not draw
-)
-
 
 @dataclass
 class RunData:
@@ -282,10 +249,6 @@ def default_output_dir(directories: Sequence[Path]) -> Path:
     return Path(os.path.commonpath([str(Path(d).resolve()) for d in directories]))
 
 
-def _matching(runs: Sequence[RunData], pattern: str) -> List[str]:
-    return sorted({key for r in runs for key in r.keys() if fnmatch.fnmatchcase(key, pattern)})
-
-
 # ------------------------------------------------------------------------------------------ table
 
 
@@ -302,7 +265,7 @@ def _summary_keys(runs: Sequence[RunData]) -> List[Tuple[str, Optional[str]]]:
     """(key, rule) of every metric the summary shows, in SUMMARY's order (each key once)."""
     keys, seen = [], set()
     for pattern, rule in SUMMARY:
-        for key in _matching(runs, pattern):
+        for key in matching_keys(runs, pattern):
             if key not in seen:
                 seen.add(key)
                 keys.append((key, rule))
@@ -416,44 +379,6 @@ def summary_table(runs: Sequence[RunData], rows: Sequence[SummaryRow], budget_te
 
 
 # ------------------------------------------------------------------------------------------ curves and page
-
-
-def write_curves(runs: Sequence[RunData], path: Path) -> Path:
-    """PANELS as a PNG grid; each run in its own colour, each key of a panel in its own line style."""
-    from matplotlib.figure import Figure
-
-    panels, drawn = [], set()
-    for title, patterns in PANELS:
-        keys = [k for pattern in patterns for k in _matching(runs, pattern) if k not in drawn]
-        if keys:
-            drawn.update(keys)
-            panels.append((title, keys))
-    columns = 4
-    rows = max(1, math.ceil(len(panels) / columns))
-    figure = Figure(figsize=(4.2 * columns, 3.0 * rows), layout="constrained")
-    colours = [f"C{k % 10}" for k in range(len(runs))]
-    styles = ("-", "--", ":", "-.")
-    for position, (title, keys) in enumerate(panels):
-        axes = figure.add_subplot(rows, columns, position + 1)
-        axes.set_title(title, fontsize=9)
-        for r, colour in zip(runs, colours):
-            for k, key in enumerate(keys):
-                steps, values = r.series(key)
-                if not values:
-                    continue
-                label = " ".join(part for part in (r.name if len(runs) > 1 else "",
-                                                   key.split("/", 1)[1] if len(keys) > 1 else "") if part)
-                axes.plot(steps, values, color=colour, linestyle=styles[k % len(styles)],
-                          marker="o" if key.startswith("eval/") or len(values) < 3 else None, markersize=3,
-                          linewidth=1.2, label=label or None)
-        axes.set_xlabel("GPU-hours" if runs[0].gpu_hours is not None else "step", fontsize=8)
-        axes.tick_params(labelsize=7)
-        if axes.get_legend_handles_labels()[1]:
-            axes.legend(fontsize=6)
-    if not panels:
-        figure.add_subplot(1, 1, 1).text(0.5, 0.5, "no metrics to plot", ha="center")
-    figure.savefig(path, dpi=110)
-    return path
 
 
 def write_html(runs: Sequence[RunData], rows: Sequence[SummaryRow], png: Path, path: Path,
