@@ -77,14 +77,16 @@ class MockServer:
             self.process.wait(timeout=30)
 
 
-def soak_config(assets: Path, out: Path, steps: int, servers, request_timeout_s: float = 10.0) -> Path:
+def soak_config(assets: Path, out: Path, steps: int, servers, request_timeout_s: float = 10.0,
+                keep_tied_groups: bool = False) -> Path:
     """The demo config on the mock servers, with the fault-tolerance settings a cluster run would use."""
     from megatron_zcpo.cli.demo import demo_config
 
     config = demo_config(assets, out / "run", {
         "train": {"steps": steps},
-        # A barely warmed-up model (--sft-steps) ties most groups: keep them, so every step trains.
-        "rollout": {"engine": "sglang", "dynamic_sampling": {"drop_tied_groups": False}, "sglang": {"server_urls": [s.url for s in servers], "client": {
+        # A barely warmed-up model (--sft-steps) ties most groups: keep them, so every step trains
+        # (kept for 300 steps at the demo's lr they degrade the policy: see benchmarks/RESULTS.md).
+        "rollout": {"engine": "sglang", "dynamic_sampling": {"drop_tied_groups": not keep_tied_groups}, "sglang": {"server_urls": [s.url for s in servers], "client": {
             "weight_sync": "disk", "weight_dir": str(out / "weights"), "request_timeout_s": request_timeout_s,
             "max_retries": 2, "backoff_s": 0.2, "backoff_max_s": 1.0, "min_healthy": 1, "max_concurrency": 32,
             "rollout_timeout_s": 600.0, "startup_timeout_s": 120.0, "sampling_seeds": True}}},
@@ -164,7 +166,7 @@ def main() -> int:
     servers = [MockServer(assets, free_port(), out, args.fault_rate, args.seed + i) for i in range(2)]
     for server in servers:
         server.start()
-    config = soak_config(assets, out, args.steps, servers, args.request_timeout_s)
+    config = soak_config(assets, out, args.steps, servers, args.request_timeout_s, keep_tied_groups=bool(args.sft_steps))
     env = dict(os.environ, SOAK_DIR=str(out), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("RANK", None)
