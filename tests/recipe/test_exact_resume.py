@@ -11,6 +11,7 @@ import pytest
 
 from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE
 from tests.cli.test_train import tiny_model, write_config  # noqa: F401 - the fixture is used by name
+from tests.recipe.reward_gate import GATE_ENV
 
 NO_EVAL = {"at_start": False, "at_end": False}
 
@@ -60,11 +61,14 @@ def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):  # 
 
 
 def _reference_and_started_run(tmp_path, model, steps):
-    """(metrics of an uninterrupted run of ``steps``, config path of a second run, its process just started)."""
-    changes = dict(train={"steps": steps}, checkpoint={"every": 0}, eval=NO_EVAL)
+    """(metrics of an uninterrupted run of ``steps``, config path of a second run, its process just
+    started; its steps after the first wait for a stop signal: :mod:`tests.recipe.reward_gate`)."""
+    changes = dict(train={"steps": steps}, checkpoint={"every": 0}, eval=NO_EVAL,
+                   reward={"function": "tests.recipe.reward_gate:gated_dapo_math_reward"})
     _train(_config(tmp_path / "a", model, **changes))
     path = _config(tmp_path / "b", model, **changes)
     command, env = _command(path)
+    env[GATE_ENV] = str(tmp_path / "b" / "run" / "metrics.jsonl")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     return _step_metrics(tmp_path / "a" / "run"), path, process
