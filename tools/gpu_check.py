@@ -9,8 +9,10 @@ pass in bf16 at TP1 (sequence parallelism off) are compared with Hugging Face tr
 on the CPU; two bf16 training steps run (finite loss and gradient norm, parameters move);
 ``benchmarks/bench_token_stats.py --gpu`` times the token-statistics ops against the HBM roofline
 and checks the bf16-operand fp32-output GEMM path; the converted checkpoint is ``--verify``-ed under
-the TE spec; the memory planner's predicted peak is printed beside the measured one. One table at
-the end; exit status 0 when every check passed, 1 when one failed.
+the TE spec; the memory planner's predicted peak is printed beside the measured one; and ``zcpo
+train`` runs end to end on the GPU (a tiny random Qwen2 with its own tokenizer, the embedded rollout
+engine, bf16, a checkpoint per step), once straight and once stopped after step 1 and resumed. One
+table at the end; exit status 0 when every check passed, 1 when one failed.
 
 Without a GPU the CPU-checkable parts run (the same model and conversion, the CPU reference, the
 experience pass and two fp32 steps on the local layer spec, ``--verify`` on the CPU, the planner's
@@ -215,7 +217,8 @@ class GpuCheck:
         """The model the training run built used Transformer Engine modules."""
         modules = self.trained["te_modules"]
         ok = self.trained["use_te"] and bool(modules)
-        return CheckRow("TE layer spec model", "ok" if ok else "FAILED", ", ".join(modules) or "no TE modules",
+        found = ", ".join(modules) or ("no TE modules" if self.trained["use_te"] else "Transformer Engine is not installed")
+        return CheckRow("TE layer spec model", "ok" if ok else "FAILED", found,
                         f"TE modules on {self.trained['device']}")
 
     def verify(self) -> CheckRow:
@@ -225,7 +228,9 @@ class GpuCheck:
         tokens = sample_tokens(self.hf_dir, self.model)
         difference = max_logit_difference(self.ckpt_dir, self.hf_dir, tokens)
         tolerance = VERIFY_TOLERANCE["gpu" if self.on_gpu else "cpu"]
-        spec = "TE spec" if self.on_gpu else "local spec"
+        from megatron_zcpo.megatron.model import have_transformer_engine
+
+        spec = "TE spec" if self.on_gpu and have_transformer_engine() else "local spec"
         return CheckRow(f"--verify converted model ({spec})", "ok" if difference <= tolerance else "FAILED",
                         f"max |dlogit| {difference:.2e}", f"<= {tolerance:g}")
 
@@ -241,6 +246,31 @@ class GpuCheck:
         return CheckRow("bench_token_stats --gpu", "ok" if ok else "FAILED", measured,
                         f"exit 0; KL rel diff <= {BENCH_KL_TOLERANCE:g}")
 
+    def train_end_to_end(self) -> CheckRow:
+        """``zcpo train`` for 2 steps; a second run stopped after step 1 and resumed must repeat step 2."""
+        straight = write_train_run(self.out / "e2e_straight", bf16=self.on_gpu)
+        resumed = write_train_run(self.out / "e2e_resumed", bf16=self.on_gpu)
+        runs = [_zcpo_train(straight), _zcpo_train(resumed, "train.steps=1"), _zcpo_train(resumed)]
+        codes = [run.returncode for run in runs]
+        # The engine (HF, fp32) and the trainer must agree within the precision's tolerance at step 0.
+        engine_gap_warned = any("warning: the embedded engine's log-probs differ" in run.stdout + run.stderr for run in runs)
+        expected, got = _trained_steps(straight.parent / "run"), _trained_steps(resumed.parent / "run")
+        if codes != [0, 0, 0] or sorted(expected) != [1, 2] or sorted(got) != [1, 2]:
+            return CheckRow("zcpo train + resume", "FAILED", f"exit codes {codes}; steps {sorted(expected)}, {sorted(got)}",
+                            "exit 0; steps [1, 2]")
+        keys = ("rollout/reward_mean", "rollout/response_length_mean", "update/grad_norm")
+        finite = all(torch.isfinite(torch.tensor(float(r.get(k, 0.0)))) for r in expected.values() for k in keys)
+        same_samples = all(got[2][k] == expected[2][k] for k in keys[:2])
+        gap = max(abs(float(got[2].get(k, 0.0)) - float(expected[2].get(k, 0.0))) for k in keys)
+        step_s = expected[2].get("time/step", float("nan"))
+        engine_gap = max(float(r.get("rollout/logprob_diff_max", 0.0)) for r in expected.values())
+        ok = finite and same_samples and not engine_gap_warned
+        return CheckRow("zcpo train + resume", "ok" if ok else "FAILED",
+                        f"step 2 s {step_s:.2f}; engine vs trainer max |dlogp| {engine_gap:.1e}"
+                        f"{' (warned)' if engine_gap_warned else ''}; resumed vs straight step 2: max |d| {gap:.1e} "
+                        f"over {', '.join(keys)}",
+                        "exit 0; finite; no engine/trainer gap warning; resumed step 2 draws the same samples")
+
     def memory(self) -> CheckRow:
         """The planner's predicted peak beside the measured ``max_memory_allocated`` of the run."""
         capacity = torch.cuda.get_device_properties(0).total_memory / GIB if self.on_gpu else H200_MEMORY_GIB
@@ -252,6 +282,76 @@ class GpuCheck:
             return CheckRow("planner peak memory", "ok", predicted, "measured: no GPU")
         return CheckRow("planner peak memory", "ok", f"measured {measured / GIB:.3f} GiB; {predicted}",
                         f"ratio measured/predicted {measured / without_overhead:.2f}")
+
+
+def addition_rows(count: int, seed: int) -> List[Dict[str, str]]:
+    """``count`` two-digit addition prompts with their answers (no reasoning-gym: the GPU image lacks it)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        rows.append({"prompt": f"{a} + {b} = ? Put the final answer in \\boxed{{}}.", "answer": str(a + b)})
+    return rows
+
+
+def write_train_run(directory: Path, bf16: bool) -> Path:
+    """A tiny random Qwen2 with a BPE tokenizer trained on its prompts, prompt files and a ``zcpo
+    train`` config (TP1, embedded engine, a checkpoint per step) in ``directory``; returns the config."""
+    import json
+
+    import yaml
+    from transformers import Qwen2ForCausalLM
+
+    from megatron_zcpo.data.records import PromptRecord
+    from megatron_zcpo.recipe.demo_assets import DemoSpec, _hf_config, train_tokenizer
+
+    model_dir = directory / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    rows = {"train": addition_rows(256, seed=0), "eval": addition_rows(32, seed=1)}
+    records = [PromptRecord(uid=str(i), messages=[{"role": "user", "content": row["prompt"]}], answer=row["answer"])
+               for i, row in enumerate(rows["train"] + rows["eval"])]
+    spec = DemoSpec(vocab_size=300)
+    tokenizer = train_tokenizer(spec, records)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(_hf_config(spec, tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    for split, split_rows in rows.items():
+        (directory / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in split_rows))
+    config = {
+        "model": {"path": str(model_dir)},
+        "parallel": {"tensor": 1},
+        "train": {"steps": 2, "bf16": bf16, "mini_batches": 2, "micro_batch_tokens": 1024,
+                  "optimizer": {"lr": 1e-4, "warmup_steps": 0}},
+        "algorithm": {"name": "zcpo", "beta": 1.0},
+        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 8,
+                    "dynamic_sampling": {"drop_tied_groups": False}},
+        "data": {"train_files": [str(directory / "train.jsonl")]},
+        "eval": {"data": {"train_files": [str(directory / "eval.jsonl")]}, "num_prompts": 8, "k": 2,
+                 "at_start": False, "at_end": False},
+        "reward": {"num_workers": 1},
+        "checkpoint": {"every": 1, "keep_last": 2},
+        "logging": {"run_dir": str(directory / "run"), "console": "plain", "tensorboard": False},
+    }
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _zcpo_train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``zcpo train config overrides`` in a child process (its output is echoed)."""
+    done = subprocess.run([sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(config), *overrides],
+                          cwd=ROOT, capture_output=True, text=True, timeout=420)
+    print(done.stdout[-4000:] + done.stderr[-4000:], flush=True)
+    return done
+
+
+def _trained_steps(run_dir: Path) -> Dict[int, dict]:
+    """{step: metrics} of the trained steps of a run's metrics.jsonl."""
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r for r in records if "rollout/reward_mean" in r}
 
 
 def _convert_on_rank(rank, world_size, hf_dir, ckpt_dir):
@@ -283,6 +383,7 @@ def run_checks(out: Path, size: str, on_gpu: bool) -> List[CheckRow]:
             check.run("TE layer spec model", check.te_spec)
         check.run("planner peak memory", check.memory)
     check.run("--verify", check.verify)
+    check.run("zcpo train + resume", check.train_end_to_end)
     if on_gpu:
         check.run("bench_token_stats --gpu", check.bench)
     else:

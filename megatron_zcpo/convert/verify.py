@@ -173,13 +173,20 @@ def policy_logprob_gap(trainer, hf_dir: str | os.PathLike, seq_length: int = 16)
     return gap[0]
 
 
+def default_logprob_tolerance(bf16: bool) -> float:
+    """Max |log-prob difference| accepted between the trainer and a Hugging Face model of the same
+    weights when ``train.verify_tolerance`` is unset: 1e-3 in fp32; 0.5 in bf16 (8 mantissa bits per
+    rounding, accumulated over every layer of a large model)."""
+    return 0.5 if bf16 else 1e-3
+
+
 def check_policy_against_hf(trainer, hf_dir: str | os.PathLike, tolerance: Optional[float] = None) -> float:
     """Raise RuntimeError, naming the max difference and the layout, when :func:`policy_logprob_gap`
     exceeds ``tolerance`` (None: 1e-3 in fp32, 0.5 in bf16); returns the gap. Collective."""
     from megatron_zcpo.megatron.model import have_transformer_engine
 
     if tolerance is None:
-        tolerance = 0.5 if trainer.train_config.bf16 else 1e-3
+        tolerance = default_logprob_tolerance(trainer.train_config.bf16)
     gap = policy_logprob_gap(trainer, hf_dir)
     if gap > tolerance:
         parallel = trainer.parallel

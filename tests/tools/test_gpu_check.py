@@ -1,4 +1,5 @@
-"""tools/gpu_check.py: the CPU-checkable parts run and pass, the GPU-only ones are refused cleanly (exit 3)."""
+"""tools/gpu_check.py: the CPU-checkable parts run and pass (`zcpo train` and its resume too), the GPU-only ones
+are refused cleanly (exit 3)."""
 
 import importlib.util
 import subprocess
@@ -27,7 +28,7 @@ def test_without_a_gpu_the_cpu_parts_pass_and_the_rest_is_skipped_with_exit_3(tm
     assert result.returncode == gpu_check.EXIT_NO_GPU, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout[result.stdout.index("# gpu_check"):]
     for check in ("convert HF -> Megatron", "log-probs + 2 steps, fp32 TP1 (local spec)", "planner peak memory",
-                  "--verify converted model (local spec)"):
+                  "--verify converted model (local spec)", "zcpo train + resume"):
         assert any(line.startswith(check) and "| ok " in line for line in table.splitlines()), (check, table)
     skipped = "no GPU: skipped TE layer spec model, bf16 training on the GPU, bench_token_stats --gpu, measured peak memory"
     assert result.stdout.rstrip().splitlines()[-1] == skipped
