@@ -248,8 +248,7 @@ class GpuCheck:
 
     def train_end_to_end(self) -> CheckRow:
         """``zcpo train`` for 2 steps; a second run stopped after step 1 and resumed must repeat step 2."""
-        straight = write_train_run(self.out / "e2e_straight", bf16=self.on_gpu)
-        resumed = write_train_run(self.out / "e2e_resumed", bf16=self.on_gpu)
+        straight, resumed = write_train_runs(self.out / "e2e", ("straight", "resumed"), bf16=self.on_gpu)
         runs = [_zcpo_train(straight), _zcpo_train(resumed, "train.steps=1"), _zcpo_train(resumed)]
         codes = [run.returncode for run in runs]
         # The engine (HF, fp32) and the trainer must agree within the precision's tolerance at step 0.
@@ -294,9 +293,10 @@ def addition_rows(count: int, seed: int) -> List[Dict[str, str]]:
     return rows
 
 
-def write_train_run(directory: Path, bf16: bool) -> Path:
-    """A tiny random Qwen2 with a BPE tokenizer trained on its prompts, prompt files and a ``zcpo
-    train`` config (TP1, embedded engine, a checkpoint per step) in ``directory``; returns the config."""
+def write_train_runs(directory: Path, names, bf16: bool) -> List[Path]:
+    """A tiny random Qwen2 with a BPE tokenizer trained on its prompts and the prompt files, once, in
+    ``directory``; then a ``zcpo train`` config per name (TP1, embedded engine, a checkpoint per step,
+    run directory ``directory/name/run``); returns the configs' paths."""
     import json
 
     import yaml
@@ -330,11 +330,15 @@ def write_train_run(directory: Path, bf16: bool) -> Path:
                  "at_start": False, "at_end": False},
         "reward": {"num_workers": 1},
         "checkpoint": {"every": 1, "keep_last": 2},
-        "logging": {"run_dir": str(directory / "run"), "console": "plain", "tensorboard": False},
+        "logging": {"console": "plain", "tensorboard": False},
     }
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    paths = []
+    for name in names:
+        (directory / name).mkdir(exist_ok=True)
+        config["logging"]["run_dir"] = str(directory / name / "run")
+        paths.append(directory / name / "config.yaml")
+        paths[-1].write_text(yaml.safe_dump(config))
+    return paths
 
 
 def _zcpo_train(config: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -173,10 +173,12 @@ def policy_logprob_gap(trainer, hf_dir: str | os.PathLike, seq_length: int = 16)
     return gap[0]
 
 
-def default_logprob_tolerance(bf16: bool) -> float:
+def logprob_tolerance(tolerance: Optional[float], bf16: bool) -> float:
     """Max |log-prob difference| accepted between the trainer and a Hugging Face model of the same
-    weights when ``train.verify_tolerance`` is unset: 1e-3 in fp32; 0.5 in bf16 (8 mantissa bits per
-    rounding, accumulated over every layer of a large model)."""
+    weights: ``tolerance`` (``train.verify_tolerance``) when set, else 1e-3 in fp32 and 0.5 in bf16
+    (8 mantissa bits per rounding, accumulated over every layer of a large model)."""
+    if tolerance is not None:
+        return tolerance
     return 0.5 if bf16 else 1e-3
 
 
@@ -185,8 +187,7 @@ def check_policy_against_hf(trainer, hf_dir: str | os.PathLike, tolerance: Optio
     exceeds ``tolerance`` (None: 1e-3 in fp32, 0.5 in bf16); returns the gap. Collective."""
     from megatron_zcpo.megatron.model import have_transformer_engine
 
-    if tolerance is None:
-        tolerance = default_logprob_tolerance(trainer.train_config.bf16)
+    tolerance = logprob_tolerance(tolerance, trainer.train_config.bf16)
     gap = policy_logprob_gap(trainer, hf_dir)
     if gap > tolerance:
         parallel = trainer.parallel

@@ -161,7 +161,7 @@ class RLRecipe:
         """
         import torch.distributed as dist
 
-        from megatron_zcpo.convert.verify import default_logprob_tolerance
+        from megatron_zcpo.convert.verify import logprob_tolerance
         from megatron_zcpo.recipe.rollout import broadcast_samples
         from megatron_zcpo.recipe.weight_push import push_weights
 
@@ -194,7 +194,7 @@ class RLRecipe:
         gap = metrics.get("rollout/logprob_diff_max", 0.0)
         rollout, train = self.config.rollout, self.config.train
         # The engine runs the HF model in fp32: in bf16 the trainer alone differs by rounding.
-        tolerance = train.verify_tolerance or default_logprob_tolerance(train.bf16)
+        tolerance = logprob_tolerance(train.verify_tolerance, train.bf16)
         if step == 0 and rollout.engine == "embedded" and not rollout.quantization and gap > tolerance:
             self.logger.print(f"[yellow]warning: the embedded engine's log-probs differ from the trainer's by up "
                               f"to {gap:.2e} at step 0 (same weights: expected < {tolerance:g}, "
