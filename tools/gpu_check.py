@@ -118,14 +118,14 @@ def reference_logprobs(hf_dir: Path, samples) -> List[torch.Tensor]:
 def _train_on_rank(rank, world_size, ckpt_dir, model, samples, bf16):
     """Experience log-probs, then two training steps, in one process (NCCL on a GPU, else gloo)."""
     from megatron_zcpo.algorithms import AlgorithmConfig
-    from megatron_zcpo.megatron import platform
     from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.utils.devices import has_cuda
     from megatron_zcpo.megatron.model import have_transformer_engine
     from megatron_zcpo.megatron.train_config import OptimizerSettings, ParallelConfig, TrainConfig
     from megatron_zcpo.megatron.trainer import PolicyTrainer
 
     setup_megatron(seed=1)
-    on_gpu = platform.has_cuda()
+    on_gpu = has_cuda()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     train = TrainConfig(steps=2, bf16=bf16, micro_batch_tokens=1024, optimizer=OptimizerSettings(lr=1e-4, warmup_steps=0))
@@ -401,9 +401,9 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=sorted(MODEL_SIZES), help="model size (default: small on a GPU, tiny without)")
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
-    from megatron_zcpo.megatron import platform
+    from megatron_zcpo.utils.devices import has_cuda
 
-    on_gpu = platform.has_cuda()
+    on_gpu = has_cuda()
     size = args.size or ("small" if on_gpu else "tiny")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:

@@ -69,7 +69,7 @@ from megatron_zcpo.algorithms.advantages import active_groups
 from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.algorithms.groups import Groups
 from megatron_zcpo.algorithms.kl import kl_penalty
-from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.algorithms.zcpo import sequence_drift
 from megatron_zcpo.diagnostics.branches import BranchSplit, has_kl_branch
 from megatron_zcpo.diagnostics.config import BRANCH_ALGORITHMS, DiagnosticsConfig

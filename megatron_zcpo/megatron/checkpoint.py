@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.megatron.platform import has_cuda
+from megatron_zcpo.utils.devices import has_cuda
 from megatron_zcpo.utils.runtime import unwrap
 
 STEP_PREFIX = "step_"

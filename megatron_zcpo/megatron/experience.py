@@ -16,7 +16,7 @@ import torch
 from megatron_zcpo.megatron.batch import MicroBatch, RolloutSample
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.pipeline import PolicyWithReference, output_weight, run_schedule
-from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats
 
 if TYPE_CHECKING:

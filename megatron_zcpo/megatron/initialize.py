@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_zcpo.megatron.platform import has_cuda, local_cuda_device
+from megatron_zcpo.utils.devices import has_cuda, local_cuda_device
 from megatron_zcpo.utils.runtime import free_port
 
 

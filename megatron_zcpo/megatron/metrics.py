@@ -7,7 +7,7 @@ from typing import Dict
 
 import torch
 
-from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.utils.devices import compute_device
 
 
 class MetricAccumulator:

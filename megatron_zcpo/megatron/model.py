@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_zcpo.megatron.platform import has_cuda
+from megatron_zcpo.utils.devices import has_cuda
 
 SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama")
 

@@ -11,7 +11,7 @@ class HostOffload:
     """Offload ``module``'s parameters and buffers to host memory between uses, and bring them back.
 
     The host copies live in buffers allocated once and reused by every offload; with ``pin``
-    (ask ``megatron_zcpo.megatron.platform.has_cuda()``) they are page-locked, so both
+    (ask ``megatron_zcpo.utils.devices.has_cuda()``) they are page-locked, so both
     directions are asynchronous DMA copies (``non_blocking``) ordered on the current CUDA stream
     instead of a synchronous pageable round trip per tensor. For modules without gradients (the
     reference model): the tensors' ``.data`` are swapped, so the module object stays the same.

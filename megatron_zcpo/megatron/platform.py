@@ -6,8 +6,8 @@ grad-clipping and optimizer code allocate with a hard-coded ``device="cuda"``, p
 ``torch.cuda.synchronize``, tied embeddings under PP call ``.cuda()``, and the optimizers compare
 ``param.type()`` with ``'torch.cuda.FloatTensor'``. Everything that handles those assumptions lives
 in this one module, and :func:`activate` does nothing when CUDA is available, so on a GPU machine
-megatron-core runs exactly as shipped. It is also the one module that asks whether CUDA is there:
-the rest of the package calls :func:`has_cuda` and :func:`compute_device`.
+megatron-core runs exactly as shipped. Whether CUDA is there is decided in
+``megatron_zcpo/utils/devices.py``, which every layer asks.
 
 How it works, in one place each:
 - every loaded ``megatron.core`` module sees a proxy in place of its global ``torch`` whose
@@ -31,17 +31,10 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_zcpo.utils.devices import has_cuda
+
 _ACTIVE = False
 
-
-def has_cuda() -> bool:
-    """Whether this process computes on a CUDA GPU (the only place that asks torch)."""
-    return torch.cuda.is_available()
-
-
-def compute_device() -> torch.device:
-    """Where models and collective buffers live: ``cuda`` (the current device) with CUDA, else ``cpu``."""
-    return torch.device("cuda") if has_cuda() else torch.device("cpu")
 
 # megatron-core modules to import before patching, so the proxy reaches them; anything else
 # under megatron.core that is already imported gets it too.
@@ -343,25 +336,6 @@ def _patch_adam_state_init() -> None:
         original(self, optimizer, config, init_with_step)
 
     MegatronOptimizer.__init__ = init
-
-
-def local_cuda_device(local_rank: int) -> int:
-    """The CUDA device index this process should use, given its rank on the node.
-
-    With one device visible (``srun --gpus-per-task=1`` or a per-task ``CUDA_VISIBLE_DEVICES``)
-    every task sees only its own GPU as device 0, whatever its LOCAL_RANK; with several visible,
-    tasks share the node's devices and take device ``local_rank``. Raises ``ValueError`` when
-    ``local_rank`` names a device that is not visible.
-    """
-    count = torch.cuda.device_count()
-    if count == 1:
-        return 0
-    if not 0 <= local_rank < count:
-        raise ValueError(
-            f"LOCAL_RANK={local_rank} but this task sees {count} CUDA device(s): start one task per"
-            " GPU with as many visible devices as tasks per node, or one visible device per task"
-        )
-    return local_rank
 
 
 def activate() -> bool:

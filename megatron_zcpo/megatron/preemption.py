@@ -105,7 +105,7 @@ class PreemptionGuard:
         import torch
         import torch.distributed as dist
 
-        from megatron_zcpo.megatron.platform import compute_device
+        from megatron_zcpo.utils.devices import compute_device
 
         flag = torch.tensor([float(self.requested())], device=compute_device())
         if dist.is_initialized():

@@ -39,7 +39,7 @@ from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.model import ModelConfig, build_gpt_model, transformer_config
 from megatron_zcpo.megatron.offload import HostOffload
 from megatron_zcpo.megatron.pipeline import install_hidden_state_head
-from megatron_zcpo.megatron.platform import compute_device, has_cuda
+from megatron_zcpo.utils.devices import compute_device, has_cuda
 from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats, RolloutStep
 from megatron_zcpo.megatron.train_config import ParallelConfig, TrainConfig, check_context_parallel
 

@@ -18,7 +18,7 @@ from megatron_zcpo.megatron.batch import MicroBatch
 from megatron_zcpo.megatron.experience import token_stats_on_shard
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.pipeline import PolicyWithReference, output_weight, run_schedule
-from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.megatron.rollout_step import RolloutStep
 from megatron_zcpo.megatron.train_config import ImportanceSamplingConfig
 

@@ -21,7 +21,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.utils.runtime import unwrap
 
 # Transformer Engine fuses the pre-norms into the following linear; the global names are local-spec.

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_zcpo.megatron.batch import RolloutSample
-from megatron_zcpo.megatron.platform import compute_device
+from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.recipe.config import RunConfig
 
 

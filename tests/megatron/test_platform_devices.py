@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron_zcpo.megatron import initialize, platform
+from megatron_zcpo.megatron import initialize
+from megatron_zcpo.utils import devices
 
 
 @pytest.mark.parametrize("visible,local_rank,expected", [
@@ -13,13 +14,13 @@ from megatron_zcpo.megatron import initialize, platform
 ])
 def test_local_cuda_device(monkeypatch, visible, local_rank, expected):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    assert platform.local_cuda_device(local_rank) == expected
+    assert devices.local_cuda_device(local_rank) == expected
 
 
 def test_local_cuda_device_refuses_a_device_that_is_not_visible(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(ValueError, match="LOCAL_RANK=5 but this task sees 4 CUDA device"):
-        platform.local_cuda_device(5)
+        devices.local_cuda_device(5)
 
 
 def test_process_group_binds_the_visible_device_under_one_gpu_per_task(monkeypatch):
