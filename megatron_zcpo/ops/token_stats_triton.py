@@ -53,10 +53,11 @@ class KernelConfig:
         return self.block_v * self.sub
 
 
-# A few shapes around 8 bf16 per thread per load and 8-16 K columns per super-block (a few tens of
-# KiB re-read from L1/L2 by passes 2 and 3); the backward is a plain elementwise pass.
-FORWARD_CANDIDATES = (KernelConfig(1, 1024, 8, 4), KernelConfig(1, 2048, 4, 8), KernelConfig(1, 1024, 16, 4),
-                      KernelConfig(1, 2048, 8, 8))
+# Forward: 8-16 elements per thread per load, 8-16 K columns per super-block (the exact merge costs
+# ~1000 instructions per row and super-block, ~8-16 per element; passes 2 and 3 re-read a super-block
+# of a few tens of KiB per program from L1/L2). Backward: a plain elementwise pass.
+FORWARD_CANDIDATES = (KernelConfig(1, 1024, 16, 4), KernelConfig(1, 2048, 8, 4), KernelConfig(1, 2048, 8, 8),
+                      KernelConfig(1, 1024, 8, 4))
 BACKWARD_CANDIDATES = (KernelConfig(1, 2048, 1, 4), KernelConfig(1, 4096, 1, 8), KernelConfig(4, 1024, 1, 4))
 _TUNED: Dict[tuple, KernelConfig] = {}
 _FORCED: Dict[str, KernelConfig] = {}

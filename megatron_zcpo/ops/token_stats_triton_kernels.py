@@ -39,6 +39,8 @@ INF = tl.constexpr(float("inf"))
 SERIES_RADIUS = tl.constexpr(0.5)  # token_stats_kernels._SERIES_RADIUS
 HUGE_KL_SCALE = tl.constexpr(1e30)  # -MASKED_LOGIT: the KL of mass the reference masks, per unit of mass
 Y_LIMIT = tl.constexpr(6e4)  # float16's range; |log p - log q| beyond it only where the reference masks a token
+LOG2E = tl.constexpr(1.4426950408889634)  # hot loops use exp2 (Triton: ex2.approx.ftz, one instruction)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,11 +161,16 @@ def _rescale(m, m_new, s, scale):
 
 
 @_helper
+def _load_raw(ptr, rows, row_ok, stride, cols, n_cols):
+    """[BLOCK_M, BLOCK_V] float32 logits as stored (-inf possible), -inf past n_cols and past the rows."""
+    mask = row_ok[:, None] & (cols < n_cols)[None, :]
+    return tl.load(ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=-INF).to(tl.float32)
+
+
+@_helper
 def _load(ptr, rows, row_ok, stride, cols, n_cols):
     """[BLOCK_M, BLOCK_V] float32 logits, masked entries clamped to MASKED, columns past n_cols MASKED."""
-    mask = row_ok[:, None] & (cols < n_cols)[None, :]
-    x = tl.load(ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=MASKED)
-    return tl.maximum(x.to(tl.float32), MASKED)
+    return tl.maximum(_load_raw(ptr, rows, row_ok, stride, cols, n_cols), MASKED)
 
 
 @_helper
@@ -204,18 +211,21 @@ def token_stats_forward_kernel(
     for start in range(0, n_cols, width):
         n_sub = tl.minimum(SUB, tl.cdiv(n_cols - start, BLOCK_V))
         block_at = rows.to(tl.int64) * n_super + start // width
-        # pass 1: maxima
+        # pass 1: maxima (clamped once per row, not per element)
         mv = tl.full([BLOCK_M, BLOCK_V], MASKED, tl.float32)
         mrv = tl.full([BLOCK_M, BLOCK_V], MASKED, tl.float32)
         for j in range(0, n_sub):
             cols = start + j * BLOCK_V + lanes
-            mv = tl.maximum(mv, _load(z_ptr, rows, row_ok, z_stride, cols, n_cols))
+            mv = tl.maximum(mv, _load_raw(z_ptr, rows, row_ok, z_stride, cols, n_cols))
             if WITH_REF:
-                mrv = tl.maximum(mrv, _load(zr_ptr, rows, row_ok, zr_stride, cols, n_cols))
-        mb = tl.max(mv, axis=1)
+                mrv = tl.maximum(mrv, _load_raw(zr_ptr, rows, row_ok, zr_stride, cols, n_cols))
+        mb = tl.maximum(tl.max(mv, axis=1), MASKED)
         mb_e = _effective(mb)
-        mrb = tl.max(mrv, axis=1)
+        mrb = tl.maximum(tl.max(mrv, axis=1), MASKED)
         mrb_e = _effective(mrb)
+        # exponents in base 2: (z - m) is formed exactly first, then one multiply and ex2
+        k_t = inv_t * LOG2E
+        k_kl = inv_kl * LOG2E
         # pass 2: sums and the entropy accumulator sum e^u u
         sv = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
         ev = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
@@ -224,19 +234,19 @@ def token_stats_forward_kernel(
         srkv = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
         for j in range(0, n_sub):
             cols = start + j * BLOCK_V + lanes
-            z = _load(z_ptr, rows, row_ok, z_stride, cols, n_cols)
-            u = (z - mb_e[:, None]) * inv_t
-            eu = tl.exp(u)
+            d = _load(z_ptr, rows, row_ok, z_stride, cols, n_cols) - mb_e[:, None]
+            u2 = d * k_t  # log2 of e^u
+            eu = tl.exp2(u2)
             sv += eu
-            ev += eu * u  # e^u = 0 where u ~ -1e30: no 0 * inf
+            ev += eu * u2  # e^u = 0 where u ~ -1e30: no 0 * inf
             cached = eu
             if WITH_REF:
-                zr = _load(zr_ptr, rows, row_ok, zr_stride, cols, n_cols)
-                srv += tl.exp((zr - mrb_e[:, None]) * inv_t)
+                dr = _load(zr_ptr, rows, row_ok, zr_stride, cols, n_cols) - mrb_e[:, None]
+                srv += tl.exp2(dr * k_t)
                 if SEPARATE_KL:
-                    ek = tl.exp((z - mb_e[:, None]) * inv_kl)
+                    ek = tl.exp2(d * k_kl)
                     skv += ek
-                    srkv += tl.exp((zr - mrb_e[:, None]) * inv_kl)
+                    srkv += tl.exp2(dr * k_kl)
                     if CACHE_AT_KL:
                         cached = ek
             if CACHE:
@@ -244,7 +254,7 @@ def token_stats_forward_kernel(
                 cache_mask = row_ok[:, None] & (cols < n_cols)[None, :]
                 tl.store(e_cache_ptr + at, cached.to(tl.float16), mask=cache_mask)
         sb = tl.sum(sv, axis=1)
-        eb = tl.sum(ev, axis=1)
+        eb = tl.sum(ev, axis=1) * LN2
         if CACHE:
             tl.store(block_ptr + block_at, mb_e, mask=row_ok)
         # the policy's running sums (online softmax with an entropy accumulator), applied below
@@ -275,13 +285,13 @@ def token_stats_forward_kernel(
                 cols = start + j * BLOCK_V + lanes
                 z = _load(z_ptr, rows, row_ok, z_stride, cols, n_cols)
                 zr = _load(zr_ptr, rows, row_ok, zr_stride, cols, n_cols)
-                ek = tl.exp((z - mb_e[:, None]) * inv_kl)
+                ek = tl.exp2((z - mb_e[:, None]) * k_kl)
                 y = (z - zr) * inv_kl - offset[:, None]  # the close logits subtracted first
                 clamped = tl.minimum(tl.maximum(y, -SERIES_RADIUS), SERIES_RADIUS)
                 first = ek * y
                 av += first
                 # beyond the series, e^u g(y) = e^u y + e^{u_r + c'} - e^u: bounded for every y
-                direct = first + tl.exp((zr - mrb_e[:, None]) * inv_kl) * e_c[:, None] - ek
+                direct = first + tl.exp2((zr - mrb_e[:, None]) * k_kl) * e_c[:, None] - ek
                 gv += tl.where(y == clamped, _g_series(clamped) * clamped * clamped * ek, direct)
                 if CACHE:
                     at = rows[:, None].to(tl.int64) * cache_stride + cols[None, :]
@@ -370,22 +380,24 @@ def token_stats_backward_kernel(
     row64 = rows.to(tl.int64)
     shift = tl.load(saved_ptr + rows, mask=row_ok, other=0.0)
     log_s = tl.load(saved_ptr + saved_stride + rows, mask=row_ok, other=0.0)
+    # log2 p = log2_p: exponents in base 2 (exp2 is one instruction); log p = log2_p * LN2.
     if FROM_CACHE:
         block_at = row64 * n_super + first // SUPER_WIDTH
         m_block = tl.load(block_ptr + block_at, mask=row_ok, other=0.0)
         at = row64[:, None] * cache_stride + cols[None, :]
         e = tl.load(e_cache_ptr + at, mask=valid, other=0.0).to(tl.float32)
-        log_e = tl.log(e)  # -inf where e = 0 (masked, or below float16's range)
+        log2_e = tl.log2(e)  # -inf where e = 0 (masked, or below float16's range)
+        to_p = ((m_block - shift) * inv_t - log_s) * LOG2E
         if CACHE_AT_KL:
-            log_p = log_e * cache_to_t + ((m_block - shift) * inv_t - log_s)[:, None]
-            p = tl.where(e > 0.0, tl.exp(log_p), 0.0)
+            log2_p = log2_e * cache_to_t + to_p[:, None]
+            p = tl.where(e > 0.0, tl.exp2(log2_p), 0.0)
         else:
-            p = e * tl.exp((m_block - shift) * inv_t - log_s)[:, None]
-            log_p = log_e + ((m_block - shift) * inv_t - log_s)[:, None]
+            p = e * tl.exp2(to_p)[:, None]
+            log2_p = log2_e + to_p[:, None]
     else:
         z = _load(z_ptr, rows, row_ok, z_stride, cols, n_cols)
-        log_p = (z - shift[:, None]) * inv_t - log_s[:, None]
-        p = tl.exp(log_p)
+        log2_p = (z - shift[:, None]) * (inv_t * LOG2E) - (log_s * LOG2E)[:, None]
+        p = tl.exp2(log2_p)
     grad = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
     if HAS_LP:
         grad_lp = tl.load(grad_lp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -393,7 +405,7 @@ def token_stats_backward_kernel(
         # d H / dz = -p (log p + H) / T
         entropy = tl.load(saved_ptr + 2 * saved_stride + rows, mask=row_ok, other=0.0)
         grad_ent = tl.load(grad_ent_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        grad = tl.where(p > 0.0, -inv_t * p * ((log_p + entropy[:, None]) * grad_ent[:, None]), 0.0)
+        grad = tl.where(p > 0.0, -inv_t * p * ((log2_p * LN2 + entropy[:, None]) * grad_ent[:, None]), 0.0)
     if HAS_LP:
         # d logprob_t / dz = (1{v=t} - p) / T
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
@@ -413,18 +425,18 @@ def token_stats_backward_kernel(
             # y = log p - log q - (per super-block constant): put back the maxima and c' - c
             excess = y + (((m_block - ref_block) - (shift - ref_shift)) * inv_kl + (c_block - c) - kl)[:, None]
             if SEPARATE_KL:
+                to_p_kl = ((m_block - shift) * inv_kl - kl_log_s) * LOG2E
                 if CACHE_AT_KL:
-                    p_kl = e * tl.exp((m_block - shift) * inv_kl - kl_log_s)[:, None]
+                    p_kl = e * tl.exp2(to_p_kl)[:, None]
                 else:
-                    p_kl = tl.where(e > 0.0, tl.exp(log_e * cache_to_kl + ((m_block - shift) * inv_kl - kl_log_s)[:, None]),
-                                    0.0)
+                    p_kl = tl.where(e > 0.0, tl.exp2(log2_e * cache_to_kl + to_p_kl[:, None]), 0.0)
             else:
                 p_kl = p
         else:
             zr = _load(zr_ptr, rows, row_ok, zr_stride, cols, n_cols)
             excess = (z - zr - (shift - ref_shift)[:, None]) * inv_kl - (c + kl)[:, None]
             if SEPARATE_KL:
-                p_kl = tl.exp((z - shift[:, None]) * inv_kl - kl_log_s[:, None])
+                p_kl = tl.exp2((z - shift[:, None]) * (inv_kl * LOG2E) - (kl_log_s * LOG2E)[:, None])
             else:
                 p_kl = p
         grad = grad + tl.where(p_kl > 0.0, (inv_kl * grad_kl)[:, None] * (p_kl * excess), 0.0)
