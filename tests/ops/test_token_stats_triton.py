@@ -7,6 +7,9 @@ costs ~0.1 ms per operation.
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +37,7 @@ from tests.ops.test_token_stats import (  # noqa: E402
 )
 
 DEVICE = torch.device("cuda" if has_cuda() else "cpu")
+ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURES = [(1.0, 1.0), (0.7, 1.0), (1.3, 0.6)]  # one pair each: same, cache at T_kl, cache at T
 
 
@@ -219,3 +223,25 @@ def test_tp2_over_gloo_matches_float64():
         assert (results["hidden"].double() - h64.grad).norm() / h64.grad.norm() < 3e-4
     weight_grad = torch.cat([r["weight"] for r in per_rank]).double()
     assert (weight_grad - w64.grad).norm() / w64.grad.norm() < 3e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# the GPU-side scripts, run where there is no GPU
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """What the interpreter accepts but the compiler would reject fails here (tools/check_triton_kernels.py)."""
+    result = subprocess.run([sys.executable, "tools/check_triton_kernels.py", "--quick"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "0 failed" in result.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif(has_cuda(), reason="the real benchmark runs on the GPU")
+def test_gpu_benchmark_dry_run_passes_every_check_and_times_every_case():
+    result = subprocess.run([sys.executable, "benchmarks/bench_token_stats.py", "--gpu", "--dry-run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ERROR" not in result.stdout and "FAIL" not in result.stdout, result.stdout
+    assert "0 checks failed [], 0 Triton cases failed []" in result.stdout
+    assert result.stdout.count(" ms  peak") == 11  # every case of the three tables but the compiled ones
