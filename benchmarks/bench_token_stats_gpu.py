@@ -11,6 +11,7 @@ events beside the peer and the previous implementation:
                          plain-torch cross-entropy + entropy when megatron-core is not installed
     compiled             the four statistics as plain functional torch (bf16 in, fp32 math,
                          logsumexp), 512-row chunks, under torch.compile
+  experience 4096 x 5120 x 152,064: fused forward of policy and reference (2 GEMMs), no gradient
   update 4096 x 5120 x 152,064: forward + backward with the output-layer GEMMs
     ours (triton)        fused_token_stats(...).logprob backward: 3 GEMMs, logits never whole
     ours (triton) + KL   with the reference's hidden states and output layer (4 GEMMs)
@@ -291,6 +292,28 @@ def compiled_cases(bench: Bench, tokens: int, sizes, hidden_size: int) -> None:
                flops=3 * 2.0 * tokens * hidden_size * sizes[0])
 
 
+def experience_cases(bench: Bench, tokens: int, hidden_size: int, vocab: int, peer_name: str, peer_ce) -> None:
+    """The experience pass: policy and reference output layers and all statistics, no gradient."""
+    from megatron_zcpo.ops.token_stats import fused_token_stats
+
+    table = f"experience {tokens} x {hidden_size} x {vocab}"
+    print(f"\n# {table}: fused forward of policy and reference, no gradient, bf16", flush=True)
+    hidden, weight, ref_weight, targets = layer_inputs(tokens, hidden_size, vocab)
+    gemm = 2.0 * tokens * hidden_size * vocab
+
+    def peer():
+        logits = hidden @ weight.t()
+        return peer_ce(logits, targets), peer_entropy(logits), peer_ce(hidden @ ref_weight.t(), targets)
+
+    with torch.no_grad():
+        bench.case(table, f"peer (2 layers + {peer_name} x2 + H)", peer, flops=2 * gemm, peer=True)
+        bench.case(table, "ours (triton)", lambda: fused_token_stats(hidden, weight, targets, hidden, ref_weight),
+                   flops=2 * gemm, required=True)
+        bench.case(table, "ours (torch backend, previous)",
+                   lambda: fused_token_stats(hidden, weight, targets, hidden, ref_weight, backend="torch"),
+                   flops=2 * gemm)
+
+
 def update_cases(bench: Bench, tokens: int, hidden_size: int, vocab: int, peer_name: str, peer_ce) -> None:
     """Checks and timings of the update: forward + backward through the output layer and the statistics."""
     from megatron_zcpo.ops.token_stats import fused_token_stats
@@ -364,11 +387,12 @@ def run(budget_s: float = 270.0, dry_run: bool = False) -> int:
         except Exception:
             traceback.print_exc()
             bench.failed_cases.append(f"stats {size}")
-    try:
-        update_cases(bench, tokens, hidden_size, vocab, peer_name, peer_ce)
-    except Exception:
-        traceback.print_exc()
-        bench.failed_cases.append("update")
+    for cases in (update_cases, experience_cases):
+        try:
+            cases(bench, tokens, hidden_size, vocab, peer_name, peer_ce)
+        except Exception:
+            traceback.print_exc()
+            bench.failed_cases.append(cases.__name__)
     if not dry_run:  # Inductor on the CPU would need a C++ toolchain and minutes
         try:
             compiled_cases(bench, tokens, (vocab, shard), hidden_size)

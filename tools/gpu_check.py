@@ -288,7 +288,7 @@ def bench_summary(stdout: str) -> str:
     """"table: ours ms (x peer)" for each table of the benchmark's output, and the checks passed."""
     parts, table = [], None
     for line in stdout.splitlines():
-        header = re.match(r"# (stats|update) (\d+ x [\d x]+)", line)
+        header = re.match(r"# (stats|update|experience) (\d+ x [\d x]+)", line)
         if header:
             table = f"{header.group(1)} {header.group(2).split(':')[0].strip()}"
         timed = re.match(r"\s+ours \(triton\)(, logprob)?\s+([\d.]+) ms .* x peer\s+([\d.]+)", line)

@@ -244,4 +244,4 @@ def test_gpu_benchmark_dry_run_passes_every_check_and_times_every_case():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ERROR" not in result.stdout and "FAIL" not in result.stdout, result.stdout
     assert "0 checks failed [], 0 Triton cases failed []" in result.stdout
-    assert result.stdout.count(" ms  peak") == 11  # every case of the three tables but the compiled ones
+    assert result.stdout.count(" ms  peak") == 14  # every case of the four tables but the compiled ones
