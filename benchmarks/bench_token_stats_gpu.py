@@ -257,7 +257,21 @@ def stats_cases(bench: Bench, tokens: int, vocab: int, peer_name: str, peer_ce) 
         error = relative(grads["triton"], grads["torch"])
         return error < 1e-4, f"512 rows, T=0.7, logprob + entropy + 10 KL: logit gradient rel {error:.1e}"
 
+    def tiny_kl_against_float64():
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        rows = min(64, tokens)
+        z32 = torch.randn(rows, vocab, device=DEVICE, generator=gen) * 2.0
+        zr32 = z32 + 1e-4 * torch.randn(rows, vocab, device=DEVICE, generator=gen)  # KL ~ 5e-9
+        with torch.no_grad():
+            exact = vocab_parallel_token_stats(z32.double(), targets[:rows], zr32.double()).kl
+            errors = [kl_relative(vocab_parallel_token_stats(z32, targets[:rows], zr32, backend=b).kl, exact)
+                      for b in ("triton", "torch")]
+        text = (f"fp32 logits, KL {exact.min().item():.1e}..{exact.max().item():.1e}: KL rel to float64 "
+                f"{errors[0]:.1e} (torch backend {errors[1]:.1e})")
+        return errors[0] < 1e-4, text
+
     bench.check(f"{vocab} T=1", against_torch)
+    bench.check(f"{vocab} tiny KL", tiny_kl_against_float64)
     bench.check(f"{vocab} T=0.7 T_kl=1", lambda: against_torch(temperature=0.7))
     bench.check(f"{vocab} backward", gradients_against_torch)
     logits_bytes = 2 * z.numel() * z.element_size()

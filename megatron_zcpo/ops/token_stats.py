@@ -4,8 +4,9 @@ Each tensor-parallel rank holds a vocabulary shard: global ids [r * V_local, (r 
 Columns at or past ``vocab_size`` (Megatron's padding) are ignored; logits at or below
 ``MASKED_LOGIT`` (including -inf) mean probability exactly 0. :func:`vocab_parallel_token_stats`
 takes the logits, :func:`fused_token_stats` the final hidden states and the output layer (the
-logits never exist whole). The numerics, the tiling and the memory they need are explained in
-:mod:`megatron_zcpo.ops.token_stats_kernels`.
+float32 logits never exist whole). Two backends compute them: torch (the CPU path and the
+reference; numerics, tiling and memory in :mod:`megatron_zcpo.ops.token_stats_kernels`) and Triton
+kernels on CUDA (:mod:`megatron_zcpo.ops.token_stats_triton`), chosen by ``backend``.
 """
 
 from __future__ import annotations
@@ -252,15 +253,19 @@ def fused_token_stats(
     sequence-parallel) input of Megatron's ColumnParallelLinear output layer, identical on every
     rank of ``group``. weight, ref_weight: [V_local, H] this rank's output-layer shards (rows at or
     past ``vocab_size`` are padding). targets: [...] global token ids. Other arguments as in
-    :func:`vocab_parallel_token_stats`: one [chunk_size, vocab_chunk_size] tile of logits exists at
-    a time (six buffers of it), in forward and in backward.
+    :func:`vocab_parallel_token_stats`. Torch backend: one [chunk_size, vocab_chunk_size] tile of
+    logits exists at a time (six buffers of it), in forward and in backward. Triton backend: one
+    float32 [chunk_size, V_local] buffer of logits (two with a reference); when a gradient is
+    wanted the forward also keeps float16 [N, V_local] caches of the probabilities (and of the
+    log-ratio with a reference) for backward, which then writes a [N, V_local] logit gradient in the
+    operands' dtype instead of recomputing the logits (three output-layer GEMMs per update).
 
-    Logits are recomputed in float32 with no bf16 rounding: on CUDA bf16 x bf16 GEMMs with float32
+    Logits are computed in float32 with no bf16 rounding: on CUDA bf16 x bf16 GEMMs with float32
     output (exact products), on CPU upcast operands. Gradients of ``logprob``, ``entropy`` and ``kl``
-    flow into ``hidden`` and ``weight`` (a float32 [V_local, H] accumulator, cast to weight's dtype);
-    backward recomputes the logits tile by tile and all-reduces the hidden gradient over ``group``
-    (the partial sums of the vocabulary shards), so ``hidden`` must not be sequence-parallel. The
-    reference gets no gradient.
+    flow into ``hidden`` and ``weight`` (cast to their dtypes; the gradient GEMMs take bf16
+    operands on CUDA); backward all-reduces the hidden gradient over ``group`` (the partial sums of
+    the vocabulary shards), so ``hidden`` must not be sequence-parallel. The reference gets no
+    gradient.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: hidden must be "
