@@ -59,15 +59,20 @@ def _as_compute(grads, tiling: Tiling):
     return tuple(None if g is None else g.to(tiling.dtype) for g in grads)
 
 
-def _run(function, forward: Callable, needs_grad: bool, inputs: tuple, shape, dtype) -> TokenStats:
-    """Through the autograd ``function`` when a gradient is wanted, else plain ``forward`` (nothing saved)."""
-    results = TileResults(*function.apply(*inputs), saved=None) if needs_grad else forward(*inputs)
+def _shaped(results, shape, dtype) -> TokenStats:
+    """TokenStats of ``results`` (TileResults, or the four outputs of an autograd Function) in ``shape``."""
+    if isinstance(results, TileResults):
+        results = (results.logprob, results.entropy, results.ref_logprob, results.kl)
 
     def shaped(x):
         return None if x is None else x.to(dtype).view(shape)
 
-    return TokenStats(shaped(results.logprob), shaped(results.entropy), shaped(results.ref_logprob),
-                      shaped(results.kl))
+    return TokenStats(*(shaped(x) for x in results))
+
+
+def _run(function, forward: Callable, needs_grad: bool, inputs: tuple, shape, dtype) -> TokenStats:
+    """Through the autograd ``function`` when a gradient is wanted, else plain ``forward`` (nothing saved)."""
+    return _shaped(function.apply(*inputs) if needs_grad else forward(*inputs), shape, dtype)
 
 
 def _backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -105,25 +110,36 @@ def _logits_forward(logits, ref_logits, targets, tiling) -> TileResults:
     return tiled_forward(_logits_loader(logits, ref_logits), targets, tiling, logits.device)
 
 
+def _logits_backward(logits, ref_logits, targets, saved, grads, tiling) -> torch.Tensor:
+    """d(loss)/d(logits) [N, V_local] from the upstream (logprob, entropy, kl) gradients, tile by tile."""
+    grad_logits = torch.empty_like(logits)
+    grad_logits[:, tiling.valid_columns:].zero_()
+
+    def store(start, stop, first, last, grad):
+        grad_logits[start:stop, first:last].copy_(grad)
+
+    tiled_backward(_logits_loader(logits, ref_logits), store, targets, saved, *_as_compute(grads, tiling), tiling,
+                   logits.device)
+    return grad_logits
+
+
 class _TokenStatsFromLogits(torch.autograd.Function):
+    """Autograd over a backend's ``forward(logits, ref_logits, targets, tiling) -> TileResults`` and
+    ``backward(logits, ref_logits, targets, saved, grads, tiling) -> grad_logits``."""
+
     @staticmethod
-    def forward(ctx, logits, ref_logits, targets, tiling):
-        results = _logits_forward(logits, ref_logits, targets, tiling)
-        return save_results(ctx, (logits, ref_logits, targets), results, tiling)
+    def forward(ctx, logits, ref_logits, targets, tiling, forward, backward):
+        ctx.backend_backward = backward
+        return save_results(ctx, (logits, ref_logits, targets), forward(logits, ref_logits, targets, tiling), tiling)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, _grad_ref_logprob, grad_kl):
         logits, ref_logits, targets, saved = ctx.saved_tensors
-        tiling = ctx.tiling
-        grad_logits = torch.empty_like(logits)
-        grad_logits[:, tiling.valid_columns:].zero_()
-
-        def store(start, stop, first, last, grad):
-            grad_logits[start:stop, first:last].copy_(grad)
-
-        tiled_backward(_logits_loader(logits, ref_logits), store, targets, saved,
-                  *_as_compute((grad_logprob, grad_entropy, grad_kl), tiling), tiling, logits.device)
-        return grad_logits, None, None, None
+        grads = (grad_logprob, grad_entropy, grad_kl)
+        grad_logits = None
+        if any(g is not None for g in grads):
+            grad_logits = ctx.backend_backward(logits, ref_logits, targets, saved, grads, ctx.tiling)
+        return grad_logits, None, None, None, None, None
 
 
 def vocab_parallel_token_stats(
@@ -174,12 +190,14 @@ def vocab_parallel_token_stats(
     inputs = (logits.reshape(-1, logits.shape[-1]),
               None if ref_logits is None else ref_logits.reshape(-1, logits.shape[-1]),
               targets.reshape(-1).to(device=logits.device, dtype=torch.long), tiling)
+    kernels = (_logits_forward, _logits_backward)
     if chosen == "triton":
         from megatron_zcpo.ops import token_stats_triton as triton_backend
 
-        return _run(triton_backend.TritonTokenStatsFromLogits, triton_backend.logits_forward, _needs_grad(logits),
-                    inputs, targets.shape, dtype)
-    return _run(_TokenStatsFromLogits, _logits_forward, _needs_grad(logits), inputs, targets.shape, dtype)
+        kernels = (triton_backend.logits_forward, triton_backend.logits_backward)
+    if _needs_grad(logits):
+        return _shaped(_TokenStatsFromLogits.apply(*inputs, *kernels), targets.shape, dtype)
+    return _shaped(kernels[0](*inputs), targets.shape, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

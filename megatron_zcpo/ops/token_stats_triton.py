@@ -1,4 +1,4 @@
-"""The Triton backend of the token statistics: launches, a small autotune, and the two autograd Functions.
+"""The Triton backend of the token statistics: launches, a small autotune, the fused autograd Function.
 
 Forward: :func:`token_stats_forward_kernel` reduces each row's shard in one HBM pass to the shard
 statistics of the torch path; the float64 merge over tensor-parallel ranks (one all-gather per
@@ -273,24 +273,12 @@ def _backward(out, targets, saved, grads, tiling: Tiling, *, logits=None, ref_lo
     launch(config)
 
 
-class TritonTokenStatsFromLogits(torch.autograd.Function):
-    """Autograd of :func:`logits_forward`: backward reads the logits again, one elementwise kernel."""
-
-    @staticmethod
-    def forward(ctx, logits, ref_logits, targets, tiling):
-        results = logits_forward(logits, ref_logits, targets, tiling)
-        return save_results(ctx, (logits, ref_logits, targets), results, tiling)
-
-    @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy, _grad_ref_logprob, grad_kl):
-        logits, ref_logits, targets, saved = ctx.saved_tensors
-        grads = (grad_logprob, grad_entropy, grad_kl)
-        if all(g is None for g in grads):
-            return None, None, None, None
-        grad_logits = torch.empty_like(logits)
-        _backward(grad_logits, targets, saved, grads, ctx.tiling, logits=logits,
-                  ref_logits=ref_logits if grad_kl is not None else None)
-        return grad_logits, None, None, None
+def logits_backward(logits, ref_logits, targets, saved, grads, tiling: Tiling) -> torch.Tensor:
+    """d(loss)/d(logits) [N, V_local] from the upstream (logprob, entropy, kl) gradients: one kernel."""
+    grad_logits = torch.empty_like(logits)
+    _backward(grad_logits, targets, saved, grads, tiling, logits=logits,
+              ref_logits=ref_logits if grads[2] is not None else None)
+    return grad_logits
 
 
 class TritonFusedTokenStats(torch.autograd.Function):

@@ -30,14 +30,16 @@ import os
 import triton
 import triton.language as tl
 
+from megatron_zcpo.ops.token_stats_kernels import MASKED_LOGIT
+
 # Triton's interpreter re-patches triton.language on every call of a jit function (milliseconds
 # each); there the helpers below run as plain Python inside the interpreted kernels instead.
 _helper = (lambda fn: fn) if os.environ.get("TRITON_INTERPRET") == "1" else triton.jit
 
-MASKED = tl.constexpr(-1e30)  # megatron_zcpo.ops.token_stats_kernels.MASKED_LOGIT
+MASKED = tl.constexpr(MASKED_LOGIT)
 INF = tl.constexpr(float("inf"))
-SERIES_RADIUS = tl.constexpr(0.5)  # token_stats_kernels._SERIES_RADIUS
-HUGE_KL_SCALE = tl.constexpr(1e30)  # -MASKED_LOGIT: the KL of mass the reference masks, per unit of mass
+SERIES_RADIUS = tl.constexpr(0.5)  # token_stats_kernels._SERIES_RADIUS, where _g_series is float32-exact
+HUGE_KL_SCALE = tl.constexpr(-MASKED_LOGIT)  # the KL of mass the reference masks, per unit of mass
 Y_LIMIT = tl.constexpr(6e4)  # float16's range; |log p - log q| beyond it only where the reference masks a token
 LOG2E = tl.constexpr(1.4426950408889634)  # hot loops use exp2 (Triton: ex2.approx.ftz, one instruction)
 LN2 = tl.constexpr(0.6931471805599453)
