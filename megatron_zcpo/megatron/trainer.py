@@ -301,7 +301,7 @@ class PolicyTrainer:
         out["train/tokens_per_s"] = trained_tokens / max(timings["time/experience"] + timings["time/update"], 1e-9)
         return out
 
-    # ----------------------------------------------------------------------------- the step's parts, one by one
+    # ----------------------------------------------------------------- the step's passes one at a time (tools, tests)
     def assign_minibatches(self, samples: Sequence[RolloutSample]) -> MinibatchAssignment:
         """Split the rollout into group-whole mini-batches and deal them to DP ranks."""
         lengths = [s.sequence_length for s in samples]

@@ -69,11 +69,11 @@ class PolicyUpdate:
     layout: MicroBatchLayout
     token_stats: TokenStatsOptions
     importance_sampling: ImportanceSamplingConfig
-    dp_size: int = 1
-    dp_rank: int = 0
-    reports_metrics: bool = True
-    counts_once: bool = True
-    max_skipped_steps: int = 8
+    dp_size: int
+    dp_rank: int
+    reports_metrics: bool
+    counts_once: bool
+    max_skipped_steps: int
 
 
 @dataclass
@@ -107,7 +107,7 @@ def minibatch_normalizer(samples: Sequence[RolloutSample], indices, unit: str) -
     return float(sum(1 for c in counted if c > 0))
 
 
-def step_micro_batches(update: PolicyUpdate, step: RolloutStep, indices) -> List[MicroBatch]:
+def _micro_batches(update: PolicyUpdate, step: RolloutStep, indices) -> List[MicroBatch]:
     """This rank's micro-batches of ``indices``: the step's own (each share collated once), or
     collated afresh for a step put together by hand (``step.micro_batches`` None)."""
     if step.micro_batches is not None:
@@ -205,7 +205,7 @@ def forward_backward(update: PolicyUpdate, step: RolloutStep, indices, normalize
     """
     models = update.models
     model = models.with_reference() if use_reference else models.policy
-    micro_batches = step_micro_batches(update, step, indices)
+    micro_batches = _micro_batches(update, step, indices)
     scale = len(micro_batches) * update.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
 
     def forward_step(mb: MicroBatch, m):
