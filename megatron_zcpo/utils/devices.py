@@ -72,5 +72,5 @@ def kernel_backend(device: torch.device, requested: str = "auto") -> str:
         raise ValueError("backend='triton' but triton does not import here: install triton or use backend='torch'")
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend='triton' on {device} tensors needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-                         "the first Triton kernel is loaded (Triton's interpreter)")
+                         "triton is first imported (Triton's interpreter; megatron-core imports triton)")
     return "triton"

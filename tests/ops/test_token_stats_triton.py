@@ -1,7 +1,7 @@
 """The Triton kernels of the token statistics against float64: values, gradients, TP=2, under the interpreter.
 
-Without a GPU the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set
-below before any kernel is loaded); with one, on CUDA tensors. Shapes are tiny: the interpreter
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set by
+tests/conftest.py before triton is first imported); with one, on CUDA tensors. Shapes are tiny: the interpreter
 costs ~0.1 ms per operation.
 """
 
@@ -16,8 +16,6 @@ import torch
 
 from megatron_zcpo.utils.devices import has_cuda, kernel_backend
 
-if not has_cuda():
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from megatron_zcpo.ops.token_stats import fused_token_stats, vocab_parallel_token_stats  # noqa: E402
