@@ -3,7 +3,8 @@
 Builds (once, cached) a tiny Qwen2 and its BPE tokenizer, partly warmed up on two-digit addition,
 then runs ``zcpo train`` on it through the same Megatron trainer as a cluster run (TP=2 over
 gloo, embedded rollout engine). The summary is the held-out gain paired per problem, with its
-standard error and a verdict; ``--seed`` picks the RL run's randomness. ``--compare`` runs DAPO
+standard error and a verdict; ``--seed`` picks the RL run's randomness, ``--seeds N`` runs the demo
+over N seeds and prints one table (every seed's gain, its standard error and its lowest point). ``--compare`` runs DAPO
 without KL, DAPO + k3 KL and ZCPO with the same seeds and budget over ``--seeds`` seeds and
 reports each method's mean and standard error over seeds and the paired differences.
 """
@@ -157,7 +158,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--compare", action="store_true", help="DAPO, DAPO + k3 KL and ZCPO side by side")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help=f"seed of the RL run (default {DEFAULT_SEED}); with --compare, the first seed")
-    parser.add_argument("--seeds", type=int, default=3, help="--compare: seeds per method (default 3)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds --seed, --seed+1, ...: with --compare per method (default 3); without, "
+                             "the demo over that many seeds with one table (default 1: a single run)")
     parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=0, help="training steps (default: the demo config's)")
     parser.add_argument("--nproc", type=int, default=2, help="processes (the demo config uses TP=2)")
@@ -183,6 +186,33 @@ def train_one(assets: Path, run_dir: Path, changes: dict, args: argparse.Namespa
     return code
 
 
+def run_sweep(assets: Path, args: argparse.Namespace, console) -> int:
+    """``zcpo demo --seeds N``: the demo over seeds ``--seed`` .. ``--seed + N - 1`` into
+    ``<out>/zcpo/seed_<s>``, then :func:`megatron_zcpo.cli.demo_stats.print_sweep`'s table; exit code.
+    ``<out>/sweep.json`` and ``sweep.md`` are rewritten after every seed (an interrupted sweep keeps its rows)."""
+    from megatron_zcpo.cli.demo_stats import print_sweep, seed_sweep_rows, sweep_markdown
+
+    out = Path(args.out)
+    runs: Dict[int, Path] = {}
+    wall_s: Dict[int, float] = {}
+    for seed in range(args.seed, args.seed + args.seeds):
+        started = time.perf_counter()
+        code = train_one(assets, out / "zcpo" / f"seed_{seed}", seed_changes(seed), args, console)
+        if code:
+            return code
+        runs[seed], wall_s[seed] = out / "zcpo" / f"seed_{seed}", time.perf_counter() - started
+        rows, summary = seed_sweep_rows(runs, wall_s)
+        console.print(f"seed {seed}: {rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f} ({rows[-1]['z']:+.1f} SE) "
+                      f"in {wall_s[seed]:.0f} s")
+        (out / "sweep.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+        (out / "sweep.md").write_text(sweep_markdown(rows, summary) + "\n")
+    print_sweep(rows, summary, console)
+    k = int(yaml.safe_load(DEMO_CONFIG.read_text())["eval"]["k"])
+    plot = write_accuracy_plot({"zcpo": list(runs.values())}, k, out / "heldout_accuracy.png")
+    console.print(f"plot: {plot}; table: {out / 'sweep.md'}, {out / 'sweep.json'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """``zcpo demo``: one seeded ZCPO run with its paired summary, or ``--compare`` over seeds; exit code."""
     from megatron_zcpo.recipe.demo_assets import build_demo_assets
@@ -194,6 +224,10 @@ def run(args: argparse.Namespace) -> int:
     assets = build_demo_assets(log=console.print)
     out = Path(args.out)
     k = int(yaml.safe_load(DEMO_CONFIG.read_text())["eval"]["k"])
+    if not args.compare and (args.seeds or 1) > 1:
+        code = run_sweep(assets, args, console)
+        console.print(f"took {time.perf_counter() - started:.0f} s")
+        return code
     if not args.compare:
         run_dir = out / "zcpo"
         code = train_one(assets, run_dir, seed_changes(args.seed), args, console)
@@ -207,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from megatron_zcpo.cli.demo_stats import compare_methods
 
-        seeds = list(range(args.seed, args.seed + args.seeds))
+        seeds = list(range(args.seed, args.seed + (args.seeds or 3)))
         runs: Dict[str, List[Path]] = {name: [] for name, _ in COMPARED}
         for seed in seeds:  # seed-major: an interrupted comparison still has whole seeds
             for name, changes in COMPARED:
