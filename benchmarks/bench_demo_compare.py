@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variant]
-    common = ["--seeds", str(args.seeds), "--task", args.task]
+    common = ["--seeds", str(args.seeds)] + (["--task", args.task] if args.task != "addition" else [])
     if args.arms != "dapo,dapo-k3,zcpo":
         common += ["--arms", args.arms]
     if args.steps:

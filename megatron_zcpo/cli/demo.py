@@ -3,11 +3,13 @@
 Builds (once, cached per task) a tiny Qwen2 and its BPE tokenizer, partly warmed up on the task,
 then runs ``zcpo train`` on it through the same Megatron trainer as a cluster run (TP=2 over
 gloo, embedded rollout engine). The summary is the held-out gain paired per problem, with its
-standard error and a verdict; ``--seed`` picks the RL run's randomness, ``--task`` the task
-(TASKS). ``--compare`` runs the arms of ``--arms`` (names from
+standard error and a verdict; ``--seed`` picks the RL run's randomness, ``--seeds N`` runs the demo
+over N seeds and prints one table (every seed's gain, its standard error and its lowest point),
+``--task`` the task (TASKS). ``--compare`` runs the arms of ``--arms`` (names from
 :data:`megatron_zcpo.cli.demo_arms.ARMS`, each with optional ``:key=value`` overrides; default
 DAPO without KL, DAPO + k3 KL and ZCPO) with the same seeds, budget, held-out set and warmed-up
-model over ``--seeds`` seeds, ``--jobs`` runs at once, and reports each arm's mean and standard
+model over ``--seeds`` seeds, ``--jobs`` runs at once (default: 2 runs at TP=1, which keeps 2 cores
+busy at half the CPU time of TP=2; benchmarks/RESULTS.md), and reports each arm's mean and standard
 error over seeds and the differences paired by seed against the first arm.
 """
 
@@ -241,10 +243,15 @@ def add_parser(subparsers) -> None:
                              f"zcpo-std, ...) optionally followed by :key=value overrides, e.g. "
                              f"zcpo:algorithm.beta=1; the first is the baseline (default {DEFAULT_ARMS})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                        help=f"seed of the RL run (default {DEFAULT_SEED}); with --compare, the first seed")
-    parser.add_argument("--seeds", type=int, default=3, help="--compare: seeds per arm (default 3)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="--compare: training runs at once (default 1; each run holds --nproc processes)")
+                        help=f"seed of the RL run (default {DEFAULT_SEED}); with --seeds, the first seed")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds --seed, --seed+1, ...: with --compare per arm (default 3); without, "
+                             "the demo over that many seeds with one table (default 1: a single run)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="training runs at once (default: 2 with --compare, else 1)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes per run, its tensor-parallel size (default: 1 with --compare, else 2: "
+                             "TP=2 over gloo)")
     parser.add_argument("--reuse", action="store_true",
                         help="--compare: keep a run whose folder under --out holds the same finished run "
                              "(same config) instead of training it again")
@@ -253,9 +260,14 @@ def add_parser(subparsers) -> None:
                              "task, off for addition)")
     parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=0, help="training steps (default: the demo config's)")
-    parser.add_argument("--nproc", type=int, default=2,
-                        help="processes per run: its tensor-parallel size (default 2: TP=2 over gloo)")
     parser.set_defaults(func=run)
+
+
+def _settings(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the mode's defaults filled in: seeds, jobs and nproc (see add_parser)."""
+    compare = args.compare
+    return argparse.Namespace(**{**vars(args), "seeds": args.seeds or (3 if compare else 1),
+                                 "jobs": args.jobs or (2 if compare else 1), "nproc": args.nproc or (1 if compare else 2)})
 
 
 def demo_jobs(args: argparse.Namespace, assets: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> List[tuple]:
@@ -270,7 +282,7 @@ def demo_jobs(args: argparse.Namespace, assets: Path, arms: Sequence[Arm], seeds
     jobs = []
     for seed in seeds:
         for arm in arms:
-            run_dir = out / arm.directory / f"seed_{seed}" if args.compare else out / arm.directory
+            run_dir = out / arm.directory / f"seed_{seed}" if len(seeds) > 1 or args.compare else out / arm.directory
             base = demo_config(assets, run_dir, merge(seed_changes(seed), {"parallel": {"tensor": args.nproc}}),
                                args.steps, args.task, diagnostics)
             config = arm.config(base)
@@ -278,23 +290,25 @@ def demo_jobs(args: argparse.Namespace, assets: Path, arms: Sequence[Arm], seeds
                 build_run_config(copy.deepcopy(config))  # fail here, with the arm and key named, not in the workers
             except ConfigError as error:
                 raise ConfigError(f"arm {arm.label!r}: {error}") from None
-            name = f"{arm.label}, seed {seed}" if args.compare else arm.label
+            name = f"{arm.label}, seed {seed}" if len(seeds) > 1 or args.compare else arm.label
             jobs.append((arm, seed, TrainingJob(name, run_dir, config)))
     return jobs
 
 
 def run(args: argparse.Namespace) -> int:
-    """``zcpo demo``: one seeded ZCPO run with its paired summary, or ``--compare`` over arms and seeds; exit code."""
+    """``zcpo demo``: one seeded ZCPO run with its paired summary, a sweep over ``--seeds``, or
+    ``--compare`` over arms and seeds; exit code."""
     from megatron_zcpo.cli.demo_jobs import DONE_FILE, run_jobs
     from megatron_zcpo.cli.report import write_report
     from megatron_zcpo.recipe.demo_assets import build_demo_assets
     from megatron_zcpo.recipe.metrics_log import make_console
     from megatron_zcpo.utils.config_loader import ConfigError
 
+    args = _settings(args)
     if not args.compare and args.arms is not None:
         raise ConfigError("--arms chooses the arms of a comparison: give it with --compare")
     arms = parse_arms(args.arms or DEFAULT_ARMS) if args.compare else [parse_arm("zcpo")]
-    seeds = list(range(args.seed, args.seed + args.seeds)) if args.compare else [args.seed]
+    seeds = list(range(args.seed, args.seed + args.seeds))
     # Every config checked before the warm-up is built (an existing folder stands in for the assets).
     demo_jobs(args, DEMO_CONFIG.parent, arms, seeds)
     console = make_console()
@@ -304,17 +318,25 @@ def run(args: argparse.Namespace) -> int:
     planned = demo_jobs(args, assets, arms, seeds)
     arm_and_seed = {job.name: (arm, seed) for arm, seed, job in planned}
     summaries: Dict[str, dict] = {}
+    sweep = not args.compare and len(seeds) > 1
 
     def summarise(job) -> None:  # as each run finishes: its summary.json beside its metrics
         arm, seed = arm_and_seed[job.name]
         summaries[job.name] = {"arm": arm.label, "seed": seed, **run_summary(job.run_dir)}
         (job.run_dir / DONE_FILE).write_text(json.dumps(summaries[job.name], indent=2))
+        if sweep:  # rewritten after every seed: an interrupted sweep keeps its rows
+            from megatron_zcpo.cli.demo_stats import sweep_markdown
+
+            rows, summary = sweep_rows(planned, summaries)
+            console.print(f"seed {seed}: {rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f} "
+                          f"({rows[-1]['z']:+.1f} SE) in {job.wall_s:.0f} s")
+            (out / "sweep.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+            (out / "sweep.md").write_text(sweep_markdown(rows, summary) + "\n")
 
     if args.compare:
         console.print("arms:\n" + "\n".join(f"  {line}" for line in describe_arms(arms)))
     jobs = [job for _, _, job in planned]
-    code = run_jobs(jobs, at_once=args.jobs if args.compare else 1, reuse=args.compare and args.reuse,
-                    on_done=summarise, log=console.print)
+    code = run_jobs(jobs, at_once=args.jobs, reuse=args.compare and args.reuse, on_done=summarise, log=console.print)
     if code:
         return code
     by_arm = {arm.label: [job for a, _, job in planned if a == arm] for arm in arms}
@@ -322,11 +344,7 @@ def run(args: argparse.Namespace) -> int:
                                int(jobs[0].config["eval"]["k"]), out / "heldout_accuracy.png")
     write_report([job.run_dir for job in jobs], out, names=[job.name for job in jobs],
                  methods=[arm.label for arm, _, _ in planned])
-    if not args.compare:
-        summary = summaries[jobs[0].name]
-        print_run_summary("zcpo", args.seed, summary, console)
-        (out / "summary.json").write_text(json.dumps({"seed": args.seed, "task": args.task, **summary}, indent=2))
-    else:
+    if args.compare:
         from megatron_zcpo.cli.demo_stats import compare_methods
 
         per_seed = {label: [seed_metrics(summaries[job.name]) for job in arm_jobs] for label, arm_jobs in by_arm.items()}
@@ -336,9 +354,29 @@ def run(args: argparse.Namespace) -> int:
         rows, differences = compare_methods(per_seed, keys, baseline=arms[0].label)
         print_comparison(rows, differences, console)
         (out / "summary.json").write_text(json.dumps({
-            "task": args.task, "seeds": seeds, "arms": describe_arms(arms), "jobs": args.jobs,
+            "task": args.task, "seeds": seeds, "arms": describe_arms(arms), "jobs": args.jobs, "nproc": args.nproc,
             "wall_s": time.perf_counter() - started, "per_seed": per_seed, "methods": rows,
             "differences": differences}, indent=2))
-    console.print(f"plots: {plot}, {out / 'report.html'}; summary: {out / 'summary.json'}; "
+        written = out / "summary.json"
+    elif sweep:
+        from megatron_zcpo.cli.demo_stats import print_sweep
+
+        print_sweep(*sweep_rows(planned, summaries), console)
+        written = out / "sweep.md"
+    else:
+        summary = summaries[jobs[0].name]
+        print_run_summary("zcpo", args.seed, summary, console)
+        (out / "summary.json").write_text(json.dumps({"seed": args.seed, "task": args.task, **summary}, indent=2))
+        written = out / "summary.json"
+    console.print(f"plots: {plot}, {out / 'report.html'}; summary: {written}; "
                   f"took {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def sweep_rows(planned: Sequence[tuple], summaries: Dict[str, dict]) -> Tuple[List[dict], dict]:
+    """:func:`megatron_zcpo.cli.demo_stats.seed_sweep_rows` of the finished runs of a sweep."""
+    from megatron_zcpo.cli.demo_stats import seed_sweep_rows
+
+    done = [(seed, job) for _, seed, job in planned if job.name in summaries]
+    return seed_sweep_rows({seed: job.run_dir for seed, job in done}, {seed: job.wall_s for seed, job in done})
+

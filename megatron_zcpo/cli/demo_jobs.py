@@ -8,6 +8,7 @@ one run at a time the run's console goes to the terminal; with several each run 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -24,11 +25,13 @@ DONE_FILE = "summary.json"  # written into a run's directory once it finished an
 
 @dataclass
 class TrainingJob:
-    """One training run: its (fresh) ``run_dir``, the full run config as a plain dict, and a display name."""
+    """One training run: its (fresh) ``run_dir``, the full run config as a plain dict, a display name,
+    and once it finished, its wall time (NaN when reused)."""
 
     name: str
     run_dir: Path
     config: dict
+    wall_s: float = math.nan
 
     @property
     def config_path(self) -> Path:
@@ -85,7 +88,8 @@ def run_jobs(jobs: Sequence[TrainingJob], at_once: int = 1, reuse: bool = False,
                     + (f"; its log: {job.log_path}" if handle is not None else ""))
                 failure = failure or code
             else:
-                log(f"{job.name}: finished in {time.perf_counter() - started:.0f} s")
+                job.wall_s = time.perf_counter() - started
+                log(f"{job.name}: finished in {job.wall_s:.0f} s")
                 if on_done:
                     on_done(job)
             if failure:

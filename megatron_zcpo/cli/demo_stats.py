@@ -105,3 +105,81 @@ def compare_methods(per_seed: Mapping[str, Sequence[Mapping[str, float]]], keys:
             diff, se = mean_and_se([a[key] - b[key] for a, b in zip(values, per_seed[baseline])])
             differences.append({"method": method, "baseline": baseline, "key": key, "diff": diff, "se": se})
     return rows, differences
+
+
+def run_trajectory(run_dir: Path) -> Dict[str, object]:
+    """A run's held-out accuracy at every evaluation, each paired per problem against the first.
+
+    Returns {"steps": [the evaluated steps], "points": [:func:`paired_gain` of each evaluation
+    against the first, same order], "lowest": the point after the first with the smallest gain
+    (the first itself when the run has one evaluation)}. The claim "no evaluation falls below the
+    start" is ``lowest["gain"] >= 0``; ``lowest["z"]`` says how far it is from noise.
+    """
+    files = sorted(Path(run_dir).glob("eval/step_*.json"))
+    if not files:
+        raise ValueError(f"{run_dir} has no evaluation (eval/step_*.json)")
+    accuracies = [per_problem_accuracy(json.loads(f.read_text())) for f in files]
+    points = [paired_gain(accuracies[0], accuracy) for accuracy in accuracies]
+    later = points[1:] or points
+    return {"steps": [int(f.stem.split("_")[1]) for f in files], "points": points,
+            "lowest": min(later, key=lambda point: point["gain"])}
+
+
+def seed_sweep_rows(runs: Mapping[int, Path], wall_s: Mapping[int, float]) -> Tuple[List[dict], dict]:
+    """The per-seed table of a sweep of one recipe over seeds, and its summary.
+
+    runs: {seed: run directory}; wall_s: {seed: the run's wall time in seconds (NaN if unknown)}.
+    Returns (rows, summary): one row per seed with "seed", "before", "after", "gain", "se", "z"
+    (first vs last evaluation, :func:`paired_gain`), "lowest" and "lowest_z" (the smallest gain of
+    any later evaluation against the first, :func:`run_trajectory`) and "wall_s"; the summary has
+    "seeds", "min_z", the mean gain and its SE over seeds ("gain", "gain_se"), "shown" (seeds
+    with z >= Z_SHOWN), "never_below_start" (seeds whose every evaluation is >= the first) and
+    "ok" (every seed both).
+    """
+    if not runs:
+        raise ValueError("a sweep needs at least one run")
+    rows = []
+    for seed in sorted(runs):
+        trajectory = run_trajectory(runs[seed])
+        last, lowest = trajectory["points"][-1], trajectory["lowest"]
+        rows.append({"seed": seed, **{k: last[k] for k in ("before", "after", "gain", "se", "z")},
+                     "lowest": lowest["gain"], "lowest_z": lowest["z"], "eval_steps": trajectory["steps"],
+                     "wall_s": float(wall_s.get(seed, math.nan))})
+    gain, gain_se = mean_and_se([row["gain"] for row in rows])
+    shown = sum(row["z"] >= Z_SHOWN for row in rows)
+    never_below = sum(row["lowest"] >= 0 for row in rows)
+    summary = {"seeds": len(rows), "min_z": min(row["z"] for row in rows), "gain": gain, "gain_se": gain_se,
+               "shown": shown, "never_below_start": never_below, "ok": shown == never_below == len(rows)}
+    return rows, summary
+
+
+def sweep_markdown(rows: Sequence[Mapping], summary: Mapping) -> str:
+    """:func:`seed_sweep_rows`'s table as Markdown (the layout of benchmarks/RESULTS.md)."""
+    lines = ["| seed | held-out before | after | gain | SE (paired) | z = gain / SE | lowest later point - start (z) | wall |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['seed']} | {row['before']:.3f} | {row['after']:.3f} | {row['gain']:+.3f} | {row['se']:.3f} "
+                     f"| {row['z']:.1f} | {row['lowest']:+.3f} ({row['lowest_z']:+.1f}) | {row['wall_s']:.0f} s |")
+    lines.append(f"\n{summary['seeds']} seeds: min z {summary['min_z']:.1f}; mean gain {summary['gain']:+.3f} "
+                 f"(SE over seeds {summary['gain_se']:.3f}); {summary['shown']} gain >= {Z_SHOWN:g} SE; "
+                 f"{summary['never_below_start']} never below their start at any evaluation")
+    return "\n".join(lines)
+
+
+def print_sweep(rows: Sequence[Mapping], summary: Mapping, console) -> None:
+    """:func:`seed_sweep_rows`'s table on a rich ``console``, then one line of verdict."""
+    from rich.table import Table
+
+    table = Table(title=f"the demo over {summary['seeds']} seeds: held-out accuracy, first vs last evaluation "
+                        "(paired per problem)")
+    for column in ("seed", "before", "after", "gain", "SE", "z", "lowest later - start (z)", "wall"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(str(row["seed"]), f"{row['before']:.3f}", f"{row['after']:.3f}", f"{row['gain']:+.3f}",
+                      f"{row['se']:.3f}", f"{row['z']:.1f}", f"{row['lowest']:+.3f} ({row['lowest_z']:+.1f})",
+                      f"{row['wall_s']:.0f} s")
+    console.print(table)
+    console.print(f"min z {summary['min_z']:.1f}; mean gain {summary['gain']:+.3f} (SE over seeds "
+                  f"{summary['gain_se']:.3f}); {summary['shown']} of {summary['seeds']} seeds gain >= {Z_SHOWN:g} "
+                  f"SE, {summary['never_below_start']} of {summary['seeds']} never fall below their start: "
+                  + ("learning shown on every seed" if summary["ok"] else "[red]not shown on every seed"))

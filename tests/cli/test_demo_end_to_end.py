@@ -36,8 +36,8 @@ def _tiny_assets(tmp_path, monkeypatch, task: str):
 def test_demo_runs_and_reports_the_paired_gain(tmp_path, monkeypatch):
     _tiny_assets(tmp_path, monkeypatch, "addition")
     _small_demo_config(tmp_path, monkeypatch)
-    args = argparse.Namespace(compare=False, arms=None, seed=2, seeds=1, out=str(tmp_path / "out"), steps=2, nproc=2,
-                              task="addition", diagnostics=None, jobs=1, reuse=False)
+    args = argparse.Namespace(compare=False, arms=None, seed=2, seeds=None, out=str(tmp_path / "out"), steps=2,
+                              nproc=None, task="addition", diagnostics=None, jobs=None, reuse=False)
     assert demo.run(args) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["seed"] == 2 and summary["steps"] == 2 and summary["problems"] == 8

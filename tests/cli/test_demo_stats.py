@@ -124,6 +124,7 @@ def test_compare_runs_every_arm_with_the_same_seeds(tmp_path, monkeypatch):
         assert at_once == 2 and not reuse
         for job in jobs:
             seed, algorithm = job.config["rollout"]["seed"], job.config["algorithm"]
+            assert job.config["parallel"]["tensor"] == 1  # --compare's default: TP=1 runs, 2 at a time
             calls.append((job.run_dir.parent.name, seed, algorithm["name"], algorithm["beta"]))
             bonus = {"dapo": 0.0, "zcpo+algorithm.beta=1": -0.25, "zcpo": 0.25}[job.run_dir.parent.name]
             _fake_run(job.run_dir, {0: {"a": 0.25, "b": 0.5}, 2: {"a": 0.5 + bonus, "b": 0.5 + seed / 8}},
@@ -135,7 +136,7 @@ def test_compare_runs_every_arm_with_the_same_seeds(tmp_path, monkeypatch):
     monkeypatch.setattr("megatron_zcpo.cli.demo_jobs.run_jobs", fake_run_jobs)
     monkeypatch.setattr("megatron_zcpo.recipe.demo_assets.build_demo_assets", lambda spec, log: tmp_path)
     args = build_parser().parse_args(["demo", "--compare", "--arms", "dapo,zcpo:algorithm.beta=1,zcpo", "--seed", "3",
-                                      "--seeds", "2", "--jobs", "2", "--out", str(tmp_path / "out")])
+                                      "--seeds", "2", "--out", str(tmp_path / "out")])
     assert demo.run(args) == 0
     assert calls == [(d, s, n, b) for s in (3, 4) for d, n, b in (("dapo", "dapo", 4.0), ("zcpo+algorithm.beta=1", "zcpo", 1),
                                                                   ("zcpo", "zcpo", 4.0))]
@@ -148,4 +149,60 @@ def test_compare_runs_every_arm_with_the_same_seeds(tmp_path, monkeypatch):
     assert by_key[("zcpo", "diag/f4_corr_length_kl_sum")]["diff"] == pytest.approx(0.25)
     per_run = json.loads((tmp_path / "out" / "zcpo" / "seed_4" / "summary.json").read_text())
     assert per_run["arm"] == "zcpo" and per_run["seed"] == 4 and per_run["diagnostics"] == {"f4_corr_length_kl_sum": 4.25}
+    assert (tmp_path / "out" / "heldout_accuracy.png").stat().st_size > 0
+
+
+def test_seed_sweep_rows_report_the_lowest_point_and_the_verdict(tmp_path):
+    from megatron_zcpo.cli.demo_stats import run_trajectory, seed_sweep_rows, sweep_markdown
+
+    problems = [str(i) for i in range(8)]
+    steady = {0: dict.fromkeys(problems, 0.25), 2: dict.fromkeys(problems, 0.5),
+              4: {uid: (0.75 if i % 2 else 0.5) for i, uid in enumerate(problems)}}
+    dipping = {0: dict.fromkeys(problems, 0.5), 2: {uid: (0.25 if i < 2 else 0.5) for i, uid in enumerate(problems)},
+               4: dict.fromkeys(problems, 0.75)}
+    _fake_run(tmp_path / "steady", steady, [0.0])
+    _fake_run(tmp_path / "dipping", dipping, [0.0])
+    trajectory = run_trajectory(tmp_path / "dipping")
+    assert trajectory["steps"] == [0, 2, 4]
+    assert trajectory["lowest"]["gain"] == pytest.approx(-0.0625)  # step 2: -0.25 on 2 of 8 problems
+    rows, summary = seed_sweep_rows({7: tmp_path / "dipping", 3: tmp_path / "steady"}, {3: 90.0})
+    assert [row["seed"] for row in rows] == [3, 7]
+    assert rows[0]["gain"] == pytest.approx(0.375) and rows[0]["lowest"] == pytest.approx(0.25)
+    assert rows[0]["wall_s"] == 90.0 and math.isnan(rows[1]["wall_s"])
+    assert rows[1]["gain"] == pytest.approx(0.25) and math.isinf(rows[1]["z"])  # the same +0.25 everywhere
+    assert summary["seeds"] == 2 and summary["shown"] == 2 and summary["never_below_start"] == 1
+    assert not summary["ok"] and summary["min_z"] == pytest.approx(rows[0]["z"])
+    assert summary["gain"] == pytest.approx((0.375 + 0.25) / 2)
+    table = sweep_markdown(rows, summary)
+    assert "| 7 | 0.500 | 0.750 | +0.250 |" in table and "1 never below their start" in table
+    with pytest.raises(ValueError, match="at least one run"):
+        seed_sweep_rows({}, {})
+
+
+def test_seeds_without_compare_sweep_the_demo(tmp_path, monkeypatch):
+    """`zcpo demo --seeds N`: one run per seed, then the table (training faked)."""
+    from megatron_zcpo.cli.main import build_parser
+
+    seeds = []
+
+    def fake_run_jobs(jobs, at_once, reuse, on_done, log):
+        assert at_once == 1
+        for job in jobs:
+            seed = job.config["rollout"]["seed"]
+            seeds.append((job.run_dir.name, seed, job.config["parallel"]["tensor"]))
+            _fake_run(job.run_dir, {0: {"a": 0.25, "b": 0.5}, 20: {"a": 0.5, "b": 0.5},
+                                    40: {"a": 0.5, "b": 0.5 + seed / 16}}, [0.1])
+            job.wall_s = 1.0
+            on_done(job)
+        return 0
+
+    monkeypatch.setattr("megatron_zcpo.cli.demo_jobs.run_jobs", fake_run_jobs)
+    monkeypatch.setattr("megatron_zcpo.recipe.demo_assets.build_demo_assets", lambda spec, log: tmp_path)
+    args = build_parser().parse_args(["demo", "--seed", "5", "--seeds", "3", "--out", str(tmp_path / "out")])
+    assert demo.run(args) == 0
+    assert seeds == [("seed_5", 5, 2), ("seed_6", 6, 2), ("seed_7", 7, 2)]  # the demo's TP=2, one at a time
+    sweep = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [row["seed"] for row in sweep["rows"]] == [5, 6, 7]
+    assert sweep["summary"]["never_below_start"] == 3 and all(row["wall_s"] >= 0 for row in sweep["rows"])
+    assert (tmp_path / "out" / "sweep.md").read_text().startswith("| seed |")
     assert (tmp_path / "out" / "heldout_accuracy.png").stat().st_size > 0
