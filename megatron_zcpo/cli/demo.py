@@ -133,68 +133,6 @@ def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
     console.print(verdict(summary["gain"], summary["se"]))
 
 
-# The diagnostics the comparison prints per arm (all of them are in summary.json): response length,
-# F4's length-drift correlation, F5's KL share of the gradient in the shortest / longest groups,
-# F1's clipped-token share and the KL gradient's share there, the KL share of the whole gradient.
-DIAGNOSTIC_COLUMNS = (
-    ("length", "length"),
-    ("diag/f4_corr_length_kl_sum", "F4 corr(T, sum KL)"),
-    ("diag/f5_kl_share_short", "F5 KL share, short"),
-    ("diag/f5_kl_share_long", "F5 KL share, long"),
-    ("diag/f1_closed_fraction", "F1 clipped tokens"),
-    ("diag/f1_kl_share_closed", "F1 KL share there"),
-    ("diag/grad_kl_share", "KL share of gradient"),
-)
-
-
-def seed_metrics(summary: dict) -> Dict[str, float]:
-    """One seed's numbers for the comparison: the summary's scalars and ``diag/<name>`` per diagnostic."""
-    scalars = {key: value for key, value in summary.items() if isinstance(value, (int, float))}
-    return {**scalars, **{f"diag/{name}": value for name, value in summary.get("diagnostics", {}).items()}}
-
-
-def _cell(mean: float, se: float, digits: int = 3, signed: bool = False) -> str:
-    if math.isnan(mean):
-        return "n/a"
-    text = f"{mean:+.{digits}f}" if signed else f"{mean:.{digits}f}"
-    return text if math.isnan(se) else f"{text} +- {se:.{digits}f}"
-
-
-def print_comparison(rows: List[dict], differences: List[dict], console) -> None:
-    """The comparison: per arm mean +- SE over seeds, the paired differences against the first arm,
-    and the diagnostics per arm when the runs measured them."""
-    from rich.table import Table
-
-    table = Table(title=f"arms over {rows[0]['seeds']} seeds (mean +- standard error over seeds)")
-    for column in ("arm", "held-out after", "held-out gain", "reward", "KL to ref"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(row["method"], *(_cell(row[k], row[k + "_se"]) for k in ("after", "gain", "reward")),
-                      f"{row['kl']:.2e} +- {row['kl_se']:.1e}")
-    console.print(table)
-    diffs = Table(title="differences, paired by seed (arm - first arm)")
-    for column in ("difference", "held-out after", "reward", "KL to ref", "length"):
-        diffs.add_column(column, justify="right")
-    by_pair: Dict[Tuple[str, str], Dict[str, dict]] = {}
-    for d in differences:
-        by_pair.setdefault((d["method"], d["baseline"]), {})[d["key"]] = d
-    for (method, baseline), cells in by_pair.items():
-        diffs.add_row(f"{method} - {baseline}",
-                      *(_cell(cells[k]["diff"], cells[k]["se"], signed=True) for k in ("after", "reward")),
-                      f"{cells['kl']['diff']:+.2e} +- {cells['kl']['se']:.1e}",
-                      _cell(cells["length"]["diff"], cells["length"]["se"], digits=1, signed=True))
-    console.print(diffs)
-    shown = [(key, title) for key, title in DIAGNOSTIC_COLUMNS if key in rows[0]]
-    if len(shown) > 1:
-        diagnostics = Table(title="diagnostics per arm (means over the diagnostic steps, then over seeds; "
-                                  "all F1-F7 values in summary.json)")
-        for column in ("arm", *(title for _, title in shown)):
-            diagnostics.add_column(column, justify="right")
-        for row in rows:
-            diagnostics.add_row(row["method"], *(_cell(row[key], row[key + "_se"], digits=2) for key, _ in shown))
-        console.print(diagnostics)
-
-
 def write_accuracy_plot(runs: Dict[str, List[Path]], k: int, path: Path) -> Path:
     """Held-out avg@k against the step with error bars: one line per method; with one run its
     standard error over problems, with several (seeds) the mean and standard error over seeds."""
@@ -346,13 +284,15 @@ def run(args: argparse.Namespace) -> int:
                  methods=[arm.label for arm, _, _ in planned])
     if args.compare:
         from megatron_zcpo.cli.demo_stats import compare_methods
+        from megatron_zcpo.cli.demo_tables import comparison_markdown, print_comparison, seed_metrics
 
         per_seed = {label: [seed_metrics(summaries[job.name]) for job in arm_jobs] for label, arm_jobs in by_arm.items()}
         shared = set.intersection(*(set(values) for arm_seeds in per_seed.values() for values in arm_seeds))
-        keys = [key for key in ("after", "gain", "reward", "kl", "length") if key in shared] \
+        keys = [key for key in ("before", "after", "gain", "reward", "kl", "length") if key in shared] \
             + sorted(key for key in shared if key.startswith("diag/"))
         rows, differences = compare_methods(per_seed, keys, baseline=arms[0].label)
         print_comparison(rows, differences, console)
+        (out / "comparison.md").write_text(comparison_markdown(rows, differences) + "\n")
         (out / "summary.json").write_text(json.dumps({
             "task": args.task, "seeds": seeds, "arms": describe_arms(arms), "jobs": args.jobs, "nproc": args.nproc,
             "wall_s": time.perf_counter() - started, "per_seed": per_seed, "methods": rows,
@@ -368,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
         print_run_summary("zcpo", args.seed, summary, console)
         (out / "summary.json").write_text(json.dumps({"seed": args.seed, "task": args.task, **summary}, indent=2))
         written = out / "summary.json"
-    console.print(f"plots: {plot}, {out / 'report.html'}; summary: {written}; "
+    console.print(f"plots: {plot}, {out / 'report.html'}; summary: {written}"
+                  + (f", {out / 'comparison.md'}" if args.compare else "") + "; "
                   f"took {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -150,6 +150,9 @@ def test_compare_runs_every_arm_with_the_same_seeds(tmp_path, monkeypatch):
     per_run = json.loads((tmp_path / "out" / "zcpo" / "seed_4" / "summary.json").read_text())
     assert per_run["arm"] == "zcpo" and per_run["seed"] == 4 and per_run["diagnostics"] == {"f4_corr_length_kl_sum": 4.25}
     assert (tmp_path / "out" / "heldout_accuracy.png").stat().st_size > 0
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    assert "2 seeds; mean +- standard error over seeds; held-out before training 0.375" in table
+    assert "| zcpo - dapo | +0.125 +- 0.000 |" in table and "| f4_corr_length_kl_sum | 3.500 +- 0.500 |" in table
 
 
 def test_seed_sweep_rows_report_the_lowest_point_and_the_verdict(tmp_path):
