@@ -1,12 +1,16 @@
 """``zcpo demo``: the embedded default on a CPU, end to end, with before/after held-out accuracy.
 
-Builds (once, cached) a tiny Qwen2 and its BPE tokenizer, partly warmed up on two-digit addition,
+Builds (once, cached per task) a tiny Qwen2 and its BPE tokenizer, partly warmed up on the task,
 then runs ``zcpo train`` on it through the same Megatron trainer as a cluster run (TP=2 over
 gloo, embedded rollout engine). The summary is the held-out gain paired per problem, with its
 standard error and a verdict; ``--seed`` picks the RL run's randomness, ``--seeds N`` runs the demo
-over N seeds and prints one table (every seed's gain, its standard error and its lowest point). ``--compare`` runs DAPO
-without KL, DAPO + k3 KL and ZCPO with the same seeds and budget over ``--seeds`` seeds and
-reports each method's mean and standard error over seeds and the paired differences.
+over N seeds and prints one table (every seed's gain, its standard error and its lowest point),
+``--task`` the task (TASKS). ``--compare`` runs the arms of ``--arms`` (names from
+:data:`megatron_zcpo.cli.demo_arms.ARMS`, each with optional ``:key=value`` overrides; default
+DAPO without KL, DAPO + k3 KL and ZCPO) with the same seeds, budget, held-out set and warmed-up
+model over ``--seeds`` seeds, ``--jobs`` runs at once (default: 2 runs at TP=1, which keeps 2 cores
+busy at half the CPU time of TP=2; benchmarks/RESULTS.md), and reports each arm's mean and standard
+error over seeds and the differences paired by seed against the first arm.
 """
 
 from __future__ import annotations
@@ -15,34 +19,62 @@ import argparse
 import copy
 import json
 import math
-import os
-import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import yaml
 
+from megatron_zcpo.cli.demo_arms import DEFAULT_ARMS, Arm, describe_arms, merge, parse_arm, parse_arms
+from megatron_zcpo.recipe.demo_assets import DemoSpec
+
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 DEFAULT_SEED = 1
-# (run name, changes to the demo config): the paper's comparison on the tiny model.
-COMPARED = (
-    ("dapo", {"algorithm": {"name": "dapo"}}),
-    ("dapo_k3", {"algorithm": {"name": "dapo", "kl_loss": "k3", "kl_coef": 0.04}}),
-    ("zcpo", {}),
-)
+DEFAULT_TASK = "addition"
+# The F1-F7 diagnostics the demo measures when they are on (--diagnostics): every family, every 10
+# steps (the first, at the sampling snapshot = reference, is left out of the summaries); they add
+# about a tenth to a run's time.
+DIAGNOSTICS = {"enabled": True, "every": 10}
 
 
-def _merge(base: dict, changes: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in changes.items():
-        out[key] = _merge(out.get(key) or {}, value) if isinstance(value, dict) else value
-    return out
+@dataclass(frozen=True)
+class DemoTask:
+    """A demo task: the warmed-up model's recipe (``spec``), its changes to demo.yaml, whether the
+    F1-F7 diagnostics are on by default, and a line saying what it is."""
+
+    spec: DemoSpec
+    changes: dict
+    diagnostics: bool
+    about: str
 
 
-def demo_config(assets: Path, run_dir: Path, changes: dict, steps: int = 0) -> dict:
-    """The demo's run config for ``assets`` (the cached model directory), as a plain dict."""
-    config = yaml.safe_load(DEMO_CONFIG.read_text())
+TASKS: Dict[str, DemoTask] = {
+    "addition": DemoTask(DemoSpec(), {}, False,
+                         "two-digit addition, the boxed answer alone (~7-token responses)"),
+    # Chains of 3-5 one-digit terms joined by + and -: the warm-up works a random half of its
+    # responses out step by step ("4-1=3\n3-7=-4\n\\boxed{-4}", 15-45 tokens) and answers the other
+    # half at once (~6 tokens), so a response's length follows the style the policy picks, and RL
+    # can move it (the worked style is the more accurate one).
+    "scratchpad": DemoTask(
+        DemoSpec(task_options=(("min_terms", 3), ("max_terms", 5), ("min_digits", 1), ("max_digits", 1),
+                               ("operators", ("+", "-")), ("allow_parentheses", False),
+                               ("allow_negation", False)),
+                 worked_fraction=0.5, max_response_tokens=48, size=20000, sft_max_steps=3000),
+        # [ours] lr 1e-4: at the addition task's 5e-4, DAPO's held-out accuracy fell on this task (0.150 ->
+        # 0.068 on seed 1; 2.5e-4: 0.226, 1e-4: 0.300); benchmarks/RESULTS.md, the scratchpad task.
+        {"rollout": {"max_new_tokens": 48}, "train": {"optimizer": {"lr": 1.0e-4}}},
+        True,
+        "chains of 3-5 one-digit +/- terms, a worked scratchpad or the answer alone (6-45-token responses)"),
+}
+
+
+def demo_config(assets: Path, run_dir: Path, changes: dict, steps: int = 0, task: str = DEFAULT_TASK,
+                diagnostics: bool = False) -> dict:
+    """The demo's run config for ``task`` with ``assets`` (the cached model directory), as a plain dict:
+    demo.yaml, the task's changes, the paths, ``steps`` (0: the config's), the F1-F7 diagnostics
+    when ``diagnostics``, then ``changes``."""
+    config = merge(yaml.safe_load(DEMO_CONFIG.read_text()), TASKS[task].changes)
     config["model"]["path"] = str(assets)
     config["data"]["train_files"] = [str(assets / "train.jsonl")]
     config["eval"]["data"]["train_files"] = [str(assets / "eval.jsonl")]
@@ -50,7 +82,9 @@ def demo_config(assets: Path, run_dir: Path, changes: dict, steps: int = 0) -> d
     config["checkpoint"]["resume"] = "never"
     if steps:
         config["train"]["steps"] = steps
-    return _merge(config, changes)
+    if diagnostics:
+        config = merge(config, {"diagnostics": DIAGNOSTICS})
+    return merge(config, changes)
 
 
 def seed_changes(seed: int) -> dict:
@@ -61,20 +95,26 @@ def seed_changes(seed: int) -> dict:
 
 
 def run_summary(run_dir: Path) -> dict:
-    """A run's held-out gain (:func:`megatron_zcpo.cli.demo_stats.run_gain`) with its training reward
-    and KL to the reference (means over the last quarter of the steps) and its step count."""
+    """A run's held-out gain (:func:`megatron_zcpo.cli.demo_stats.run_gain`) with its training reward,
+    KL to the reference and response length (means over the last quarter of the steps), its step
+    count, and ``diagnostics``: each F1-F7 metric's mean over the run's diagnostic steps but the
+    first (taken at the reference itself), NaNs skipped; {} when the run measured none."""
     from megatron_zcpo.cli.demo_stats import run_gain
     from megatron_zcpo.recipe.metrics_log import read_metrics
 
-    train = [r for r in read_metrics(run_dir) if "rollout/reward_mean" in r]
+    records = read_metrics(run_dir)
+    train = [r for r in records if "rollout/reward_mean" in r]
     tail = train[-max(1, len(train) // 4):]
 
-    def tail_mean(key: str) -> float:
-        values = [r[key] for r in tail if key in r]
+    def mean(rows: Sequence[dict], key: str) -> float:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         return sum(values) / len(values) if values else math.nan
 
-    return {**run_gain(run_dir), "reward": tail_mean("rollout/reward_mean"), "kl": tail_mean("experience/kl"),
-            "steps": int(train[-1]["step"]) if train else 0}
+    measured = [r for r in records if any(key.startswith("diag/") for key in r)][1:]
+    names = sorted({key for r in measured for key in r if key.startswith("diag/")})
+    return {**run_gain(run_dir), "reward": mean(tail, "rollout/reward_mean"), "kl": mean(tail, "experience/kl"),
+            "length": mean(tail, "rollout/response_length_mean"), "steps": int(train[-1]["step"]) if train else 0,
+            "diagnostics": {name[len("diag/"):]: mean(measured, name) for name in names}}
 
 
 def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
@@ -84,37 +124,13 @@ def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
     from megatron_zcpo.cli.demo_stats import verdict
 
     table = Table(title=f"{name}, seed {seed}: held-out accuracy on {summary['problems']} problems never trained on")
-    for column in ("before", "after", "gain", "SE (paired)", "gain / SE", "reward", "KL to ref", "steps"):
+    for column in ("before", "after", "gain", "SE (paired)", "gain / SE", "reward", "KL to ref", "length", "steps"):
         table.add_column(column, justify="right")
     table.add_row(f"{summary['before']:.3f}", f"{summary['after']:.3f}", f"{summary['gain']:+.3f}",
                   f"{summary['se']:.3f}", f"{summary['z']:.1f}", f"{summary['reward']:.3f}",
-                  f"{summary['kl']:.2e}", str(summary["steps"]))
+                  f"{summary['kl']:.2e}", f"{summary['length']:.1f}", str(summary["steps"]))
     console.print(table)
     console.print(verdict(summary["gain"], summary["se"]))
-
-
-def print_comparison(rows: List[dict], differences: List[dict], console) -> None:
-    """The method comparison: per method mean +- SE over seeds, then the paired differences."""
-    from rich.table import Table
-
-    table = Table(title=f"methods over {rows[0]['seeds']} seeds (mean +- standard error over seeds)")
-    for column in ("method", "held-out after", "held-out gain", "reward", "KL to ref"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        table.add_row(row["method"], *(f"{row[k]:.3f} +- {row[k + '_se']:.3f}" for k in ("after", "gain", "reward")),
-                      f"{row['kl']:.2e} +- {row['kl_se']:.1e}")
-    console.print(table)
-    diffs = Table(title="differences, paired by seed (method - baseline)")
-    for column in ("difference", "held-out after", "reward", "KL to ref"):
-        diffs.add_column(column, justify="right")
-    by_pair: Dict[Tuple[str, str], Dict[str, dict]] = {}
-    for d in differences:
-        by_pair.setdefault((d["method"], d["baseline"]), {})[d["key"]] = d
-    for (method, baseline), cells in by_pair.items():
-        diffs.add_row(f"{method} - {baseline}",
-                      *(f"{cells[k]['diff']:+.3f} +- {cells[k]['se']:.3f}" for k in ("after", "reward")),
-                      f"{cells['kl']['diff']:+.2e} +- {cells['kl']['se']:.1e}")
-    console.print(diffs)
 
 
 def write_accuracy_plot(runs: Dict[str, List[Path]], k: int, path: Path) -> Path:
@@ -154,109 +170,154 @@ def write_accuracy_plot(runs: Dict[str, List[Path]], k: int, path: Path) -> Path
 def add_parser(subparsers) -> None:
     """Register ``zcpo demo`` and its flags."""
     parser = subparsers.add_parser("demo", help="run the embedded default (tiny model, CPU) end to end",
-                                   description=__doc__)
-    parser.add_argument("--compare", action="store_true", help="DAPO, DAPO + k3 KL and ZCPO side by side")
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=sorted(TASKS), default=DEFAULT_TASK,
+                        help="; ".join(f"{name}: {task.about}" for name, task in TASKS.items())
+                        + f" (default {DEFAULT_TASK})")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the arms of --arms with the same seeds, budget and held-out set, side by side")
+    parser.add_argument("--arms", default=None,
+                        help=f"--compare: comma-separated arms, each a name (dapo, dapo-k3, zcpo, zcpo-beta0, "
+                             f"zcpo-std, ...) optionally followed by :key=value overrides, e.g. "
+                             f"zcpo:algorithm.beta=1; the first is the baseline (default {DEFAULT_ARMS})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                        help=f"seed of the RL run (default {DEFAULT_SEED}); with --compare, the first seed")
+                        help=f"seed of the RL run (default {DEFAULT_SEED}); with --seeds, the first seed")
     parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds --seed, --seed+1, ...: with --compare per method (default 3); without, "
+                        help="seeds --seed, --seed+1, ...: with --compare per arm (default 3); without, "
                              "the demo over that many seeds with one table (default 1: a single run)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="training runs at once (default: 2 with --compare, else 1)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes per run, its tensor-parallel size (default: 1 with --compare, else 2: "
+                             "TP=2 over gloo)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="--compare: keep a run whose folder under --out holds the same finished run "
+                             "(same config) instead of training it again")
+    parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure the F1-F7 diagnostics every 10 steps (default: on for the scratchpad "
+                             "task, off for addition)")
     parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=0, help="training steps (default: the demo config's)")
-    parser.add_argument("--nproc", type=int, default=2, help="processes (the demo config uses TP=2)")
     parser.set_defaults(func=run)
 
 
-def train_one(assets: Path, run_dir: Path, changes: dict, args: argparse.Namespace, console) -> int:
-    """One ``zcpo train`` run of the demo config with ``changes`` into ``run_dir`` (fresh)."""
+def _settings(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the mode's defaults filled in: seeds, jobs and nproc (see add_parser)."""
+    compare = args.compare
+    return argparse.Namespace(**{**vars(args), "seeds": args.seeds or (3 if compare else 1),
+                                 "jobs": args.jobs or (2 if compare else 1), "nproc": args.nproc or (1 if compare else 2)})
+
+
+def demo_jobs(args: argparse.Namespace, assets: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> List[tuple]:
+    """(arm, seed, TrainingJob) for every arm and seed, seed-major (an interrupted comparison still
+    has whole seeds), each job's config validated; ConfigError naming the arm and the key for a bad one."""
+    from megatron_zcpo.cli.demo_jobs import TrainingJob
     from megatron_zcpo.recipe.config import build_run_config
-    from megatron_zcpo.recipe.launch import relaunch_with_torchrun
-
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time: the demo is a demonstration
-    config = demo_config(assets, run_dir, changes, args.steps)
-    build_run_config(copy.deepcopy(config))  # fail here, with the key named, not in the workers
-    run_dir.mkdir(parents=True)
-    config_path = run_dir.with_suffix(".yaml")
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    console.print(f"[bold]{run_dir.name}[/bold]: training with {config_path} ({args.nproc} processes)")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    code = relaunch_with_torchrun(["train", str(config_path)], args.nproc)
-    if code:
-        console.print(f"[red]{run_dir}: training failed (exit code {code})")
-    return code
-
-
-def run_sweep(assets: Path, args: argparse.Namespace, console) -> int:
-    """``zcpo demo --seeds N``: the demo over seeds ``--seed`` .. ``--seed + N - 1`` into
-    ``<out>/zcpo/seed_<s>``, then :func:`megatron_zcpo.cli.demo_stats.print_sweep`'s table; exit code.
-    ``<out>/sweep.json`` and ``sweep.md`` are rewritten after every seed (an interrupted sweep keeps its rows)."""
-    from megatron_zcpo.cli.demo_stats import print_sweep, seed_sweep_rows, sweep_markdown
+    from megatron_zcpo.utils.config_loader import ConfigError
 
     out = Path(args.out)
-    runs: Dict[int, Path] = {}
-    wall_s: Dict[int, float] = {}
-    for seed in range(args.seed, args.seed + args.seeds):
-        started = time.perf_counter()
-        code = train_one(assets, out / "zcpo" / f"seed_{seed}", seed_changes(seed), args, console)
-        if code:
-            return code
-        runs[seed], wall_s[seed] = out / "zcpo" / f"seed_{seed}", time.perf_counter() - started
-        rows, summary = seed_sweep_rows(runs, wall_s)
-        console.print(f"seed {seed}: {rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f} ({rows[-1]['z']:+.1f} SE) "
-                      f"in {wall_s[seed]:.0f} s")
-        (out / "sweep.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
-        (out / "sweep.md").write_text(sweep_markdown(rows, summary) + "\n")
-    print_sweep(rows, summary, console)
-    k = int(yaml.safe_load(DEMO_CONFIG.read_text())["eval"]["k"])
-    plot = write_accuracy_plot({"zcpo": list(runs.values())}, k, out / "heldout_accuracy.png")
-    console.print(f"plot: {plot}; table: {out / 'sweep.md'}, {out / 'sweep.json'}")
-    return 0
+    diagnostics = TASKS[args.task].diagnostics if args.diagnostics is None else args.diagnostics
+    jobs = []
+    for seed in seeds:
+        for arm in arms:
+            run_dir = out / arm.directory / f"seed_{seed}" if len(seeds) > 1 or args.compare else out / arm.directory
+            base = demo_config(assets, run_dir, merge(seed_changes(seed), {"parallel": {"tensor": args.nproc}}),
+                               args.steps, args.task, diagnostics)
+            config = arm.config(base)
+            try:
+                build_run_config(copy.deepcopy(config))  # fail here, with the arm and key named, not in the workers
+            except ConfigError as error:
+                raise ConfigError(f"arm {arm.label!r}: {error}") from None
+            name = f"{arm.label}, seed {seed}" if len(seeds) > 1 or args.compare else arm.label
+            jobs.append((arm, seed, TrainingJob(name, run_dir, config)))
+    return jobs
 
 
 def run(args: argparse.Namespace) -> int:
-    """``zcpo demo``: one seeded ZCPO run with its paired summary, or ``--compare`` over seeds; exit code."""
+    """``zcpo demo``: one seeded ZCPO run with its paired summary, a sweep over ``--seeds``, or
+    ``--compare`` over arms and seeds; exit code."""
+    from megatron_zcpo.cli.demo_jobs import DONE_FILE, run_jobs
+    from megatron_zcpo.cli.report import write_report
     from megatron_zcpo.recipe.demo_assets import build_demo_assets
     from megatron_zcpo.recipe.metrics_log import make_console
-    from megatron_zcpo.cli.report import write_report
+    from megatron_zcpo.utils.config_loader import ConfigError
 
+    args = _settings(args)
+    if not args.compare and args.arms is not None:
+        raise ConfigError("--arms chooses the arms of a comparison: give it with --compare")
+    arms = parse_arms(args.arms or DEFAULT_ARMS) if args.compare else [parse_arm("zcpo")]
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    # Every config checked before the warm-up is built (an existing folder stands in for the assets).
+    demo_jobs(args, DEMO_CONFIG.parent, arms, seeds)
     console = make_console()
     started = time.perf_counter()
-    assets = build_demo_assets(log=console.print)
+    assets = build_demo_assets(TASKS[args.task].spec, log=console.print)
     out = Path(args.out)
-    k = int(yaml.safe_load(DEMO_CONFIG.read_text())["eval"]["k"])
-    if not args.compare and (args.seeds or 1) > 1:
-        code = run_sweep(assets, args, console)
-        console.print(f"took {time.perf_counter() - started:.0f} s")
-        return code
-    if not args.compare:
-        run_dir = out / "zcpo"
-        code = train_one(assets, run_dir, seed_changes(args.seed), args, console)
-        if code:
-            return code
-        summary = run_summary(run_dir)
-        print_run_summary("zcpo", args.seed, summary, console)
-        plot = write_accuracy_plot({"zcpo": [run_dir]}, k, out / "heldout_accuracy.png")
-        write_report([run_dir], out, names=["zcpo"])
-        (out / "summary.json").write_text(json.dumps({"seed": args.seed, **summary}, indent=2))
-    else:
-        from megatron_zcpo.cli.demo_stats import compare_methods
+    planned = demo_jobs(args, assets, arms, seeds)
+    arm_and_seed = {job.name: (arm, seed) for arm, seed, job in planned}
+    summaries: Dict[str, dict] = {}
+    sweep = not args.compare and len(seeds) > 1
 
-        seeds = list(range(args.seed, args.seed + (args.seeds or 3)))
-        runs: Dict[str, List[Path]] = {name: [] for name, _ in COMPARED}
-        for seed in seeds:  # seed-major: an interrupted comparison still has whole seeds
-            for name, changes in COMPARED:
-                run_dir = out / name / f"seed_{seed}"
-                code = train_one(assets, run_dir, _merge(seed_changes(seed), changes), args, console)
-                if code:
-                    return code
-                runs[name].append(run_dir)
-        per_seed = {name: [run_summary(d) for d in dirs] for name, dirs in runs.items()}
-        rows, differences = compare_methods(per_seed, ("after", "gain", "reward", "kl"), baseline="dapo")
+    def summarise(job) -> None:  # as each run finishes: its summary.json beside its metrics
+        arm, seed = arm_and_seed[job.name]
+        summaries[job.name] = {"arm": arm.label, "seed": seed, **run_summary(job.run_dir)}
+        (job.run_dir / DONE_FILE).write_text(json.dumps(summaries[job.name], indent=2))
+        if sweep:  # rewritten after every seed: an interrupted sweep keeps its rows
+            from megatron_zcpo.cli.demo_stats import sweep_markdown
+
+            rows, summary = sweep_rows(planned, summaries)
+            console.print(f"seed {seed}: {rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f} "
+                          f"({rows[-1]['z']:+.1f} SE) in {job.wall_s:.0f} s")
+            (out / "sweep.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+            (out / "sweep.md").write_text(sweep_markdown(rows, summary) + "\n")
+
+    if args.compare:
+        console.print("arms:\n" + "\n".join(f"  {line}" for line in describe_arms(arms)))
+    jobs = [job for _, _, job in planned]
+    code = run_jobs(jobs, at_once=args.jobs, reuse=args.compare and args.reuse, on_done=summarise, log=console.print)
+    if code:
+        return code
+    by_arm = {arm.label: [job for a, _, job in planned if a == arm] for arm in arms}
+    plot = write_accuracy_plot({label: [job.run_dir for job in arm_jobs] for label, arm_jobs in by_arm.items()},
+                               int(jobs[0].config["eval"]["k"]), out / "heldout_accuracy.png")
+    write_report([job.run_dir for job in jobs], out, names=[job.name for job in jobs],
+                 methods=[arm.label for arm, _, _ in planned])
+    if args.compare:
+        from megatron_zcpo.cli.demo_stats import compare_methods
+        from megatron_zcpo.cli.demo_tables import comparison_markdown, print_comparison, seed_metrics
+
+        per_seed = {label: [seed_metrics(summaries[job.name]) for job in arm_jobs] for label, arm_jobs in by_arm.items()}
+        shared = set.intersection(*(set(values) for arm_seeds in per_seed.values() for values in arm_seeds))
+        keys = [key for key in ("before", "after", "gain", "reward", "kl", "length") if key in shared] \
+            + sorted(key for key in shared if key.startswith("diag/"))
+        rows, differences = compare_methods(per_seed, keys, baseline=arms[0].label)
         print_comparison(rows, differences, console)
-        plot = write_accuracy_plot(runs, k, out / "heldout_accuracy.png")
-        write_report([d for dirs in runs.values() for d in dirs], out,
-                     names=[f"{name} seed {seed}" for name, dirs in runs.items() for seed in seeds[:len(dirs)]])
-        (out / "summary.json").write_text(json.dumps({"seeds": seeds, "per_seed": per_seed, "methods": rows,
-                                                      "differences": differences}, indent=2))
-    console.print(f"plots: {plot}, {out / 'report.html'}; summary: {out / 'summary.json'}; took {time.perf_counter() - started:.0f} s")
+        (out / "comparison.md").write_text(comparison_markdown(rows, differences) + "\n")
+        (out / "summary.json").write_text(json.dumps({
+            "task": args.task, "seeds": seeds, "arms": describe_arms(arms), "jobs": args.jobs, "nproc": args.nproc,
+            "wall_s": time.perf_counter() - started, "per_seed": per_seed, "methods": rows,
+            "differences": differences}, indent=2))
+        written = out / "summary.json"
+    elif sweep:
+        from megatron_zcpo.cli.demo_stats import print_sweep
+
+        print_sweep(*sweep_rows(planned, summaries), console)
+        written = out / "sweep.md"
+    else:
+        summary = summaries[jobs[0].name]
+        print_run_summary("zcpo", args.seed, summary, console)
+        (out / "summary.json").write_text(json.dumps({"seed": args.seed, "task": args.task, **summary}, indent=2))
+        written = out / "summary.json"
+    console.print(f"plots: {plot}, {out / 'report.html'}; summary: {written}"
+                  + (f", {out / 'comparison.md'}" if args.compare else "") + "; "
+                  f"took {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def sweep_rows(planned: Sequence[tuple], summaries: Dict[str, dict]) -> Tuple[List[dict], dict]:
+    """:func:`megatron_zcpo.cli.demo_stats.seed_sweep_rows` of the finished runs of a sweep."""
+    from megatron_zcpo.cli.demo_stats import seed_sweep_rows
+
+    done = [(seed, job) for _, seed, job in planned if job.name in summaries]
+    return seed_sweep_rows({seed: job.run_dir for seed, job in done}, {seed: job.wall_s for seed, job in done})
+

@@ -153,13 +153,14 @@ def _budget_text(runs: Sequence[RunData], budget: float) -> str:
     return f"at {budget:.4g} {unit} (reached by every run)"
 
 
-def write_report(run_dirs: Sequence, out, names: Optional[Sequence[str]] = None) -> List[Path]:
+def write_report(run_dirs: Sequence, out, names: Optional[Sequence[str]] = None,
+                 methods: Optional[Sequence[str]] = None) -> List[Path]:
     """report.png and report.html of ``run_dirs`` (side by side) in ``out``; returns their paths.
 
-    names: the runs' labels (default: the directory names). [] when no run holds metrics. Used by
-    ``zcpo demo --compare``.
+    names: the runs' labels (default: the directory names); methods: what groups them as seeds
+    (default: their algorithm). [] when no run holds metrics. Used by ``zcpo demo``.
     """
-    runs = load_runs(run_dirs, names)
+    runs = load_runs(run_dirs, names, methods)
     return _write_pages(runs, Path(out)) if runs else []
 
 

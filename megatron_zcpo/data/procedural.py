@@ -46,3 +46,24 @@ def reasoning_gym_records(
             )
         )
     return records
+
+
+def worked_steps(expression: str) -> List[str]:
+    """The scratchpad of a left-to-right chain of integer additions and subtractions, one step a line.
+
+    ``"4 - 1 - 7"`` -> ``["4-1=3", "3-7=-4"]``: each step applies the next operator to the running
+    result (so the last step's right side is the expression's value). ``expression`` is
+    reasoning-gym's ``chain_sum`` / ``basic_arithmetic`` metadata: non-negative integer terms and
+    ``+`` / ``-`` separated by single spaces, at least two terms. Raises DataError otherwise.
+    """
+    parts = expression.split(" ")
+    terms, operators = parts[0::2], parts[1::2]
+    if len(terms) < 2 or len(terms) != len(operators) + 1 or not all(t.isdigit() for t in terms) \
+            or not all(op in ("+", "-") for op in operators):
+        raise DataError(f"worked steps need a chain of integers joined by ' + ' or ' - ', got {expression!r}")
+    steps, total = [], int(terms[0])
+    for operator, term in zip(operators, terms[1:]):
+        result = total + int(term) if operator == "+" else total - int(term)
+        steps.append(f"{total}{operator}{term}={result}")
+        total = result
+    return steps

@@ -15,7 +15,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +38,10 @@ class DemoSpec:
         ("operators", ("+",)), ("allow_parentheses", False), ("allow_negation", False),
     )
     instruction: str = "Put the final answer in \\boxed{}."
+    # Share of the warm-up's responses that work a chain sum out step by step before the boxed
+    # answer (drawn per record); the rest give the answer alone. 0: every response is the answer.
+    worked_fraction: float = 0.0
+    max_response_tokens: int = 12  # the warm-up checks' generation cap (the RL config has its own)
     seed: int = 11
     size: int = 8000  # records drawn (of 8,100 distinct problems; repeats are merged)
     held_out_fraction: float = 0.15  # of the distinct expressions: never trained on, evaluated
@@ -95,9 +99,24 @@ def demo_records(spec: DemoSpec, split: str):
     return [first[e] for e in sorted(held_out)]
 
 
-def response_text(answer: str) -> str:
-    """The supervised response for an answer: just the boxed answer and the end-of-turn token."""
-    return f"\\boxed{{{answer}}}{EOS}"
+def response_text(answer: str, steps: Sequence[str] = ()) -> str:
+    """A supervised response: the worked ``steps`` one a line (none: the answer alone), then the boxed
+    answer and the end-of-turn token."""
+    return "".join(f"{step}\n" for step in steps) + f"\\boxed{{{answer}}}{EOS}"
+
+
+def warmup_response(spec: DemoSpec, record) -> str:
+    """``record``'s supervised response: worked out step by step
+    (:func:`megatron_zcpo.data.procedural.worked_steps` of its expression) for a
+    ``spec.worked_fraction`` share of the records, drawn per record from ``spec.seed`` and its uid;
+    the answer alone for the others."""
+    import random
+
+    from megatron_zcpo.data.procedural import worked_steps
+
+    if spec.worked_fraction and random.Random(f"{spec.seed}:{record.uid}").random() < spec.worked_fraction:
+        return response_text(record.answer, worked_steps(record.extra_info["expression"]))
+    return response_text(record.answer)
 
 
 def train_tokenizer(spec: DemoSpec, records) :
@@ -117,7 +136,7 @@ def train_tokenizer(spec: DemoSpec, records) :
     )
     corpus = []
     for record in records:
-        corpus.append(f"user\n{record.messages[0]['content']}\nassistant\n{response_text(record.answer)}")
+        corpus.append(f"user\n{record.messages[0]['content']}\nassistant\n{warmup_response(spec, record)}")
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=None, eos_token=EOS, pad_token=PAD)
     fast.chat_template = CHAT_TEMPLATE
@@ -137,13 +156,13 @@ def _hf_config(spec: DemoSpec, tokenizer):
     )
 
 
-def _encode_examples(tokenizer, records) -> List[Tuple[List[int], int]]:
+def _encode_examples(spec: DemoSpec, tokenizer, records) -> List[Tuple[List[int], int]]:
     """(prompt + response token ids, prompt length) per record."""
     examples = []
     for record in records:
         prompt = tokenizer.apply_chat_template(record.messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(response_text(record.answer), add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(warmup_response(spec, record), add_special_tokens=False)["input_ids"]
         examples.append((prompt_ids + response_ids, len(prompt_ids)))
     return examples
 
@@ -179,7 +198,7 @@ def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Cal
 
     torch.manual_seed(spec.sft_seed)
     model = Qwen2ForCausalLM(_hf_config(spec, tokenizer))
-    examples = _encode_examples(tokenizer, records)
+    examples = _encode_examples(spec, tokenizer, records)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(spec.sft_seed)
     accuracy = 0.0
@@ -196,7 +215,8 @@ def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Cal
         loss.backward()
         optimizer.step()
         if step % spec.sft_eval_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, eval_records[: spec.sft_eval_problems])
+            accuracy = greedy_accuracy(model, tokenizer, eval_records[: spec.sft_eval_problems],
+                                       spec.max_response_tokens)
             if step % 50 == 0 or accuracy >= spec.sft_target_accuracy:
                 log(f"warm-up step {step}: loss {loss.item():.3f}, greedy accuracy {accuracy:.2f}")
             if accuracy >= spec.sft_target_accuracy:

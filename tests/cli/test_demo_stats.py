@@ -68,62 +68,91 @@ def test_compare_methods_pairs_by_seed():
 
 
 def test_seed_changes_reach_every_seed_and_validate(tmp_path):
+    from megatron_zcpo.cli.demo_arms import parse_arm
     from megatron_zcpo.recipe.config import build_run_config
 
     config = demo.demo_config(tmp_path, tmp_path / "run", demo.seed_changes(5))
     run = build_run_config(config)
     assert (run.train.seed, run.rollout.seed, run.data.seed) == (5, 5, 5)
     assert run.eval.seed == 10_005
-    other = demo.demo_config(tmp_path, tmp_path / "run", demo._merge(demo.seed_changes(6), demo.COMPARED[1][1]))
+    other = parse_arm("dapo-k3").config(demo.demo_config(tmp_path, tmp_path / "run", demo.seed_changes(6)))
     assert other["rollout"]["seed"] == 6 and other["algorithm"]["kl_loss"] == "k3"
+    scratchpad = build_run_config(demo.demo_config(tmp_path, tmp_path / "run", {}, task="scratchpad",
+                                                   diagnostics=True))
+    assert scratchpad.rollout.max_new_tokens == 48 and scratchpad.diagnostics.enabled
 
 
-def _fake_run(run_dir, accuracies, rewards):
-    """A run directory as `zcpo train` leaves it: metrics.jsonl and per-step evaluation files."""
+def _fake_run(run_dir, accuracies, rewards, diagnostics=()):
+    """A run directory as `zcpo train` leaves it: metrics.jsonl and per-step evaluation files.
+
+    diagnostics: (step, {name: value}): ``diag/<name>`` metrics of a step."""
     (run_dir / "eval").mkdir(parents=True)
     for step, per_problem in accuracies.items():
         problems = [{"uid": uid, "num_correct": int(a * 4), "num_samples": 4} for uid, a in per_problem.items()]
         (run_dir / "eval" / f"step_{step:06d}.json").write_text(json.dumps({"problems": problems}))
-    lines = [{"step": s + 1, "rollout/reward_mean": r, "experience/kl": 0.01 * (s + 1)} for s, r in enumerate(rewards)]
+    lines = [{"step": s + 1, "rollout/reward_mean": r, "experience/kl": 0.01 * (s + 1),
+              "rollout/response_length_mean": 10.0 + s} for s, r in enumerate(rewards)]
+    for step, values in diagnostics:  # logged with the step's training metrics
+        lines[step - 1].update({f"diag/{k}": v for k, v in values.items()})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
 def test_run_summary_and_plot(tmp_path):
     run_dir = tmp_path / "zcpo"
     _fake_run(run_dir, {0: {"a": 0.25, "b": 0.5}, 4: {"a": 0.5, "b": 0.75}, 8: {"a": 0.75, "b": 1.0}},
-              rewards=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4])
+              rewards=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4],
+              diagnostics=[(1, {"f4": 9.0, "f1": 9.0}), (5, {"f4": 0.5, "f1": float("nan")}), (8, {"f4": 0.25})])
     summary = demo.run_summary(run_dir)
     assert summary["gain"] == pytest.approx(0.5)  # first vs last evaluation
-    assert summary == {**run_gain(run_dir), "reward": pytest.approx(1.3), "kl": pytest.approx(0.075), "steps": 8}
+    # tails: the last quarter of the steps (7, 8); diagnostics: every measurement but the first, NaNs skipped
+    diagnostics = summary.pop("diagnostics")
+    assert summary == {**run_gain(run_dir), "reward": pytest.approx(1.3), "kl": pytest.approx(0.075),
+                       "length": pytest.approx(16.5), "steps": 8}
+    assert diagnostics["f4"] == pytest.approx(0.375) and math.isnan(diagnostics["f1"])
     path = demo.write_accuracy_plot({"zcpo": [run_dir], "twice": [run_dir, run_dir]}, 4, tmp_path / "plot.png")
     assert path.stat().st_size > 0
 
 
-def test_compare_runs_every_method_with_the_same_seeds(tmp_path, monkeypatch):
-    """The --compare orchestration: seeds x methods, per-seed pairing, summary and plot (training faked)."""
-    import argparse
+def test_compare_runs_every_arm_with_the_same_seeds(tmp_path, monkeypatch):
+    """The --compare orchestration: seeds x arms, per-seed pairing against the first arm, per-run and
+    overall summaries, diagnostics, plot (training faked)."""
+    from megatron_zcpo.cli.main import build_parser
 
     calls = []
 
-    def fake_train(assets, run_dir, changes, args, console):
-        seed = changes["rollout"]["seed"]
-        calls.append((run_dir.parent.name, seed, changes["algorithm"]["name"] if "algorithm" in changes else "zcpo"))
-        bonus = {"dapo": 0.0, "dapo_k3": -0.25, "zcpo": 0.25}[run_dir.parent.name]
-        _fake_run(run_dir, {0: {"a": 0.25, "b": 0.5}, 2: {"a": 0.5 + bonus, "b": 0.5 + seed / 8}}, [0.1 * seed, 0.2])
+    def fake_run_jobs(jobs, at_once, reuse, on_done, log):
+        assert at_once == 2 and not reuse
+        for job in jobs:
+            seed, algorithm = job.config["rollout"]["seed"], job.config["algorithm"]
+            assert job.config["parallel"]["tensor"] == 1  # --compare's default: TP=1 runs, 2 at a time
+            calls.append((job.run_dir.parent.name, seed, algorithm["name"], algorithm["beta"]))
+            bonus = {"dapo": 0.0, "zcpo+algorithm.beta=1": -0.25, "zcpo": 0.25}[job.run_dir.parent.name]
+            _fake_run(job.run_dir, {0: {"a": 0.25, "b": 0.5}, 2: {"a": 0.5 + bonus, "b": 0.5 + seed / 8}},
+                      [0.1 * seed, 0.2], diagnostics=[(1, {"f4_corr_length_kl_sum": 0.0}),
+                                                      (2, {"f4_corr_length_kl_sum": seed + bonus})])
+            on_done(job)
         return 0
 
-    monkeypatch.setattr(demo, "train_one", fake_train)
-    monkeypatch.setattr("megatron_zcpo.recipe.demo_assets.build_demo_assets", lambda log: tmp_path / "assets")
-    args = argparse.Namespace(compare=True, seed=3, seeds=2, out=str(tmp_path / "out"), steps=0, nproc=2)
+    monkeypatch.setattr("megatron_zcpo.cli.demo_jobs.run_jobs", fake_run_jobs)
+    monkeypatch.setattr("megatron_zcpo.recipe.demo_assets.build_demo_assets", lambda spec, log: tmp_path)
+    args = build_parser().parse_args(["demo", "--compare", "--arms", "dapo,zcpo:algorithm.beta=1,zcpo", "--seed", "3",
+                                      "--seeds", "2", "--out", str(tmp_path / "out")])
     assert demo.run(args) == 0
-    assert [(name, seed) for name, seed, _ in calls] == [(n, s) for s in (3, 4) for n in ("dapo", "dapo_k3", "zcpo")]
+    assert calls == [(d, s, n, b) for s in (3, 4) for d, n, b in (("dapo", "dapo", 4.0), ("zcpo+algorithm.beta=1", "zcpo", 1),
+                                                                  ("zcpo", "zcpo", 4.0))]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["seeds"] == [3, 4]
+    assert summary["seeds"] == [3, 4] and summary["task"] == "addition"
     by_key = {(d["method"], d["key"]): d for d in summary["differences"]}
     assert by_key[("zcpo", "after")]["diff"] == pytest.approx(0.125)  # +0.25 on one of two problems
-    assert by_key[("dapo_k3", "after")]["diff"] == pytest.approx(-0.125)
+    assert by_key[("zcpo:algorithm.beta=1", "after")]["diff"] == pytest.approx(-0.125)
     assert by_key[("zcpo", "after")]["se"] == pytest.approx(0.0)  # the same difference on both seeds
+    assert by_key[("zcpo", "diag/f4_corr_length_kl_sum")]["diff"] == pytest.approx(0.25)
+    per_run = json.loads((tmp_path / "out" / "zcpo" / "seed_4" / "summary.json").read_text())
+    assert per_run["arm"] == "zcpo" and per_run["seed"] == 4 and per_run["diagnostics"] == {"f4_corr_length_kl_sum": 4.25}
     assert (tmp_path / "out" / "heldout_accuracy.png").stat().st_size > 0
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    assert "2 seeds; mean +- standard error over seeds; held-out before training 0.375" in table
+    assert "| zcpo - dapo | +0.125 +- 0.000 |" in table and "| f4_corr_length_kl_sum | 3.500 +- 0.500 |" in table
 
 
 def test_seed_sweep_rows_report_the_lowest_point_and_the_verdict(tmp_path):
@@ -155,22 +184,26 @@ def test_seed_sweep_rows_report_the_lowest_point_and_the_verdict(tmp_path):
 
 def test_seeds_without_compare_sweep_the_demo(tmp_path, monkeypatch):
     """`zcpo demo --seeds N`: one run per seed, then the table (training faked)."""
-    import argparse
+    from megatron_zcpo.cli.main import build_parser
 
     seeds = []
 
-    def fake_train(assets, run_dir, changes, args, console):
-        seed = changes["rollout"]["seed"]
-        seeds.append((run_dir.name, seed))
-        _fake_run(run_dir, {0: {"a": 0.25, "b": 0.5}, 20: {"a": 0.5, "b": 0.5}, 40: {"a": 0.5, "b": 0.5 + seed / 16}},
-                  [0.1])
+    def fake_run_jobs(jobs, at_once, reuse, on_done, log):
+        assert at_once == 1
+        for job in jobs:
+            seed = job.config["rollout"]["seed"]
+            seeds.append((job.run_dir.name, seed, job.config["parallel"]["tensor"]))
+            _fake_run(job.run_dir, {0: {"a": 0.25, "b": 0.5}, 20: {"a": 0.5, "b": 0.5},
+                                    40: {"a": 0.5, "b": 0.5 + seed / 16}}, [0.1])
+            job.wall_s = 1.0
+            on_done(job)
         return 0
 
-    monkeypatch.setattr(demo, "train_one", fake_train)
-    monkeypatch.setattr("megatron_zcpo.recipe.demo_assets.build_demo_assets", lambda log: tmp_path / "assets")
-    args = argparse.Namespace(compare=False, seed=5, seeds=3, out=str(tmp_path / "out"), steps=0, nproc=2)
+    monkeypatch.setattr("megatron_zcpo.cli.demo_jobs.run_jobs", fake_run_jobs)
+    monkeypatch.setattr("megatron_zcpo.recipe.demo_assets.build_demo_assets", lambda spec, log: tmp_path)
+    args = build_parser().parse_args(["demo", "--seed", "5", "--seeds", "3", "--out", str(tmp_path / "out")])
     assert demo.run(args) == 0
-    assert seeds == [("seed_5", 5), ("seed_6", 6), ("seed_7", 7)]
+    assert seeds == [("seed_5", 5, 2), ("seed_6", 6, 2), ("seed_7", 7, 2)]  # the demo's TP=2, one at a time
     sweep = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert [row["seed"] for row in sweep["rows"]] == [5, 6, 7]
     assert sweep["summary"]["never_below_start"] == 3 and all(row["wall_s"] >= 0 for row in sweep["rows"])

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from megatron_zcpo.data.config import DataConfig
 from megatron_zcpo.data.dataset import PromptDataset, build_prompt_dataset, render_prompt, tokenize_records
-from megatron_zcpo.data.procedural import reasoning_gym_records
+from megatron_zcpo.data.procedural import reasoning_gym_records, worked_steps
 from megatron_zcpo.data.records import DataError, PromptRecord, read_prompt_file
 
 DAPO_PROMPT = "Solve the following math problem step by step.\n\nWhat is 6 times 7?"
@@ -211,6 +211,28 @@ def test_reasoning_gym_records_are_seeded_and_verifiable():
         reasoning_gym_records("no_such_task", size=1, seed=0)
     with pytest.raises(DataError, match="bad task options"):
         reasoning_gym_records("chain_sum", size=1, seed=0, min_terms=5, max_terms=2)
+
+
+def test_worked_steps_of_the_scratchpad_task_reach_the_answer_and_score():
+    from megatron_zcpo.recipe.demo_assets import EOS, response_text
+    from megatron_zcpo.rewards.math import dapo_math_reward
+
+    assert worked_steps("4 - 1 - 7") == ["4-1=3", "3-7=-4"]
+    assert worked_steps("10 + 0") == ["10+0=10"]
+    records = reasoning_gym_records("basic_arithmetic", size=50, seed=3, min_terms=3, max_terms=5, min_digits=1,
+                                    max_digits=1, operators=("+", "-"), allow_parentheses=False, allow_negation=False)
+    for record in records:
+        steps = worked_steps(record.extra_info["expression"])
+        assert len(steps) == record.extra_info["num_terms"] - 1
+        assert steps[-1].rsplit("=", 1)[1] == record.answer  # the last step's result is the answer
+        worked = response_text(record.answer, steps)
+        assert worked.endswith(f"\\boxed{{{record.answer}}}{EOS}") and worked.count("\n") == len(steps)
+        # the demo's reward reads the boxed answer after the scratchpad; a wrong one scores -1
+        assert dapo_math_reward(worked.replace(EOS, ""), record.answer) == 1.0
+        assert dapo_math_reward(worked.replace(EOS, "").replace(f"{{{record.answer}}}", "{999}"), record.answer) == -1.0
+    for bad in ("4", "4 * 2", "4 + -1", "a + 1", "4 +  1"):
+        with pytest.raises(DataError, match="worked steps need a chain"):
+            worked_steps(bad)
 
 
 def test_build_prompt_dataset_from_config(tmp_path, bpe_tokenizer):
