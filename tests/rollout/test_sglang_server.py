@@ -54,9 +54,11 @@ def test_command_lines():
     assert flags["--model-path"] == "/ckpt/qwen" and flags["--port"] == "30010" and flags["--tp-size"] == "8"
     assert flags["--quantization"] == "modelopt_fp8" and flags["--context-length"] == "20480"
     assert command[-1] == "--enable-fp32-lm-head"
-    assert router_command(["http://a:1", "http://b:2"], config) == [
-        "python", "-m", "sglang_router.launch_router", "--host", "0.0.0.0", "--port", "29000",
-        "--policy", "cache_aware", "--worker-urls", "http://a:1", "http://b:2"]
+    assert flags["--host"] == "n1" and "--api-key" not in flags  # the node's address; no key given here
+    assert router_command(["http://a:1", "http://b:2"], config, "n1", "k3y") == [
+        "python", "-m", "sglang_router.launch_router", "--host", "n1", "--port", "29000",
+        "--policy", "cache_aware", "--request-timeout-secs", "1800", "--worker-urls", "http://a:1", "http://b:2",
+        "--api-key", "k3y"]
 
 
 def _tiny_checkpoint(directory):
