@@ -437,6 +437,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random /generate fault")
     parser.add_argument("--fault-log", default=None, help="append each random fault to this file")
+    parser.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate answers no sooner")
+    parser.add_argument("--record-dir", default=None,
+                        help="on exit, write the requests, weight updates and update overlaps to DIR/<port>.json")
     args, _ = parser.parse_known_args(argv)
     engine = EmbeddedEngine(model_config_from_hf(read_hf_config(args.model_path)), seed=args.random_seed)
     with SafetensorsCheckpoint(args.model_path) as checkpoint:
@@ -444,12 +447,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     server = MockSGLangServer(engine, host=args.host, port=args.port, random_faults=args.fault_rate,
                               seed=args.random_seed, fault_log=args.fault_log, context_length=args.context_length,
                               model_context_length=engine.model_config.max_position_embeddings,
-                              deterministic_inference=args.enable_deterministic_inference, api_key=args.api_key)
+                              deterministic_inference=args.enable_deterministic_inference, api_key=args.api_key,
+                              generate_delay_s=args.generate_delay_s)
     server.start()
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     stopped.wait()
     server.stop()
+    if args.record_dir:
+        import json
+        import os
+
+        with open(os.path.join(args.record_dir, f"{server.port}.json"), "w") as record:
+            json.dump({"events": server.events, "weight_updates": server.weight_updates,
+                       "update_overlaps": server.update_overlaps}, record)
 
 
 if __name__ == "__main__":

@@ -289,14 +289,14 @@ def launch_sglang(launcher: SGLangLauncher, **client_options):
     """Start ``launcher``'s processes, wait until all servers of the job are healthy, return a client.
 
     ``client_options`` go to :class:`SGLangEngineConfig` (timeouts, weight push); the client
-    sends the launcher's API key. The returned :class:`SGLangEngine` stops the launched processes
+    sends the launcher's API key and knows the router's timeout. The returned :class:`SGLangEngine` stops the launched processes
     when it shuts down. Raises ``RolloutError`` with the exit codes and log tails when a process
     dies during start-up.
     """
     from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 
     launcher.start()
-    options = {**client_options, "api_key": launcher.api_key}
+    options = {**client_options, "api_key": launcher.api_key, "router_timeout_s": launcher.config.router_request_timeout_s}
     engine = SGLangEngine(
         SGLangEngineConfig(server_urls=launcher.server_urls, router_url=launcher.router_url, **options),
         on_shutdown=launcher.stop,
