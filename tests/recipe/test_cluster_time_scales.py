@@ -57,20 +57,56 @@ def _config(root, model_dir, urls, router_url, run_dir):
     return path
 
 
-def _two_runs(rank, world, store_port, paths):
-    """Both runs in the same four processes (one spawn), one after the other."""
+def _line_up(rank, world, store_port):
+    """Return once every rank got here: a scaled-down collective timeout also bounds the rendezvous,
+    and spawned ranks finish their imports seconds apart on a loaded machine."""
     import torch.distributed as dist
 
-    from megatron_zcpo.recipe.config import load_run_config
-    from megatron_zcpo.recipe.training import run_training
-
-    # Line the ranks up first: the scaled-down collective timeout also bounds the rendezvous.
     store = dist.TCPStore("127.0.0.1", store_port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
     store.add("arrived", 1)
     while store.add("arrived", 0) < world:
         time.sleep(0.01)
+    return store
+
+
+def _two_runs(rank, world, store_port, paths):
+    """Both runs in the same four processes (one spawn), one after the other."""
+    from megatron_zcpo.recipe.config import load_run_config
+    from megatron_zcpo.recipe.training import run_training
+
+    store = _line_up(rank, world, store_port)  # noqa: F841 - rank 0 serves it until the runs end
     for path in paths:
         run_training(load_run_config(str(path)))
+
+
+def _wait_for_rank0_alone(rank, world, store_port):
+    """Rank 0 works alone for twice the collective timeout, twice: the other rank waits for it in the
+    Rank0Wait group (and survives), then in the training group (and times out)."""
+    import torch.distributed as dist
+
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.recipe.rank0_wait import Rank0Wait
+
+    store = _line_up(rank, world, store_port)  # noqa: F841
+    setup_megatron(collective_timeout_s=1.0)
+    waits = Rank0Wait(60.0)
+    if rank == 0:
+        time.sleep(2.0)
+    received = waits.broadcast("the rollout" if rank == 0 else None)
+    if rank == 0:
+        time.sleep(2.0)
+    try:
+        dist.broadcast_object_list([received], src=0)
+        timed_out = False
+    except RuntimeError:
+        timed_out = True
+    return received, timed_out
+
+
+def test_ranks_wait_for_rank0_off_the_training_groups():
+    first, second = run_distributed(_wait_for_rank0_alone, 2, free_port(), timeout=300)
+    assert first[0] == second[0] == "the rollout"
+    assert second[1]  # the same wait in a training group: past parallel.collective_timeout_s
 
 
 def _servers(model_dir, delay):
