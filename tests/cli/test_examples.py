@@ -127,6 +127,9 @@ def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sg
                           deterministic_inference="--enable-deterministic-inference" in command) as server, \
             SGLangEngine(SGLangEngineConfig(server_urls=[server.url], **config.rollout.sglang.client)) as engine:
         engine.check_servers(prompt, new_tokens)
+    # every node must start its servers with the job's one key: none in the environment, no servers
+    monkeypatch.delenv("ZCPO_SGLANG_API_KEY")
+    assert sglang_node.main(["--model-path", "/m", "--nodes", "gpu05", "--tp-size", "8"]) == 2
     rollout_gpus = (int(settings["nodes"]) - int(settings["TRAIN_NODES"])) * int(settings["gpus-per-node"])
     check_timeouts(config, MODELS[example], RolloutServers(count=rollout_gpus // int(settings["ROLLOUT_TP"]),
                                                            tp_size=int(settings["ROLLOUT_TP"])))

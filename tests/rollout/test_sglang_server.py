@@ -1,6 +1,7 @@
 """SGLang launcher: Slurm node lists, GPU/port plans, command lines, health wait and clean stop (without SGLang)."""
 
 import os
+import socket
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from megatron_zcpo.utils.slurm import expand_slurm_nodelist
 from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 from megatron_zcpo.rollout.sglang_server import (
     ServerSpec,
+    check_bind_address,
     SGLangLauncher,
     SGLangServerConfig,
     launch_sglang,
@@ -105,6 +107,16 @@ def test_launch_waits_for_health_serves_and_stops(tmp_path):
     finally:
         engine.shutdown()
     assert all(p.poll() is not None for p in processes)
+
+
+def test_servers_bind_to_their_nodes_address_never_silently_to_loopback():
+    def resolver(table):
+        return lambda host, port, *args, **kwargs: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (table[host], port))]
+
+    check_bind_address("gpu05", resolver({"gpu05": "10.1.0.5"}))
+    check_bind_address("127.0.0.1", resolver({}))  # a loopback name: tests, one-host runs
+    with pytest.raises(ValueError, match="'gpu05' resolves to 127.0.1.1 on this host.*rollout.sglang.launch.nodes"):
+        check_bind_address("gpu05", resolver({"gpu05": "127.0.1.1"}))  # a Debian-style /etc/hosts
 
 
 def test_launch_reports_a_dying_server(tmp_path):
