@@ -179,7 +179,7 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
     return command + list(config.extra_args)
 
 
-def router_command(worker_urls: List[str], config: SGLangServerConfig, host: str = "0.0.0.0",
+def router_command(worker_urls: List[str], config: SGLangServerConfig, host: str,
                    api_key: Optional[str] = None) -> List[str]:
     """The ``python -m sglang_router.launch_router ...`` command line over ``worker_urls``, bound to
     ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``."""

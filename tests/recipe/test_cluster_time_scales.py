@@ -46,7 +46,9 @@ def _config(root, model_dir, urls, router_url, run_dir):
                         # the servers share this process: one weight-update group each is not possible here
                         "weight_sync": "disk", "weight_dir": str(root / f"weights-{run_dir.name}")}}},
         "data": {"train_files": [str(model_dir / "train.jsonl")], "max_prompt_length": PROMPT_TOKENS},
-        "eval": {"at_start": False, "at_end": False},
+        # rank 0 evaluates alone at the end while the others wait to save the last checkpoint
+        "eval": {"at_start": False, "at_end": True, "data": {"train_files": [str(model_dir / "eval.jsonl")]},
+                 "num_prompts": 4, "k": 2},
         "reward": {"num_workers": 1, "function": "tests.recipe.test_cluster_time_scales:parity_reward",
                    "overlong_penalty": False, "overlong_filter": False},
         "checkpoint": {"every": 0, "keep_last": 1},
@@ -126,9 +128,10 @@ def _servers(model_dir, delay):
     return servers, router
 
 
-def _trained_steps(run_dir):
+def _logged(run_dir):
+    """The trained steps' metrics {step: metrics} and the evaluations' [metrics] of a run."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records if "rollout/reward_mean" in r}
+    return {r["step"]: r for r in records if "rollout/reward_mean" in r}, [r for r in records if "eval/avg@2" in r]
 
 
 def test_a_rollout_longer_than_every_timeout_trains_like_instant_servers(tmp_path, tiny_model):  # noqa: F811
@@ -141,8 +144,10 @@ def test_a_rollout_longer_than_every_timeout_trains_like_instant_servers(tmp_pat
     finally:
         for server in (*instant, *slow, instant_router, slow_router):
             server.stop()
-    fast_steps, slow_steps = _trained_steps(tmp_path / "instant"), _trained_steps(tmp_path / "slow")
+    (fast_steps, fast_eval), (slow_steps, slow_eval) = _logged(tmp_path / "instant"), _logged(tmp_path / "slow")
     assert sorted(fast_steps) == sorted(slow_steps) == [1, 2]
+    assert len(slow_eval) == 1 and {k: v for k, v in slow_eval[0].items() if k != "time"} == {
+        k: v for k, v in fast_eval[0].items() if k != "time"}
     for step in (1, 2):
         # The scaled rollout outlasted the process groups' and the router's timeouts ...
         assert slow_steps[step]["time/rollout"] > max(COLLECTIVE_TIMEOUT_S, ROUTER_TIMEOUT_S)
