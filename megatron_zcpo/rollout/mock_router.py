@@ -17,6 +17,7 @@ import itertools
 import threading
 from typing import List, Optional
 
+from megatron_zcpo.rollout.mock_http import BackgroundHTTPServer
 from megatron_zcpo.rollout.sglang_api import (
     ROUTER_DEFAULT_REQUEST_TIMEOUT_S,
     ROUTER_MAX_ATTEMPTS,
@@ -28,75 +29,30 @@ from megatron_zcpo.rollout.sglang_api import (
 _ADMIN = {"/list_workers": ("GET",), "/flush_cache": ("POST",)}
 
 
-class MockSGLangRouter:
+class MockSGLangRouter(BackgroundHTTPServer):
     """Route to ``worker_urls`` from ``host:port`` (0: any free port) in a background thread.
 
     ``events`` records (path, detail) of every request: "ok", "401", "404", or for /generate the
     status answered after ``attempts`` tries ("500 after 5 attempts").
     """
 
+    thread_name = "mock-sglang-router"
+
     def __init__(self, worker_urls: List[str], *, host: str = "127.0.0.1", port: int = 0,
                  request_timeout_secs: float = ROUTER_DEFAULT_REQUEST_TIMEOUT_S, api_key: Optional[str] = None,
                  max_attempts: int = ROUTER_MAX_ATTEMPTS):
         if not worker_urls:
             raise ValueError("the router needs at least one worker URL")
+        super().__init__(host, port)
         self.worker_urls = list(worker_urls)
-        self.host, self.port = host, port
         self.request_timeout_secs, self.api_key, self.max_attempts = request_timeout_secs, api_key, max_attempts
         self.events: List[tuple] = []
         self._next = itertools.cycle(range(len(self.worker_urls)))
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
-        self._started = threading.Event()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> str:
-        """Start routing; returns the base URL."""
-        self._thread = threading.Thread(target=self._serve, name="mock-sglang-router", daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout=30):
-            raise RuntimeError("mock sglang router did not start within 30s")
-        return self.url
-
-    def stop(self) -> None:
-        """Stop routing."""
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-
-    def __enter__(self) -> "MockSGLangRouter":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _serve(self) -> None:
-        from aiohttp import web
-
-        self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._loop)
         self._session = None  # opened on the loop by the first forwarded request
-        app = web.Application(client_max_size=2**30)
-        app.router.add_route("*", "/{path:.*}", self._dispatch)
-        runner = web.AppRunner(app, shutdown_timeout=0.5)
-        self._loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, self.host, self.port)
-        self._loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self._started.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(runner.cleanup())
+
+    async def _close(self) -> None:
         if self._session is not None:
-            self._loop.run_until_complete(self._session.close())
-        leftovers = asyncio.all_tasks(self._loop)
-        for task in leftovers:
-            task.cancel()
-        self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
-        self._loop.close()
+            await self._session.close()
 
     def _worker_headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

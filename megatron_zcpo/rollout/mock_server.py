@@ -29,6 +29,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from megatron_zcpo.rollout.engine import RolloutEngine, SamplingParams
+from megatron_zcpo.rollout.mock_http import BackgroundHTTPServer
 from megatron_zcpo.rollout.sglang_api import PINNED_RELEASE, RELEASES, check_request, needs_api_key
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 
@@ -38,7 +39,7 @@ FAULTS = ("drop", "503", "hang", *CORRUPTIONS)
 COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
-class MockSGLangServer:
+class MockSGLangServer(BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
     ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
@@ -53,6 +54,8 @@ class MockSGLangServer:
     collective request that arrived while another group's was in flight here.
     """
 
+    thread_name = "mock-sglang"
+
     def __init__(self, backend: RolloutEngine, *, host: str = "127.0.0.1", port: int = 0,
                  faults: Optional[Dict[str, List[str]]] = None, release: str = PINNED_RELEASE,
                  random_faults: float = 0.0, seed: int = 0, fault_log: Optional[str] = None,
@@ -61,13 +64,13 @@ class MockSGLangServer:
                  api_key: Optional[str] = None, generate_delay_s: float = 0.0):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
+        super().__init__(host, port)
         self.release = release
         for path, actions in (faults or {}).items():
             unknown = [a for a in actions if a not in FAULTS]
             if unknown:
                 raise ValueError(f"faults[{path!r}] has unknown actions {unknown}; choose from {FAULTS}")
         self.backend = backend
-        self.host, self.port = host, port
         self.faults = {path: list(actions) for path, actions in (faults or {}).items()}
         self.random_faults, self._random, self.fault_log = random_faults, random.Random(seed), fault_log
         self.events: List[tuple] = []
@@ -84,31 +87,6 @@ class MockSGLangServer:
         self.aborted_rids: set = set()
         self._groups: Dict[str, Any] = {}
         self._backend_lock = threading.Lock()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
-        self._runner = None
-        self._started = threading.Event()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    # -- lifecycle -----------------------------------------------------------------------------
-
-    def start(self) -> str:
-        """Start serving; returns the base URL."""
-        self._thread = threading.Thread(target=self._serve, name="mock-sglang", daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout=30):
-            raise RuntimeError("mock SGLang server did not start within 30s")
-        return self.url
-
-    def _serve(self) -> None:
-        from aiohttp import web
-
-        self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._loop)
-        app = web.Application(client_max_size=2**30)
         self._handlers = {
             "/generate": self._generate, "/health": self._health, "/health_generate": self._health,
             "/get_model_info": self._model_info, "/model_info": self._model_info,
@@ -119,33 +97,6 @@ class MockSGLangServer:
             "/update_weights_from_distributed": self._update_from_distributed,
             "/destroy_weights_update_group": self._destroy_group,
         }
-        app.router.add_route("*", "/{path:.*}", self._dispatch)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, self.host, self.port)
-        self._loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self._started.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(self._runner.cleanup())
-        leftovers = asyncio.all_tasks(self._loop)  # e.g. "hang" handlers
-        for task in leftovers:
-            task.cancel()
-        self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
-        self._loop.close()
-
-    def stop(self) -> None:
-        """Stop serving (pending "hang" requests are cancelled)."""
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-
-    def __enter__(self) -> "MockSGLangServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # -- plumbing ------------------------------------------------------------------------------
 
