@@ -181,8 +181,8 @@ class SGLangEngine(RolloutEngine):
     async def _generate_one(self, index: int, prompt, sampling: Dict[str, Any], limit: asyncio.Semaphore,
                             given_up: asyncio.Event) -> Completion:
         async with limit:
-            if given_up.is_set():
-                raise asyncio.CancelledError
+            if given_up.is_set():  # the call failed: this request never starts (and raises nothing that
+                return None        # could reach the caller before the failure's own error)
             payload = {
                 "rid": uuid.uuid4().hex,
                 "input_ids": [int(t) for t in prompt],

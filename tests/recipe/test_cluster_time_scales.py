@@ -17,10 +17,12 @@ from megatron_zcpo.testing import run_distributed
 from megatron_zcpo.utils.runtime import free_port
 from tests.cli.test_train import tiny_model  # noqa: F401 - a fixture
 
-COLLECTIVE_TIMEOUT_S = 4.0  # parallel.collective_timeout_s, scaled down from 1,800 s
-REQUEST_TIMEOUT_S = 4.5
-ROUTER_TIMEOUT_S = 5.0  # the router's --request-timeout-secs (rollout.sglang.client.router_timeout_s)
-GENERATE_S = 3.0  # each request takes this long; 8 samples, 4 in flight: a rollout takes >= 6 s
+# Scaled down from 1,800 s; still well above what a legitimate collective (the checkpoint's barriers)
+# takes on two cores shared with other jobs (4 s was exceeded there at a load average of 50).
+COLLECTIVE_TIMEOUT_S = 10.0  # parallel.collective_timeout_s
+REQUEST_TIMEOUT_S = 7.0
+ROUTER_TIMEOUT_S = 8.0  # the router's --request-timeout-secs (rollout.sglang.client.router_timeout_s)
+GENERATE_S = 6.0  # each request takes this long; 8 samples, 4 in flight: a rollout takes >= 12 s
 PROMPT_TOKENS, NEW_TOKENS = 64, 6
 API_KEY = "job-key-4242"
 
@@ -86,17 +88,17 @@ def _wait_for_rank0_alone(rank, world, store_port):
     Rank0Wait group (and survives), then in the training group (and times out)."""
     import torch.distributed as dist
 
-    from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.recipe.rank0_wait import Rank0Wait
 
     store = _line_up(rank, world, store_port)  # noqa: F841
-    setup_megatron(collective_timeout_s=1.0)
+    # the training group as megatron/initialize.py makes it (parallel.collective_timeout_s = 3)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=3.0))
     waits = Rank0Wait(60.0)
     if rank == 0:
-        time.sleep(2.0)
+        time.sleep(6.0)
     received = waits.broadcast("the rollout" if rank == 0 else None)
     if rank == 0:
-        time.sleep(2.0)
+        time.sleep(6.0)
     try:
         dist.broadcast_object_list([received], src=0)
         timed_out = False
