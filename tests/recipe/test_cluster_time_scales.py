@@ -74,43 +74,23 @@ def _line_up(rank, world, store_port):
 
 
 def _two_runs(rank, world, store_port, paths):
-    """Both runs in the same four processes (one spawn), one after the other."""
+    """Both runs in the same four processes (one spawn), one after the other; then the control: the
+    same wait for rank 0 alone in the training group times out. Returns whether it did here."""
+    import torch.distributed as dist
+
     from megatron_zcpo.recipe.config import load_run_config
     from megatron_zcpo.recipe.training import run_training
 
     store = _line_up(rank, world, store_port)  # noqa: F841 - rank 0 serves it until the runs end
     for path in paths:
         run_training(load_run_config(str(path)))
-
-
-def _wait_for_rank0_alone(rank, world, store_port):
-    """Rank 0 works alone for twice the collective timeout, twice: the other rank waits for it in the
-    Rank0Wait group (and survives), then in the training group (and times out)."""
-    import torch.distributed as dist
-
-    from megatron_zcpo.recipe.rank0_wait import Rank0Wait
-
-    store = _line_up(rank, world, store_port)  # noqa: F841
-    # the training group as megatron/initialize.py makes it (parallel.collective_timeout_s = 3)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=3.0))
-    waits = Rank0Wait(60.0)
     if rank == 0:
-        time.sleep(6.0)
-    received = waits.broadcast("the rollout" if rank == 0 else None)
-    if rank == 0:
-        time.sleep(6.0)
+        time.sleep(COLLECTIVE_TIMEOUT_S + 2)  # rank 0 alone, as in a rollout
     try:
-        dist.broadcast_object_list([received], src=0)
-        timed_out = False
+        dist.broadcast_object_list([None], src=0)  # the default group: parallel.collective_timeout_s
     except RuntimeError:
-        timed_out = True
-    return received, timed_out
-
-
-def test_ranks_wait_for_rank0_off_the_training_groups():
-    first, second = run_distributed(_wait_for_rank0_alone, 2, free_port(), timeout=300)
-    assert first[0] == second[0] == "the rollout"
-    assert second[1]  # the same wait in a training group: past parallel.collective_timeout_s
+        return True
+    return False
 
 
 def _servers(model_dir, delay):
@@ -142,7 +122,8 @@ def test_a_rollout_longer_than_every_timeout_trains_like_instant_servers(tmp_pat
     paths = [_config(tmp_path, tiny_model, [s.url for s in servers], router.url, tmp_path / name)
              for name, servers, router in (("instant", instant, instant_router), ("slow", slow, slow_router))]
     try:
-        run_distributed(_two_runs, 4, free_port(), paths, timeout=600, env={"ZCPO_SGLANG_API_KEY": API_KEY})
+        timed_out = run_distributed(_two_runs, 4, free_port(), paths, timeout=600,
+                                    env={"ZCPO_SGLANG_API_KEY": API_KEY})
     finally:
         for server in (*instant, *slow, instant_router, slow_router):
             server.stop()
@@ -161,3 +142,4 @@ def test_a_rollout_longer_than_every_timeout_trains_like_instant_servers(tmp_pat
     for server in slow:  # every request carried the key; none was cut, refused or retried
         assert {detail for path, detail in server.events} == {"ok"}
     assert {detail for _, detail in slow_router.events} == {"ok"}
+    assert timed_out[1:] == [True] * 3  # the control: waiting in a training group instead does not survive
