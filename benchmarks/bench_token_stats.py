@@ -12,13 +12,15 @@ time is the slowest rank's wall time, peak memory the largest per-rank rise of t
 (VmHWM after the call minus VmRSS before it, the high-water mark reset first, with glibc made to
 map and unmap every allocation of 64 KiB or more), so the inputs and reused heap pages do not count. ``--comm`` times the two communication patterns the op could use.
 ``--update`` times the update pass from hidden states (fused op vs Megatron's output layer + cross
-entropy, forward and backward). ``--gpu`` (one CUDA device, TP=1) times ours, the fused variant and the peer with CUDA events and
-reports achieved bandwidth / FLOP rate against an H200's.
+entropy, forward and backward). ``--gpu`` (one CUDA device, TP=1, <= ~5 minutes): checks of the
+Triton kernels against the torch backend and float64 on the GPU, then times and peak memory against
+the HBM and bf16 rooflines beside the peer, a compiled functional version and the previous
+implementation (``bench_token_stats_gpu.py``).
 
     python benchmarks/bench_token_stats.py --sizes 1024x32768,4096x152064 --tp 1,2
     python benchmarks/bench_token_stats.py --comm
     python benchmarks/bench_token_stats.py --update --tp 1,2
-    python benchmarks/bench_token_stats.py --gpu
+    python benchmarks/bench_token_stats.py --gpu [--budget 270]
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-H200_BANDWIDTH = 4.3e12  # bytes/s, HBM3e
-H200_BF16_FLOPS = 790e12  # dense bf16 tensor-core rate used as the reference peak
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this repository's package, installed or not
 
 METHODS = ("ours", "naive", "peer")
 
@@ -297,79 +299,6 @@ def run_comm(tokens=4096, repeats=5):
             print(f"{name:>32}: {seconds * 1e3:8.2f} ms per call")
 
 
-# ------------------------------------------------------------------------------------------------
-# GPU (not run on the CPU machines)
-
-
-def _cuda_time(fn, repeats=5):
-    """(seconds per call, peak extra MiB) of ``fn`` on the current CUDA device."""
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / repeats / 1e3, (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def _rate(read_bytes, flops, seconds):
-    if flops:
-        return f"{flops / seconds / 1e12:.0f} TFLOP/s = {flops / seconds / H200_BF16_FLOPS:.0%} of H200 bf16"
-    return f"{read_bytes / seconds / 1e12:.2f} TB/s = {read_bytes / seconds / H200_BANDWIDTH:.0%} of H200 HBM"
-
-
-def run_gpu(tokens=4096, vocab=152064, hidden_size=5120):
-    """TP=1 on one CUDA device: forward of the three methods and the fused op, checks of the fused
-    op's bf16-operand / fp32-output GEMM path against upcast operands, and the update pass."""
-    from megatron.core import parallel_state
-
-    from megatron_zcpo.ops.token_stats import fused_token_stats
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1)
-    device = torch.device("cuda")
-    logits, ref_logits, targets = make_shards(tokens, vocab, 1, 0, device)
-    gen = torch.Generator(device=device).manual_seed(3)
-    hidden = torch.randn(tokens, hidden_size, device=device, generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(vocab, hidden_size, device=device, generator=gen) * hidden_size**-0.5).to(torch.bfloat16)
-    ref_weight = (weight.float() + 1e-3 * torch.randn(weight.shape, device=device, generator=gen)).to(torch.bfloat16)
-    print(f"# GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, {tokens} tokens x {vocab} vocab, "
-          f"hidden {hidden_size}, bf16 inputs")
-    logits_bytes = 2 * logits.numel() * logits.element_size()
-    gemm_flops = 2 * tokens * hidden_size * vocab
-    with torch.no_grad():
-        cases = {
-            "ours (logits)": (lambda: run_ours(logits, ref_logits, targets, None, vocab), logits_bytes, 0),
-            "peer (CE + entropy)": (lambda: run_peer(logits, None, targets, None, vocab), logits_bytes // 2, 0),
-            "naive": (lambda: run_naive(logits, ref_logits, targets, None, vocab), logits_bytes, 0),
-            "ours fused": (lambda: fused_token_stats(hidden, weight, targets, hidden, ref_weight), 0, 2 * gemm_flops),
-        }
-        for name, (fn, read_bytes, flops) in cases.items():
-            seconds, peak = _cuda_time(fn)
-            print(f"{name:>26}: {seconds * 1e3:8.2f} ms  peak +{peak:8.0f} MiB  {_rate(read_bytes, flops, seconds)}",
-                  flush=True)
-        native = fused_token_stats(hidden, weight, targets, hidden, ref_weight)
-        upcast = fused_token_stats(hidden.float(), weight.float(), targets, hidden.float(), ref_weight.float())
-        kl_error = ((native.kl - upcast.kl).abs() / upcast.kl).max().item()
-        print(f"{'check':>26}: bf16 GEMM with fp32 output vs upcast operands: KL max rel diff {kl_error:.1e}, "
-              f"logprob max abs diff {(native.logprob - upcast.logprob).abs().max().item():.1e}")
-
-    for method, gemms in (("ours", 4), ("peer", 3)):
-        seconds, peak = _cuda_time(lambda: update_step(method, hidden, weight, targets, None, vocab))
-        print(f"{'update ' + method + ' (fwd+bwd)':>26}: {seconds * 1e3:8.2f} ms  peak +{peak:8.0f} MiB  "
-              f"{_rate(0, gemms * gemm_flops, seconds)}", flush=True)
-    ours_grads, peer_grads = (update_step(method, hidden, weight, targets, None, vocab) for method in ("ours", "peer"))
-    for name, ours, peer in zip(("hidden", "weight"), ours_grads, peer_grads):
-        print(f"{'check':>26}: {name} gradient, fused vs Megatron bf16 output layer: max rel diff "
-              f"{((ours.float() - peer.float()).norm() / peer.float().norm()).item():.1e}")
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1024x32768,1024x152064,4096x152064", help="tokens x vocab, comma list")
@@ -379,9 +308,16 @@ def main(argv=None):
     parser.add_argument("--comm", action="store_true", help="time the communication patterns (gloo, TP=2)")
     parser.add_argument("--update", action="store_true", help="time the fused update pass (2048 x 152064, H=256)")
     parser.add_argument("--gpu", action="store_true", help="run the GPU section (one CUDA device)")
+    parser.add_argument("--budget", type=float, default=270.0, help="GPU section: seconds after which cases are skipped")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --gpu: every check and case once on the CPU at toy sizes (Triton's interpreter)")
     args = parser.parse_args(argv)
     if args.gpu:
-        run_gpu()
+        if args.dry_run:
+            os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is loaded
+        import bench_token_stats_gpu
+
+        return bench_token_stats_gpu.run(budget_s=args.budget, dry_run=args.dry_run)
     elif args.comm:
         run_comm()
     elif args.update:

@@ -7,8 +7,8 @@ megatron-core): a random Qwen2-style model in Hugging Face format is converted t
 checkpoint; it is built with the Transformer Engine layer spec; its log-probs from the experience
 pass in bf16 at TP1 (sequence parallelism off) are compared with Hugging Face transformers in fp32
 on the CPU; two bf16 training steps run (finite loss and gradient norm, parameters move);
-``benchmarks/bench_token_stats.py --gpu`` times the token-statistics ops against the HBM roofline
-and checks the bf16-operand fp32-output GEMM path; the converted checkpoint is ``--verify``-ed under
+``benchmarks/bench_token_stats.py --gpu`` checks the token statistics' Triton kernels against the
+torch backend and float64 on the GPU and times them beside the peer against the HBM and bf16 rooflines; the converted checkpoint is ``--verify``-ed under
 the TE spec; the memory planner's predicted peak is printed beside the measured one; and ``zcpo
 train`` runs end to end on the GPU (a tiny random Qwen2 with its own tokenizer, the embedded rollout
 engine, bf16, a checkpoint per step), once straight and once stopped after step 1 and resumed. One
@@ -44,7 +44,6 @@ H200_MEMORY_GIB = 141.0  # planner capacity when no device can be asked
 # mantissa bits (relative 4e-3 per rounding), and the activations of these models are O(1).
 LOGPROB_TOLERANCE = {"bf16": 5e-2, "fp32": 1e-3}
 VERIFY_TOLERANCE = {"gpu": 2e-2, "cpu": 1e-3}  # fp32 weights; GPU GEMMs sum in another order
-BENCH_KL_TOLERANCE = 1e-2  # bf16-operand fp32-output fused GEMM vs upcast operands, relative
 
 MODEL_SIZES = {  # (vocab, hidden, ffn, layers, heads, kv heads)
     "tiny": (512, 64, 128, 2, 4, 2),
@@ -235,16 +234,12 @@ class GpuCheck:
                         f"max |dlogit| {difference:.2e}", f"<= {tolerance:g}")
 
     def bench(self) -> CheckRow:
-        """``bench_token_stats.py --gpu``: times vs the HBM roofline and the fp32-output GEMM check."""
+        """``bench_token_stats.py --gpu``: the Triton kernels checked on the GPU, then timed against the peer."""
         result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_token_stats.py"), "--gpu"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=420)
         print(result.stdout + result.stderr, flush=True)
-        match = re.search(r"KL max rel diff ([0-9.e+-]+)", result.stdout)
-        rates = re.findall(r"= (\d+%) of H200 (HBM|bf16)", result.stdout)
-        ok = result.returncode == 0 and match is not None and float(match.group(1)) <= BENCH_KL_TOLERANCE
-        measured = f"KL rel diff {match.group(1) if match else '?'}; " + ", ".join(f"{r} {k}" for r, k in rates)
-        return CheckRow("bench_token_stats --gpu", "ok" if ok else "FAILED", measured,
-                        f"exit 0; KL rel diff <= {BENCH_KL_TOLERANCE:g}")
+        return CheckRow("bench_token_stats --gpu", "ok" if bench_passed(result) else "FAILED",
+                        bench_summary(result.stdout), "exit 0; every check PASS; see the tables above")
 
     def train_end_to_end(self) -> CheckRow:
         """``zcpo train`` for 2 steps; a second run stopped after step 1 and resumed must repeat step 2."""
@@ -281,6 +276,27 @@ class GpuCheck:
             return CheckRow("planner peak memory", "ok", predicted, "measured: no GPU")
         return CheckRow("planner peak memory", "ok", f"measured {measured / GIB:.3f} GiB; {predicted}",
                         f"ratio measured/predicted {measured / without_overhead:.2f}")
+
+
+def bench_passed(result: subprocess.CompletedProcess) -> bool:
+    """The benchmark exited 0 and printed its summary with no failed check or Triton case."""
+    return result.returncode == 0 and re.search(r"# token-stats GPU bench: 0 checks failed \[\], 0 Triton cases failed",
+                                                result.stdout) is not None
+
+
+def bench_summary(stdout: str) -> str:
+    """"table: ours ms (x peer)" for each table of the benchmark's output, and the checks passed."""
+    parts, table = [], None
+    for line in stdout.splitlines():
+        header = re.match(r"# (stats|update|experience) (\d+ x [\d x]+)", line)
+        if header:
+            table = f"{header.group(1)} {header.group(2).split(':')[0].strip()}"
+        timed = re.match(r"\s+ours \(triton\)(, logprob)?\s+([\d.]+) ms .* x peer\s+([\d.]+)", line)
+        if table and timed:
+            parts.append(f"{table}: {float(timed.group(2)):.2f} ms ({timed.group(3)}x peer)")
+            table = None
+    checks = re.findall(r"check .* (PASS|FAIL) ", stdout)
+    return "; ".join(parts + [f"checks {checks.count('PASS')}/{len(checks)} pass"])
 
 
 def addition_rows(count: int, seed: int) -> List[Dict[str, str]]:

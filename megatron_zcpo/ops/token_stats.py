@@ -4,28 +4,30 @@ Each tensor-parallel rank holds a vocabulary shard: global ids [r * V_local, (r 
 Columns at or past ``vocab_size`` (Megatron's padding) are ignored; logits at or below
 ``MASKED_LOGIT`` (including -inf) mean probability exactly 0. :func:`vocab_parallel_token_stats`
 takes the logits, :func:`fused_token_stats` the final hidden states and the output layer (the
-logits never exist whole). The numerics, the tiling and the memory they need are explained in
-:mod:`megatron_zcpo.ops.token_stats_kernels`.
+float32 logits never exist whole). Two backends compute them: torch (the CPU path and the
+reference; numerics, tiling and memory in :mod:`megatron_zcpo.ops.token_stats_kernels`) and Triton
+kernels on CUDA (:mod:`megatron_zcpo.ops.token_stats_triton`), chosen by ``backend``.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_zcpo.ops.output_projection import OutputProjection
 from megatron_zcpo.ops.token_stats_kernels import (
-    HAS_MM_OUT_DTYPE,
     MASKED_LOGIT,
     Tiling,
     TileResults,
     resolve_tiling,
+    save_results,
     tiled_backward,
     tiled_forward,
 )
+from megatron_zcpo.utils.devices import kernel_backend
 
 __all__ = ["MASKED_LOGIT", "TokenStats", "fused_token_stats", "vocab_parallel_token_stats"]
 
@@ -57,25 +59,30 @@ def _as_compute(grads, tiling: Tiling):
     return tuple(None if g is None else g.to(tiling.dtype) for g in grads)
 
 
-def _run(function, forward: Callable, needs_grad: bool, inputs: tuple, shape, dtype) -> TokenStats:
-    """Through the autograd ``function`` when a gradient is wanted, else plain ``forward`` (nothing saved)."""
-    results = TileResults(*function.apply(*inputs), saved=None) if needs_grad else forward(*inputs)
+def _shaped(results, shape, dtype) -> TokenStats:
+    """TokenStats of ``results`` (TileResults, or the four outputs of an autograd Function) in ``shape``."""
+    if isinstance(results, TileResults):
+        results = (results.logprob, results.entropy, results.ref_logprob, results.kl)
 
     def shaped(x):
         return None if x is None else x.to(dtype).view(shape)
 
-    return TokenStats(shaped(results.logprob), shaped(results.entropy), shaped(results.ref_logprob),
-                      shaped(results.kl))
+    return TokenStats(*(shaped(x) for x in results))
 
 
-def _save_for_backward(ctx, inputs: tuple, results: TileResults, tiling: Tiling):
-    """Autograd forward epilogue shared by both Functions: keep inputs + per-token numbers, return outputs."""
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*inputs, results.saved)
-    ctx.tiling = tiling
-    if results.ref_logprob is not None:
-        ctx.mark_non_differentiable(results.ref_logprob)
-    return results.logprob, results.entropy, results.ref_logprob, results.kl
+def _run(function, forward: Callable, needs_grad: bool, inputs: tuple, shape, dtype) -> TokenStats:
+    """Through the autograd ``function`` when a gradient is wanted, else plain ``forward`` (nothing saved)."""
+    return _shaped(function.apply(*inputs) if needs_grad else forward(*inputs), shape, dtype)
+
+
+def _backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"torch" or "triton" (utils.devices.kernel_backend); float64 stays on torch (the kernels are float32)."""
+    backend = kernel_backend(device, requested)
+    if backend == "triton" and dtype == torch.float64:
+        if requested == "triton":
+            raise ValueError("backend='triton' computes in float32: float64 inputs need backend='torch' or 'auto'")
+        return "torch"
+    return backend
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,25 +110,36 @@ def _logits_forward(logits, ref_logits, targets, tiling) -> TileResults:
     return tiled_forward(_logits_loader(logits, ref_logits), targets, tiling, logits.device)
 
 
+def _logits_backward(logits, ref_logits, targets, saved, grads, tiling) -> torch.Tensor:
+    """d(loss)/d(logits) [N, V_local] from the upstream (logprob, entropy, kl) gradients, tile by tile."""
+    grad_logits = torch.empty_like(logits)
+    grad_logits[:, tiling.valid_columns:].zero_()
+
+    def store(start, stop, first, last, grad):
+        grad_logits[start:stop, first:last].copy_(grad)
+
+    tiled_backward(_logits_loader(logits, ref_logits), store, targets, saved, *_as_compute(grads, tiling), tiling,
+                   logits.device)
+    return grad_logits
+
+
 class _TokenStatsFromLogits(torch.autograd.Function):
+    """Autograd over a backend's ``forward(logits, ref_logits, targets, tiling) -> TileResults`` and
+    ``backward(logits, ref_logits, targets, saved, grads, tiling) -> grad_logits``."""
+
     @staticmethod
-    def forward(ctx, logits, ref_logits, targets, tiling):
-        results = _logits_forward(logits, ref_logits, targets, tiling)
-        return _save_for_backward(ctx, (logits, ref_logits, targets), results, tiling)
+    def forward(ctx, logits, ref_logits, targets, tiling, forward, backward):
+        ctx.backend_backward = backward
+        return save_results(ctx, (logits, ref_logits, targets), forward(logits, ref_logits, targets, tiling), tiling)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, _grad_ref_logprob, grad_kl):
         logits, ref_logits, targets, saved = ctx.saved_tensors
-        tiling = ctx.tiling
-        grad_logits = torch.empty_like(logits)
-        grad_logits[:, tiling.valid_columns:].zero_()
-
-        def store(start, stop, first, last, grad):
-            grad_logits[start:stop, first:last].copy_(grad)
-
-        tiled_backward(_logits_loader(logits, ref_logits), store, targets, saved,
-                  *_as_compute((grad_logprob, grad_entropy, grad_kl), tiling), tiling, logits.device)
-        return grad_logits, None, None, None
+        grads = (grad_logprob, grad_entropy, grad_kl)
+        grad_logits = None
+        if any(g is not None for g in grads):
+            grad_logits = ctx.backend_backward(logits, ref_logits, targets, saved, grads, ctx.tiling)
+        return grad_logits, None, None, None, None, None
 
 
 def vocab_parallel_token_stats(
@@ -135,6 +153,7 @@ def vocab_parallel_token_stats(
     vocab_chunk_size: Optional[int] = None,
     temperature: float = 1.0,
     kl_temperature: float = 1.0,
+    backend: str = "auto",
 ) -> TokenStats:
     """Per-token log-prob, entropy and (with a reference) reference log-prob and exact KL(pi || pi_ref).
 
@@ -143,11 +162,14 @@ def vocab_parallel_token_stats(
     ids in [0, vocab_size). group: the tensor-parallel process group; None means the whole
     vocabulary is local. Rank r of ``group`` holds ids [r * V_local, (r + 1) * V_local).
     vocab_size: the true vocabulary size (default: world * V_local); columns at or past it are
-    ignored. chunk_size, vocab_chunk_size: tokens and vocabulary columns per tile (default 128
-    tokens x 2**19 elements on CPU, 1024 x 2**25 on GPU). temperature: logprob, entropy and
+    ignored. chunk_size, vocab_chunk_size: tokens and vocabulary columns per tile of the torch
+    backend (default 128 tokens x 2**19 elements on CPU, 1024 x 2**25 on GPU; the Triton kernels
+    walk the vocabulary in their own blocks and never tile the logits). temperature: logprob, entropy and
     ref_logprob are those of softmax(logits / temperature) (the sampling distribution);
     kl_temperature: the KL is between softmax(logits / kl_temperature) and
-    softmax(ref_logits / kl_temperature) (1 for ZCPO's coefficients).
+    softmax(ref_logits / kl_temperature) (1 for ZCPO's coefficients). backend: "auto" (Triton
+    kernels for CUDA tensors when triton imports, else torch), "torch" or "triton"
+    (megatron_zcpo.utils.devices.kernel_backend); float64 inputs always use torch.
 
     Returns :class:`TokenStats` with fields shaped like ``targets``. ``logprob``, ``entropy`` and
     ``kl`` are differentiable w.r.t. ``logits`` (recomputed tile by tile in backward); the
@@ -161,68 +183,28 @@ def vocab_parallel_token_stats(
     if ref_logits is not None and ref_logits.shape != logits.shape:
         raise ValueError(f"ref_logits {tuple(ref_logits.shape)} must have the shape of logits {tuple(logits.shape)}")
     dtype = _compute_dtype(logits, ref_logits)
+    chosen = _backend(backend, logits.device, dtype)
     tiling = resolve_tiling(logits.shape[-1], targets, group=group, vocab_size=vocab_size, chunk_size=chunk_size,
                          vocab_chunk_size=vocab_chunk_size, temperature=temperature, kl_temperature=kl_temperature,
                          dtype=dtype, with_ref=ref_logits is not None, device=logits.device)
     inputs = (logits.reshape(-1, logits.shape[-1]),
               None if ref_logits is None else ref_logits.reshape(-1, logits.shape[-1]),
               targets.reshape(-1).to(device=logits.device, dtype=torch.long), tiling)
-    return _run(_TokenStatsFromLogits, _logits_forward, _needs_grad(logits), inputs, targets.shape, dtype)
+    kernels = (_logits_forward, _logits_backward)
+    if chosen == "triton":
+        from megatron_zcpo.ops import token_stats_triton as triton_backend
+
+        kernels = (triton_backend.logits_forward, triton_backend.logits_backward)
+    if _needs_grad(logits):
+        return _shaped(_TokenStatsFromLogits.apply(*inputs, *kernels), targets.shape, dtype)
+    return _shaped(kernels[0](*inputs), targets.shape, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # Fused with the output layer: from final hidden states and the output-weight shard
 
 
-@contextmanager
-def _exact_fp32_matmul():
-    """float32 GEMMs in full float32 (no TF32 or bf16 internals) for the duration, restored afterwards."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-class _Projection:
-    """Logit tiles hidden @ weight[first:last].T in the compute dtype with no low-precision rounding.
-
-    On CUDA, bf16/fp16 operands with a float32 output (each product is exact, sums in fp32); else
-    the operands are upcast (the weight once per call) and multiplied in full float32 (no TF32).
-    Gradient GEMMs follow Megatron's precision instead: bf16 operands for the hidden gradient, and
-    a float32 weight-gradient accumulator (TF32 where the user allows it).
-    """
-
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, tiling: Tiling):
-        self.dtype = tiling.dtype
-        self.native = (hidden.is_cuda and HAS_MM_OUT_DTYPE and hidden.dtype == weight.dtype
-                       and hidden.dtype in (torch.bfloat16, torch.float16) and tiling.dtype == torch.float32)
-        self.weight = weight[:tiling.valid_columns]
-        # Upcast once per call (not per tile) where the GEMMs cannot take low-precision operands.
-        self.hidden = hidden if self.native else hidden.to(self.dtype)
-        self.upcast_weight = self.weight if self.native else self.weight.to(self.dtype)
-
-    def logits_into(self, start: int, stop: int, first: int, last: int, out: torch.Tensor) -> None:
-        """out [n, last - first] = hidden[start:stop] @ weight[first:last].T."""
-        if self.native:
-            torch.mm(self.hidden[start:stop], self.weight[first:last].t(), self.dtype, out=out)
-        else:
-            with _exact_fp32_matmul():
-                torch.mm(self.hidden[start:stop], self.upcast_weight[first:last].t(), out=out)
-
-    def hidden_grad(self, grad_logits: torch.Tensor, first: int, last: int) -> torch.Tensor:
-        """[n, H] compute dtype: grad_logits [n, last - first] @ weight[first:last]."""
-        if self.native:
-            return torch.mm(grad_logits.to(self.weight.dtype), self.weight[first:last], self.dtype)
-        return grad_logits @ self.upcast_weight[first:last]
-
-    def weight_grad(self, grad_logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """[last - first, H] compute dtype: grad_logits.T @ hidden[start:stop]."""
-        return grad_logits.t() @ self.hidden[start:stop].to(self.dtype)
-
-
-def _hidden_loader(policy: _Projection, reference: Optional[_Projection]) -> Callable:
+def _hidden_loader(policy: OutputProjection, reference: Optional[OutputProjection]) -> Callable:
     def load(start, stop, first, last, z, zr):
         policy.logits_into(start, stop, first, last, z)
         if zr is not None:
@@ -235,14 +217,15 @@ class _FusedTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, tiling):
         results = _fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling)
-        return _save_for_backward(ctx, (hidden, weight, ref_hidden, ref_weight, targets), results, tiling)
+        return save_results(ctx, (hidden, weight, ref_hidden, ref_weight, targets), results, tiling)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, _grad_ref_logprob, grad_kl):
         hidden, weight, ref_hidden, ref_weight, targets, saved = ctx.saved_tensors
         tiling = ctx.tiling
-        policy = _Projection(hidden, weight, tiling)
-        reference = None if grad_kl is None else _Projection(ref_hidden, ref_weight, tiling)
+        policy = OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype)
+        reference = None if grad_kl is None else OutputProjection(ref_hidden, ref_weight, tiling.valid_columns,
+                                                                    tiling.dtype)
         grad_hidden = torch.zeros(hidden.shape, dtype=tiling.dtype, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=tiling.dtype, device=weight.device)
 
@@ -261,8 +244,9 @@ class _FusedTokenStats(torch.autograd.Function):
 
 
 def _fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling) -> TileResults:
-    policy = _Projection(hidden, weight, tiling)
-    reference = None if ref_hidden is None else _Projection(ref_hidden, ref_weight, tiling)
+    policy = OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype)
+    reference = None if ref_hidden is None else OutputProjection(ref_hidden, ref_weight, tiling.valid_columns,
+                                                                        tiling.dtype)
     return tiled_forward(_hidden_loader(policy, reference), targets, tiling, hidden.device)
 
 
@@ -279,6 +263,7 @@ def fused_token_stats(
     vocab_chunk_size: Optional[int] = None,
     temperature: float = 1.0,
     kl_temperature: float = 1.0,
+    backend: str = "auto",
 ) -> TokenStats:
     """:func:`vocab_parallel_token_stats` fused with the output layer: logits = hidden @ weight.T.
 
@@ -286,15 +271,19 @@ def fused_token_stats(
     sequence-parallel) input of Megatron's ColumnParallelLinear output layer, identical on every
     rank of ``group``. weight, ref_weight: [V_local, H] this rank's output-layer shards (rows at or
     past ``vocab_size`` are padding). targets: [...] global token ids. Other arguments as in
-    :func:`vocab_parallel_token_stats`: one [chunk_size, vocab_chunk_size] tile of logits exists at
-    a time (six buffers of it), in forward and in backward.
+    :func:`vocab_parallel_token_stats`. Torch backend: one [chunk_size, vocab_chunk_size] tile of
+    logits exists at a time (six buffers of it), in forward and in backward. Triton backend: one
+    float32 [chunk_size, V_local] buffer of logits (two with a reference); when a gradient is
+    wanted the forward also keeps float16 [N, V_local] caches of the probabilities (and of the
+    log-ratio with a reference) for backward, which then writes a [N, V_local] logit gradient in the
+    operands' dtype instead of recomputing the logits (three output-layer GEMMs per update).
 
-    Logits are recomputed in float32 with no bf16 rounding: on CUDA bf16 x bf16 GEMMs with float32
+    Logits are computed in float32 with no bf16 rounding: on CUDA bf16 x bf16 GEMMs with float32
     output (exact products), on CPU upcast operands. Gradients of ``logprob``, ``entropy`` and ``kl``
-    flow into ``hidden`` and ``weight`` (a float32 [V_local, H] accumulator, cast to weight's dtype);
-    backward recomputes the logits tile by tile and all-reduces the hidden gradient over ``group``
-    (the partial sums of the vocabulary shards), so ``hidden`` must not be sequence-parallel. The
-    reference gets no gradient.
+    flow into ``hidden`` and ``weight`` (cast to their dtypes; the gradient GEMMs take bf16
+    operands on CUDA); backward all-reduces the hidden gradient over ``group`` (the partial sums of
+    the vocabulary shards), so ``hidden`` must not be sequence-parallel. The reference gets no
+    gradient.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: hidden must be "
@@ -311,10 +300,19 @@ def fused_token_stats(
             raise ValueError(f"ref_weight {tuple(ref_weight.shape)} must have the shape of weight "
                              f"{tuple(weight.shape)}")
     dtype = _compute_dtype(hidden, weight, ref_hidden, ref_weight)
+    chosen = _backend(backend, hidden.device, dtype)
     tiling = resolve_tiling(weight.shape[0], targets, group=group, vocab_size=vocab_size, chunk_size=chunk_size,
                          vocab_chunk_size=vocab_chunk_size, temperature=temperature, kl_temperature=kl_temperature,
                          dtype=dtype, with_ref=ref_hidden is not None, device=hidden.device)
     inputs = (hidden.reshape(-1, hidden.shape[-1]), weight,
               None if ref_hidden is None else ref_hidden.reshape(-1, hidden.shape[-1]), ref_weight,
               targets.reshape(-1).to(device=hidden.device, dtype=torch.long), tiling)
+    if chosen == "triton":
+        from megatron_zcpo.ops import token_stats_triton as triton_backend
+
+        def forward_only(*args):
+            return triton_backend.fused_forward(*args, keep_cache=False)[0]
+
+        return _run(triton_backend.TritonFusedTokenStats, forward_only, _needs_grad(hidden, weight), inputs,
+                    targets.shape, dtype)
     return _run(_FusedTokenStats, _fused_forward, _needs_grad(hidden, weight), inputs, targets.shape, dtype)

@@ -53,7 +53,6 @@ _CPU_TILE = (128, 2**19)
 _GPU_TILE = (1024, 2**25)
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-HAS_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 @dataclass(frozen=True)
@@ -90,15 +89,15 @@ _REF_SHIFT, _REF_LOG_S, _REF_TARGET_LOGIT, _LOG_RATIO, _SET_KL = 4, 5, 6, 7, 8
 _KL_LOG_S, _KL_REF_LOG_S = 9, 10
 
 
-def _stat_rows(tiling: Tiling) -> int:
+def stat_rows(tiling: Tiling) -> int:
     if not tiling.with_ref:
         return 4
     return 11 if tiling.separate_kl_temperature else 9
 
 
-def _empty_set_stats(tiling: Tiling, rows: int, device) -> torch.Tensor:
+def empty_shard_stats(tiling: Tiling, rows: int, device) -> torch.Tensor:
     """Statistics [K, rows] of a set without columns (a shard that is all padding)."""
-    stats = torch.zeros(_stat_rows(tiling), rows, dtype=torch.float64, device=device)
+    stats = torch.zeros(stat_rows(tiling), rows, dtype=torch.float64, device=device)
     for row in (_LOG_S, _REF_LOG_S, _KL_LOG_S, _KL_REF_LOG_S):
         if row < stats.shape[0]:
             stats[row] = -math.inf
@@ -303,6 +302,16 @@ class TileResults:
     saved: Optional[torch.Tensor]
 
 
+def save_results(ctx, inputs: tuple, results: TileResults, tiling: Tiling) -> tuple:
+    """Autograd forward epilogue: keep the inputs and the per-token numbers, return the four outputs."""
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs, results.saved)
+    ctx.tiling = tiling
+    if results.ref_logprob is not None:
+        ctx.mark_non_differentiable(results.ref_logprob)
+    return results.logprob, results.entropy, results.ref_logprob, results.kl
+
+
 def _finish(stats: torch.Tensor, tiling: Tiling) -> TileResults:
     """Per-token results from the statistics [K, N] of the whole vocabulary."""
     inv_t = tiling.inv_temperature
@@ -322,7 +331,7 @@ def tiled_forward(load: Callable, targets: torch.Tensor, tiling: Tiling, device:
     n_rows = targets.shape[0]
     tiles = tiling.tiles()
     if tiles and n_rows:
-        stats = torch.empty(_stat_rows(tiling), n_rows, dtype=torch.float64, device=device)
+        stats = torch.empty(stat_rows(tiling), n_rows, dtype=torch.float64, device=device)
         work = _Workspace(min(tiling.chunk_rows, n_rows), tiles[0][1], tiling.dtype, device)
         local_target = targets - tiling.vocab_start
         for start in range(0, n_rows, tiling.chunk_rows):
@@ -334,9 +343,14 @@ def tiled_forward(load: Callable, targets: torch.Tensor, tiling: Tiling, device:
                 _tile_statistics(z, zr, local_target[start:stop] - first, tiling, work, part)
             stats[:, start:stop] = _combine(parts, tiling)
     else:
-        stats = _empty_set_stats(tiling, n_rows, device)
+        stats = empty_shard_stats(tiling, n_rows, device)
+    return merge_shards(stats, tiling)
+
+
+def merge_shards(stats: torch.Tensor, tiling: Tiling) -> TileResults:
+    """Per-token results from this shard's statistics [K, N] (float64): one all-gather over the group, merged."""
     if tiling.world > 1:
-        gathered = torch.empty(tiling.world * stats.shape[0], n_rows, dtype=stats.dtype, device=device)
+        gathered = torch.empty(tiling.world * stats.shape[0], stats.shape[1], dtype=stats.dtype, device=stats.device)
         _ALL_GATHER(gathered, stats, group=tiling.group)
         stats = _combine(gathered.view(tiling.world, *stats.shape), tiling)
     return _finish(stats, tiling)

@@ -6,7 +6,12 @@ layer); ``megatron/platform.py`` only adapts megatron-core to a machine without 
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 def has_cuda() -> bool:
@@ -36,3 +41,36 @@ def local_cuda_device(local_rank: int) -> int:
             " GPU with as many visible devices as tasks per node, or one visible device per task"
         )
     return local_rank
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    """Whether ``import triton`` works in this process (asked once)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # an absent or broken install both mean: no Triton kernels
+        return False
+    return True
+
+
+def kernel_backend(device: torch.device, requested: str = "auto") -> str:
+    """Which kernels compute an op on tensors of ``device``: ``"triton"`` or ``"torch"``.
+
+    ``auto``: Triton for CUDA tensors when triton imports, else the torch implementation (the CPU
+    path and the reference). ``"triton"`` needs triton, and CUDA tensors or ``TRITON_INTERPRET=1``
+    (Triton's interpreter then runs the kernels on CPU tensors, as the tests do). Raises
+    ``ValueError`` naming the problem otherwise.
+    """
+    if requested not in KERNEL_BACKENDS:
+        raise ValueError(f"backend={requested!r}: choose one of {', '.join(KERNEL_BACKENDS)}")
+    if requested == "torch":
+        return "torch"
+    on_cuda = torch.device(device).type == "cuda"
+    if requested == "auto":
+        return "triton" if on_cuda and triton_importable() else "torch"
+    if not triton_importable():
+        raise ValueError("backend='triton' but triton does not import here: install triton or use backend='torch'")
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend='triton' on {device} tensors needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                         "the first Triton kernel is loaded (Triton's interpreter)")
+    return "triton"

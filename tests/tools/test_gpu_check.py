@@ -35,20 +35,34 @@ def test_without_a_gpu_the_cpu_parts_pass_and_the_rest_is_skipped_with_exit_3(tm
     assert (tmp_path / "megatron" / "model_config.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
 
 
-BENCH_OUTPUT = """# GPU: NVIDIA H200, torch 2.10, 4096 tokens x 152064 vocab, hidden 5120, bf16 inputs
-             ours (logits):     1.20 ms  peak +     40 MiB  2.08 TB/s = 48% of H200 HBM
-               ours fused:     9.00 ms  peak +    600 MiB  560 TFLOP/s = 71% of H200 bf16
-                    check: bf16 GEMM with fp32 output vs upcast operands: KL max rel diff {kl}, logprob max abs diff 1.0e-06
+BENCH_OUTPUT = """# NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0; roofline HBM 4.8 TB/s, bf16 790 TFLOP/s
+
+# stats 4096 x 152064, bf16 logits of policy and reference
+  check 152064 T=1                   PASS  vs torch backend: ...
+  check 152064 backward              {verdict}  512 rows ...
+  peer (megatron CE + entropy)          17.700 ms  peak +    9504 MiB  HBM  15.0%  bf16      -  x peer   1.00
+  ours (triton)                          1.200 ms  peak +      40 MiB  HBM  43.3%  bf16      -  x peer   0.07
+
+# update 4096 x 5120 x 152064: forward + backward with the output-layer GEMMs, bf16
+  check update vs torch backend      PASS  ...
+  peer (bf16 layer + megatron CE)       36.400 ms  peak +    4752 MiB  HBM      -  bf16  67.0%  x peer   1.00
+  ours (triton), logprob                29.000 ms  peak +    3000 MiB  HBM      -  bf16  84.0%  x peer   0.80
+
+# token-stats GPU bench: {failed} checks failed {names}, 0 Triton cases failed []; 180 s
 """
 
 
-@pytest.mark.parametrize("kl,status", [("3.1e-05", "ok"), ("5.0e-01", "FAILED")])
-def test_bench_row_reads_the_roofline_and_the_gemm_check(monkeypatch, tmp_path, kl, status):
-    completed = subprocess.CompletedProcess([], 0, BENCH_OUTPUT.format(kl=kl), "")
+@pytest.mark.parametrize("verdict,failed,names,status", [("PASS", 0, "[]", "ok"),
+                                                          ("FAIL", 1, "['152064 backward']", "FAILED")])
+def test_bench_row_reads_the_tables_and_the_checks(monkeypatch, tmp_path, verdict, failed, names, status):
+    output = BENCH_OUTPUT.format(verdict=verdict, failed=failed, names=names)
+    completed = subprocess.CompletedProcess([], failed, output, "")
     monkeypatch.setattr(gpu_check.subprocess, "run", lambda *args, **kwargs: completed)
     row = gpu_check.GpuCheck(tmp_path, "tiny", on_gpu=True).bench()
     assert row.status == status
-    assert row.measured == f"KL rel diff {kl}; 48% HBM, 71% bf16"
+    passed = 3 - failed
+    assert row.measured == (f"stats 4096 x 152064: 1.20 ms (0.07x peer); update 4096 x 5120 x 152064: 29.00 ms "
+                            f"(0.80x peer); checks {passed}/3 pass")
 
 
 def test_gpu_rows_from_a_training_run(tmp_path):
