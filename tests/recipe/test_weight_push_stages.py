@@ -225,7 +225,9 @@ def test_stages_push_one_after_another_to_two_servers(tmp_path):
         client.shutdown()
     finally:
         launcher.stop()
-    for path in records.iterdir():
+    paths = sorted(records.iterdir())
+    assert [path.name for path in paths] == sorted(f"{url.rsplit(':', 1)[1]}.json" for url in launcher.server_urls)
+    for path in paths:
         record = json.loads(path.read_text())
         assert record["update_overlaps"] == []
         groups = [group for event, request, group in record["weight_updates"]
