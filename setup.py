@@ -9,6 +9,7 @@ INSTALL_REQUIRES = [
     "megatron-core==0.16.1",  # the release every test runs on (megatron_zcpo/megatron/compat.py)
     "numpy>=1.26",
     "pyyaml>=6.0",
+    "packaging>=23",  # SGLang release comparisons (rollout/sglang_api.py)
     "psutil>=5.9",  # megatron-core's dist_checkpointing imports it in its forked checkpoint writers
     "safetensors>=0.4",
     "transformers>=4.45",

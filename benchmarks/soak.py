@@ -59,7 +59,9 @@ class MockServer:
     def __init__(self, assets: Path, port: int, out: Path, fault_rate: float, seed: int):
         self.command = [sys.executable, "-m", "megatron_zcpo.rollout.mock_server", "--model-path", str(assets),
                         "--port", str(port), "--fault-rate", str(fault_rate), "--random-seed", str(seed),
-                        "--fault-log", str(out / "server_faults.log")]
+                        "--fault-log", str(out / "server_faults.log"),
+                        "--enable-deterministic-inference",  # the client sends per-request seeds (sampling_seeds)
+                        "--context-length", "2062"]  # the demo's data.max_prompt_length 2,048 + 12 new tokens + 2
         self.url, self.log = f"http://127.0.0.1:{port}", out / f"server_{port}.log"
         self.process = None
 

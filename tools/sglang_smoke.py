@@ -3,7 +3,9 @@
     python tools/sglang_smoke.py --model-path /ckpt/Qwen2.5-0.5B-Instruct --tp-size 1 --num-servers 2 \
         [--weight-sync distributed|disk --weight-dir /shared/tmp] [--quantization fp8] [--router]
 
-1. launches the servers (and the router) with megatron_zcpo's launcher and waits for health;
+1. launches the servers (and the router) with megatron_zcpo's launcher and waits for health; runs
+   the client's start-up check against the real servers (their /get_server_info: context length,
+   deterministic inference, version) and checks that a request without the job's API key gets 401;
 2. samples 256 prompts x 4 (random token ids) and reports tokens/s;
 3. checks SGLang's log-probs against a teacher-forced Hugging Face forward on this node's last GPU;
 4. pushes the checkpoint's own weights as version 1 (NCCL broadcast from the last GPU, or disk),
@@ -22,6 +24,8 @@ import os
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 import torch
 
@@ -109,6 +113,13 @@ def main(argv=None) -> int:
     report["startup_s"] = round(time.monotonic() - start, 1)
     failures = []
     try:
+        report["server_facts"] = [vars(fact) for fact in engine.check_servers(256, args.max_new_tokens)]
+        unkeyed = urllib.request.Request(engine.config.server_urls[0] + "/get_server_info")
+        try:
+            urllib.request.urlopen(unkeyed, timeout=30)
+            failures.append("a request without the API key was served")
+        except urllib.error.HTTPError as error:
+            report["status_without_key"] = error.code
         vocab = read_hf_config(args.model_path)["vocab_size"]
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist()

@@ -8,20 +8,30 @@ instead: the server URLs as a JSON list on the first line and the router URL on 
 the scripts pass to ``zcpo train`` as ``rollout.sglang.server_urls=[...]`` and
 ``rollout.sglang.router_url=...``.
 
-    python examples/common/sglang_node.py --model-path HF_DIR --tp-size 4 --nodes n5,n6,n7,n8 \\
-        --gpus-per-node 8 --python /opt/sglang/bin/python [--print]
+``--run-config`` (the run's resolved config, ``zcpo train --dry-run``) sets what must agree with
+the client (megatron_zcpo.rollout.sglang_server.server_config_for_run): ``--context-length`` that
+serves ``data.max_prompt_length + max_new_tokens`` in full, the router's
+``--request-timeout-secs`` from ``rollout.sglang.client.router_timeout_s``, deterministic inference
+when ``rollout.sglang.client.sampling_seeds``. Servers and router take requests only with the
+job's key, ``--api-key`` from the environment variable ``ZCPO_SGLANG_API_KEY`` (train.sbatch
+generates one per job; the training tasks send it), and bind to their node's address.
+
+    ZCPO_SGLANG_API_KEY=... python examples/common/sglang_node.py --model-path HF_DIR --tp-size 4 \\
+        --nodes n5,n6,n7,n8 --gpus-per-node 8 --python /opt/sglang/bin/python --run-config RESOLVED.yaml [--print]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
 from typing import List, Optional
 
-from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, server_specs
+from megatron_zcpo.rollout.sglang_config import API_KEY_ENV, SGLangEngineConfig
+from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, server_config_for_run, server_specs
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -33,7 +43,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter with sglang and sglang-router (the image keeps them in their own venv)")
-    parser.add_argument("--context-length", type=int, default=None, help="prompt + response tokens")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="--context-length of the servers (default with --run-config: what the run needs)")
+    parser.add_argument("--run-config", default=None,
+                        help="the run's resolved config (zcpo train --dry-run): context length, router timeout, "
+                             "deterministic inference")
     parser.add_argument("--mem-fraction-static", type=float, default=0.85)
     parser.add_argument("--base-port", type=int, default=30000)
     parser.add_argument("--router-port", type=int, default=29000)
@@ -46,14 +60,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def server_config(args: argparse.Namespace) -> SGLangServerConfig:
-    """The launcher config of ``args`` (explicit node list and GPU count: no dependence on the env)."""
-    return SGLangServerConfig(
+    """The launcher config of ``args`` (explicit node list and GPU count: no dependence on the env
+    but the API key), with the run config's settings (``--run-config``) where flags leave them."""
+    launch = dict(
         model_path=args.model_path, tp_size=args.tp_size, gpus_per_node=args.gpus_per_node,
         nodes=[node for node in args.nodes.split(",") if node], base_port=args.base_port,
         mem_fraction_static=args.mem_fraction_static, context_length=args.context_length,
         quantization=args.quantization, extra_args=args.extra_args.split(), router=True,
         router_port=args.router_port, log_dir=args.log_dir, python=args.python,
     )
+    if not args.run_config:
+        return SGLangServerConfig(**launch, api_key=os.environ.get(API_KEY_ENV) or None)
+    import yaml
+
+    with open(args.run_config) as handle:
+        run = yaml.safe_load(handle)
+    client = SGLangEngineConfig(server_urls=["unset"], **(run["rollout"]["sglang"].get("client") or {}))
+    new_tokens = max(run["rollout"]["max_new_tokens"], (run.get("eval") or {}).get("max_new_tokens") or 0)
+    return server_config_for_run(launch, client, run["data"]["max_prompt_length"], new_tokens)
 
 
 def planned_addresses(config: SGLangServerConfig) -> dict:
@@ -90,6 +114,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(addresses["server_urls"], separators=(",", ":")))
         print(addresses["router_url"])
         return 0
+    if not config.api_key:  # every node must start its servers with the one key the trainer sends
+        print(f"sglang_node: set {API_KEY_ENV} to the job's API key (train.sbatch generates one)", file=sys.stderr)
+        return 2
     return supervise(SGLangLauncher(config))
 
 

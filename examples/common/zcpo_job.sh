@@ -5,7 +5,10 @@
 #   2. plan the SGLang servers (examples/common/sglang_node.py --print) and validate the run config
 #      with every override (zcpo train --dry-run), before anything long starts;
 #   3. start the SGLang servers and the router on the rollout nodes (one srun step, one task per
-#      node) and wait until every server and the router answer /health_generate;
+#      node) with the settings the resolved config needs (context length, router timeout,
+#      deterministic inference with sampling seeds) and a fresh per-job API key
+#      (ZCPO_SGLANG_API_KEY, which the training tasks inherit and send), bound to their nodes'
+#      addresses; wait until every server and the router answer /health_generate;
 #   4. run `zcpo train` with srun on the training nodes, one task per GPU: every task reads
 #      SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR is the first training node and
 #      MASTER_PORT comes from the job id; global rank 0 drives the rollout servers;
@@ -15,7 +18,7 @@
 #
 # The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
 # TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, TRAIN_TP, TRAIN_PP,
-# TRAIN_CP (default 1), ROLLOUT_TP, CONTEXT_LENGTH. Runtime, also from the environment:
+# TRAIN_CP (default 1), ROLLOUT_TP. Runtime, also from the environment:
 #   CONTAINER_IMAGE   enroot/pyxis image (e.g. a .sqsh of the repository's Dockerfile); empty: use VENV
 #   CONTAINER_MOUNTS  extra pyxis mounts (the file systems holding models, data and RUN_DIR)
 #   VENV              virtual environment with this package installed (default: $REPO_DIR/.venv)
@@ -26,7 +29,8 @@
 #   ZCPO_OVERRIDES    extra key=value overrides, space-separated (also: arguments of sbatch SCRIPT ...)
 #   SGLANG_STARTUP_TIMEOUT  seconds to wait for the servers (default 1800)
 #   SGLANG_SERVER_URLS, SGLANG_ROUTER_URL  attach to servers that already run (comma-separated
-#                     URLs; the router is optional): no rollout nodes are used, every node trains
+#                     URLs; the router is optional): no rollout nodes are used, every node trains;
+#                     their API key (if any) in ZCPO_SGLANG_API_KEY
 
 set -euo pipefail
 
@@ -111,7 +115,7 @@ zcpo_job_main() {
     # ------------------------------------------------------------------ 2. addresses and config check
     local sglang_args=(--model-path "${HF_MODEL}" --nodes "${rollout_list}" --tp-size "${ROLLOUT_TP}"
                        --gpus-per-node "${gpus_per_node}" --python "${SGLANG_PYTHON}"
-                       --context-length "${CONTEXT_LENGTH}" --log-dir "${RUN_DIR}/sglang_logs")
+                       --log-dir "${RUN_DIR}/sglang_logs")
     local node_args=()
     read -r -a node_args <<< "${SGLANG_NODE_ARGS:-}"
     sglang_args+=("${node_args[@]}")
@@ -145,9 +149,14 @@ zcpo_job_main() {
 
     # ------------------------------------------------------------------ 3. SGLang servers + router
     if [[ -z "${attach}" ]]; then
+        # A fresh key per job: servers and router refuse requests without it (401); the training
+        # tasks inherit it from this environment and send it (rollout.sglang.client.api_key).
+        ZCPO_SGLANG_API_KEY=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+        export ZCPO_SGLANG_API_KEY
         srun "${sglang_runtime[@]}" --nodes="${#rollout_hosts[@]}" --ntasks-per-node=1 --nodelist="${rollout_list}" \
             --gpus-per-node="${gpus_per_node}" --cpus-per-task="${cpus_per_node}" \
-            "${node_python}" examples/common/sglang_node.py "${sglang_args[@]}" > "${RUN_DIR}/sglang_step.log" 2>&1 &
+            "${node_python}" examples/common/sglang_node.py "${sglang_args[@]}" \
+            --run-config "${RUN_DIR}/config.resolved.yaml" > "${RUN_DIR}/sglang_step.log" 2>&1 &
         SGLANG_STEP_PID=$!
         trap stop_sglang EXIT
     fi

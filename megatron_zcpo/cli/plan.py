@@ -1,5 +1,6 @@
-"""``zcpo plan``: per-GPU memory of a run config's layout, the smallest layout that fits, and the
-predicted step time of the chosen rollout mode; works before any weight or data is downloaded."""
+"""``zcpo plan``: per-GPU memory of a run config's layout, the smallest layout that fits, the
+predicted step time of the chosen rollout mode and every timeout against the durations it bounds;
+works before any weight or data is downloaded."""
 
 from __future__ import annotations
 
@@ -156,6 +157,17 @@ def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
     return timing, rate, source
 
 
+def timeout_checks_of(args, config: RunConfig, model, gpus: int, decode_rate: float):
+    """The timeout chain of ``config`` (megatron_zcpo/recipe/timeouts.py) on the planned servers:
+    ``--rollout-gpus`` (default ``gpus``) split into servers of the planned tensor parallelism."""
+    from megatron_zcpo.recipe.timeouts import RolloutServers, timeout_checks
+
+    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
+    servers = RolloutServers(count=max(1, (args.rollout_gpus or gpus) // rollout_tp), tp_size=rollout_tp,
+                             mem_fraction=mem_fraction, decode_tokens_per_s_per_gpu=decode_rate)
+    return timeout_checks(config, model, servers)
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_zcpo.megatron.memory_model import Hardware
     from megatron_zcpo.megatron.planner import plan_memory, render_plan, suggest_layout
@@ -169,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         layout, workload = plan_inputs(config, gpus)
         plan = plan_memory(model, layout, workload, hardware)
         timing, decode_rate, decode_source = _step_time(args, config, model, layout, gpus, hardware)
+        timeouts = timeout_checks_of(args, config, model, gpus, decode_rate)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise SystemExit(f"zcpo plan: {error}") from None
     best = suggest_layout(model, workload, gpus, hardware=hardware, base=layout) if args.gpus else None
@@ -177,8 +190,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"plan": plan.to_dict(), "suggested": best.to_dict() if best else None,
                           "rollout_mode": "overlapped" if overlap else "sequential",
                           "step_time": timing.to_dict(), "decode_tokens_per_s_per_gpu": decode_rate,
-                          "decode_source": decode_source}, indent=2))
-        return 0 if plan.fits else 1
+                          "decode_source": decode_source,
+                          "timeouts": [{**vars(check), "ok": check.ok} for check in timeouts]}, indent=2))
+        return 0 if plan.fits and all(check.ok for check in timeouts) else 1
     print(f"{model.num_parameters / 1e6:,.1f}M parameters, {layout.describe()}, "
           f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
     print(render_plan(plan))
@@ -193,4 +207,7 @@ def run(args: argparse.Namespace) -> int:
           f"{timing.push_per_stage_s:,.1f} s per stage vs {timing.push_funnel_s:,.1f} s through rank 0); "
           f"{other}: {timing.step_s(not overlap):,.0f} s")
     print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
-    return 0 if plan.fits else 1
+    from megatron_zcpo.recipe.timeouts import render_timeout_checks
+
+    print(render_timeout_checks(timeouts))
+    return 0 if plan.fits and all(check.ok for check in timeouts) else 1

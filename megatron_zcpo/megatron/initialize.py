@@ -50,7 +50,7 @@ def distributed_env_from_slurm(environ=None) -> bool:
     return True
 
 
-def _init_process_group(timeout_minutes: float) -> None:
+def _init_process_group(timeout_s: float) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -68,7 +68,7 @@ def _init_process_group(timeout_minutes: float) -> None:
         backend=backend,
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 
@@ -90,7 +90,7 @@ def setup_megatron(
     context_parallel: int = 1,
     seed: int = 1234,
     *,
-    timeout_minutes: float = 30.0,
+    collective_timeout_s: float = 1800.0,
 ) -> ParallelLayout:
     """Set up everything megatron-core needs in this process and return its place in the grid.
 
@@ -99,13 +99,18 @@ def setup_megatron(
     (no-op with CUDA), megatron-core's ``parallel_state`` at (TP, PP, CP) with DP = world / (TP*PP*CP),
     and the model-parallel RNG trackers seeded from ``seed``. Calling it again with the same layout
     is a no-op; with a different layout it tears the old one down first.
+
+    ``collective_timeout_s`` (``parallel.collective_timeout_s``) bounds every collective of the
+    default group and of megatron-core's groups: past it gloo raises, and NCCL's watchdog tears the
+    process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 3). A rank that waits longer for
+    another (rank 0's rollouts) must wait elsewhere: :mod:`megatron_zcpo.recipe.rank0_wait`.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel as mp_tensor_parallel
 
     from megatron_zcpo.megatron import platform
 
-    _init_process_group(timeout_minutes)
+    _init_process_group(collective_timeout_s)
     platform.activate()
     world = dist.get_world_size()
     model_parallel = tensor_parallel * pipeline_parallel * context_parallel
@@ -127,7 +132,7 @@ def setup_megatron(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
             context_parallel_size=context_parallel,
-            distributed_timeout_minutes=int(max(timeout_minutes, 1)),
+            distributed_timeout_minutes=collective_timeout_s / 60,  # megatron-core makes a timedelta of it
         )
     seed_everything(seed)
     mp_tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

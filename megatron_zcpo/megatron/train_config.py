@@ -15,11 +15,16 @@ class ParallelConfig:
     context: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    # Timeout of every training process group's collectives (NCCL's watchdog kills the process past
+    # it); rank 0's rollouts are waited for elsewhere (megatron_zcpo/recipe/rank0_wait.py).
+    collective_timeout_s: float = 1800.0
 
     def validate(self) -> None:
         for key in ("tensor", "pipeline", "context"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"parallel.collective_timeout_s must be positive, got {self.collective_timeout_s}")
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1")
 

@@ -73,8 +73,10 @@ class SGLangSection:
 
         if self.launch is not None and self.server_urls:
             raise ValueError("rollout.sglang: give either server_urls (attach) or launch (start servers), not both")
-        # Catch misspelt keys now, not when rank 0 starts the engine.
-        from_dict(SGLangEngineConfig, {"server_urls": ["http://check"], **self.client}, prefix="rollout.sglang.client")
+        # Catch misspelt keys and disagreeing timeouts now, not when rank 0 starts the engine.
+        routed = bool(self.router_url) or (self.launch is not None and self.launch.get("router", True))
+        from_dict(SGLangEngineConfig, {"server_urls": ["http://check"], "router_url": "http://check" if routed else None,
+                                       **self.client}, prefix="rollout.sglang.client").validate()
         if self.launch is not None:
             from_dict(SGLangServerConfig, self.launch, prefix="rollout.sglang.launch").validate("rollout.sglang.launch")
 

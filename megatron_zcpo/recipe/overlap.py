@@ -16,13 +16,13 @@ class OverlappedRollouts:
 
     Every rank holds one (the weight push is collective); only rank 0's (``rollout`` given) has a
     prefetch thread. ``in_flight``: the rollout a checkpoint recorded (resumed exactly, not
-    regenerated). ``engine``/``stages``: what :func:`megatron_zcpo.recipe.weight_push.push_weights` takes.
+    regenerated). ``engine``/``stages``/``waits``: what :func:`megatron_zcpo.recipe.weight_push.push_weights` takes.
     """
 
-    def __init__(self, config, rollout, trainer, engine, stages, in_flight: Dict[str, Any]):
+    def __init__(self, config, rollout, trainer, engine, stages, in_flight: Dict[str, Any], waits=None):
         from megatron_zcpo.rollout.overlap import RolloutPrefetch
 
-        self.config, self.trainer, self.engine, self.stages = config, trainer, engine, stages
+        self.config, self.trainer, self.engine, self.stages, self.waits = config, trainer, engine, stages, waits
         self.prefetch = RolloutPrefetch(rollout.collect) if rollout is not None else None
         if self.prefetch is not None and in_flight:
             samples = [RolloutSample(**sample) for sample in in_flight["samples"]]
@@ -50,7 +50,7 @@ class OverlappedRollouts:
 
         started = time.perf_counter()
         if self.pushed_version != self.trainer.step:
-            push_weights(self.trainer, self.engine, self.trainer.step, self.stages)
+            push_weights(self.trainer, self.engine, self.trainer.step, self.stages, self.waits)
             self.pushed_version = self.trainer.step
         self.push_s = time.perf_counter() - started
 
@@ -82,8 +82,9 @@ class OverlappedRollouts:
             self.prefetch.close()
 
 
-def overlapped_rollouts(config, rollout, trainer, engine, stages, loop_state: Dict[str, Any]) -> Optional[OverlappedRollouts]:
+def overlapped_rollouts(config, rollout, trainer, engine, stages, loop_state: Dict[str, Any],
+                        waits=None) -> Optional[OverlappedRollouts]:
     """The run's :class:`OverlappedRollouts` when ``rollout.overlap`` is on, else None (on-policy)."""
     if not config.rollout.overlap:
         return None
-    return OverlappedRollouts(config, rollout, trainer, engine, stages, loop_state.get("in_flight", {}))
+    return OverlappedRollouts(config, rollout, trainer, engine, stages, loop_state.get("in_flight", {}), waits)

@@ -108,13 +108,19 @@ def stop_token_ids(config: RunConfig, tokenizer) -> tuple:
 
 
 def make_engine(config: RunConfig, model_config, tokenizer):
-    """The configured rollout engine: embedded (this process) or SGLang (launched or attached)."""
+    """The configured rollout engine: embedded (this process) or SGLang (launched or attached).
+
+    SGLang servers are checked once healthy (:func:`megatron_zcpo.recipe.timeouts.check_sglang_servers`:
+    API key, context length, seeds, load format, timeouts); launched ones get the settings that
+    must agree with the client from :func:`~megatron_zcpo.rollout.sglang_server.server_config_for_run`.
+    """
     rollout = config.rollout
     if rollout.engine == "embedded":
         from megatron_zcpo.rollout.embedded import EmbeddedEngine
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return EmbeddedEngine(model_config, seed=rollout.seed, quantization=rollout.quantization, pad_token_id=pad)
+    from megatron_zcpo.recipe.timeouts import check_sglang_servers, longest_new_tokens
     from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 
     if not (rollout.sglang.server_urls or rollout.sglang.launch):
@@ -123,12 +129,20 @@ def make_engine(config: RunConfig, model_config, tokenizer):
     # Token ids are checked against the trainer's vocabulary (rollout/output_checks.py).
     client = dict(rollout.sglang.client, quantization=rollout.quantization, vocab_size=model_config.vocab_size)
     if rollout.sglang.launch is not None:
-        from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, launch_sglang
+        from megatron_zcpo.rollout.sglang_server import SGLangLauncher, launch_sglang, server_config_for_run
 
-        return launch_sglang(SGLangLauncher(SGLangServerConfig(**rollout.sglang.launch)), **client)
-    engine = SGLangEngine(SGLangEngineConfig(server_urls=list(rollout.sglang.server_urls),
-                                             router_url=rollout.sglang.router_url, **client))
-    engine.wait_until_healthy()  # rollout.sglang.client.startup_timeout_s
+        servers = server_config_for_run(rollout.sglang.launch, SGLangEngineConfig(server_urls=["unset"], **client),
+                                        config.data.max_prompt_length, longest_new_tokens(config))
+        engine = launch_sglang(SGLangLauncher(servers), **client)
+    else:
+        engine = SGLangEngine(SGLangEngineConfig(server_urls=list(rollout.sglang.server_urls),
+                                                 router_url=rollout.sglang.router_url, **client))
+        engine.wait_until_healthy()  # rollout.sglang.client.startup_timeout_s
+    try:
+        check_sglang_servers(config, model_config, engine)
+    except BaseException:
+        engine.shutdown()
+        raise
     return engine
 
 

@@ -30,6 +30,7 @@ class RLRecipe:
         self.logger = None
         self.stages = None
         self.overlap = None
+        self.waits = None  # the Rank0Wait group: where the other ranks wait for rank 0 alone
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -39,12 +40,17 @@ class RLRecipe:
         from megatron_zcpo.megatron.initialize import setup_megatron
         from megatron_zcpo.recipe.inputs import eval_records, load_tokenizer
         from megatron_zcpo.recipe.overlap import overlapped_rollouts
+        from megatron_zcpo.recipe.rank0_wait import Rank0Wait
         from megatron_zcpo.recipe.rollout import Rollout
+        from megatron_zcpo.recipe.timeouts import rank0_wait_timeout_s
         from megatron_zcpo.recipe.weight_push import push_weights, stage_weight_push
 
         config = self.config
         setup_megatron(tensor_parallel=config.parallel.tensor, pipeline_parallel=config.parallel.pipeline,
-                       context_parallel=config.parallel.context, seed=config.train.seed)
+                       context_parallel=config.parallel.context, seed=config.train.seed,
+                       collective_timeout_s=config.parallel.collective_timeout_s)
+        # The other ranks wait for rank 0's solo phases here, never in a training group (rank0_wait.py).
+        self.waits = Rank0Wait(rank0_wait_timeout_s(config))
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.run_dir = Path(config.logging.run_dir)
@@ -54,14 +60,16 @@ class RLRecipe:
         tokenizer = load_tokenizer(config)
         model_config = self._build_trainer(tokenizer)
         self.rollout = Rollout(config, model_config, tokenizer) if self.rank == 0 else None
+        self.waits.barrier()  # rank 0 started (and checked) the rollout side
         checkpoint = self._resume()
         self.logger = self._make_logger() if self.rank == 0 else None
         if self.logger and checkpoint is not None:
             self.logger.print(f"resumed from {checkpoint} at step {self.start_step}")
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
-        self.stages = stage_weight_push(config, self.engine)
-        push_weights(self.trainer, self.engine, self.start_step, self.stages)
-        self.overlap = overlapped_rollouts(config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state)
+        self.stages = stage_weight_push(config, self.engine, self.waits)
+        push_weights(self.trainer, self.engine, self.start_step, self.stages, self.waits)
+        self.overlap = overlapped_rollouts(config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state,
+                                           self.waits)
 
     def _build_trainer(self, tokenizer):
         """``self.trainer`` on the configured model (random, HF or Megatron weights), checked against
@@ -159,8 +167,6 @@ class RLRecipe:
         With ``rollout.overlap`` the step takes the rollout generated during the previous step,
         pushes the current weights and starts the next rollout before training.
         """
-        import torch.distributed as dist
-
         from megatron_zcpo.convert.verify import logprob_tolerance
         from megatron_zcpo.recipe.rollout import broadcast_samples
         from megatron_zcpo.recipe.weight_push import push_weights
@@ -174,15 +180,14 @@ class RLRecipe:
             overlap.push_current_weights()
             rollout_stats.update(overlap.launch(step + 1))
         time_rollout = time.perf_counter() - started
-        count = [len(samples) if self.rank == 0 else 0]
-        dist.broadcast_object_list(count, src=0)
-        if count[0] == 0:
+        count = self.waits.broadcast(len(samples) if self.rank == 0 else None)  # the others waited here
+        if count == 0:
             raise RuntimeError(f"step {step}: dynamic sampling kept no group (see rollout.dynamic_sampling)")
         samples = broadcast_samples(samples)
         metrics = self.trainer.train_step(samples)
         started_push = time.perf_counter()
         if overlap is None:
-            push_weights(self.trainer, self.engine, self.trainer.step, self.stages)
+            push_weights(self.trainer, self.engine, self.trainer.step, self.stages, self.waits)
         if self.rank != 0:
             return
         metrics.update(rollout_stats)
@@ -221,6 +226,7 @@ class RLRecipe:
     # ----------------------------------------------------------------------------- save & cleanup
     def save(self, step: int) -> None:
         """Checkpoint the trainer and the prompt stream at ``step`` (collective)."""
+        self.waits.barrier()  # rank 0 may still be evaluating
         loop = {}
         if self.rank == 0:
             if self.overlap is not None:  # first: the rollout in flight advances the prompt stream

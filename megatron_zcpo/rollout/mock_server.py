@@ -1,11 +1,17 @@
 """A local HTTP server speaking SGLang's native API over any RolloutEngine (tests, CPU smoke runs).
 
 It speaks the API of one SGLang release (:mod:`megatron_zcpo.rollout.sglang_api`: the pinned
-0.5.3.post3 by default, or the newest checked one): every request is validated against that
-release's endpoint table first, so an unknown path answers 404, another method 405 and a body
-with a missing, unknown or mistyped field 400, as SGLang does (stricter on unknown fields). It
-serves /generate from a backend engine (e.g. :class:`EmbeddedEngine`), loads pushed weights into
-it (received by broadcast in a weight-update group, or read from safetensors on disk), and can
+0.5.3.post3 by default, or the newest checked one): with an ``api_key`` a request without it
+answers 401 (the /health paths excepted); every request is then validated against that
+release's endpoint table, so an unknown path answers 404, another method 405 and a body with a
+missing, unknown or mistyped field 400, as SGLang does (stricter on unknown fields). It behaves
+like the pinned release where a run depends on it (see that module's docstring): a prompt that
+does not fit the context length is refused with 400 and ``max_new_tokens`` cut as SGLang's
+scheduler cuts it; per-request seeds are used only with ``deterministic_inference``; weight
+updates are served one at a time. ``/get_server_info`` reports what the client checks at
+start-up. It serves /generate from a backend engine (e.g. :class:`EmbeddedEngine`), each answer
+no sooner than ``generate_delay_s`` (cluster time scales in CI), loads pushed weights into it
+(received by broadcast in a weight-update group, or read from safetensors on disk), and can
 misbehave on purpose: ``faults`` maps an endpoint path to actions used by its next requests, in
 order: "drop" (close the connection without answering), "503", "hang" (never answer), or a
 corruption of a /generate answer at output position 1 (position 0 of a one-token answer):
@@ -23,67 +29,64 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from megatron_zcpo.rollout.engine import RolloutEngine, SamplingParams
-from megatron_zcpo.rollout.sglang_api import PINNED_RELEASE, RELEASES, check_request
+from megatron_zcpo.rollout.mock_http import BackgroundHTTPServer
+from megatron_zcpo.rollout.sglang_api import PINNED_RELEASE, RELEASES, check_request, needs_api_key
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 
 CORRUPTIONS = ("bad_token", "nan_logprob", "positive_logprob", "mismatched_ids")
 FAULTS = ("drop", "503", "hang", *CORRUPTIONS)
+# Requests that join a weight-update group's collective: two groups' in flight at once can deadlock.
+COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
-class MockSGLangServer:
+class MockSGLangServer(BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
     ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
     weight-update group (the mock joins with one process and counts as ``tp_size`` = 1).
     ``release``: the SGLang release whose API it speaks. ``events`` records (path, detail) of every
     request, for tests: detail "ok", a fault action, or the status a refused request got.
+    Launch settings, as SGLang's flags: ``context_length`` (``--context-length``; None: the
+    model's, ``model_context_length``), ``max_total_num_tokens`` (the KV pool),
+    ``deterministic_inference`` (``--enable-deterministic-inference``: per-request seeds are
+    used), ``api_key`` (``--api-key``). ``weight_updates`` logs ("start" | "end", path, group) of
+    the weight updates in the order served; ``update_overlaps`` the (group, other group) of every
+    collective request that arrived while another group's was in flight here.
     """
+
+    thread_name = "mock-sglang"
 
     def __init__(self, backend: RolloutEngine, *, host: str = "127.0.0.1", port: int = 0,
                  faults: Optional[Dict[str, List[str]]] = None, release: str = PINNED_RELEASE,
-                 random_faults: float = 0.0, seed: int = 0, fault_log: Optional[str] = None):
+                 random_faults: float = 0.0, seed: int = 0, fault_log: Optional[str] = None,
+                 context_length: Optional[int] = None, model_context_length: int = 32768,
+                 max_total_num_tokens: int = 2**20, deterministic_inference: bool = False,
+                 api_key: Optional[str] = None, generate_delay_s: float = 0.0):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
+        super().__init__(host, port)
         self.release = release
         for path, actions in (faults or {}).items():
             unknown = [a for a in actions if a not in FAULTS]
             if unknown:
                 raise ValueError(f"faults[{path!r}] has unknown actions {unknown}; choose from {FAULTS}")
         self.backend = backend
-        self.host, self.port = host, port
         self.faults = {path: list(actions) for path, actions in (faults or {}).items()}
         self.random_faults, self._random, self.fault_log = random_faults, random.Random(seed), fault_log
         self.events: List[tuple] = []
+        self.context_length, self.deterministic_inference, self.api_key = context_length, deterministic_inference, api_key
+        # SGLang's scheduler: max_req_len = min(context - 1, KV pool - 1), max_req_input_len = max_req_len - 5
+        self.max_req_len = min((context_length or model_context_length) - 1, max_total_num_tokens - 1)
+        self.max_total_num_tokens, self.generate_delay_s = max_total_num_tokens, generate_delay_s
+        self.weight_updates: List[tuple] = []
+        self.update_overlaps: List[tuple] = []
+        self._updates_in_flight: Dict[str, int] = {}
+        self._update_lock = threading.Lock()  # SGLang serves weight updates one at a time
         self.served_version = "default"  # SGLang's initial --weight-version
         self.running_rids: set = set()
         self.aborted_rids: set = set()
         self._groups: Dict[str, Any] = {}
         self._backend_lock = threading.Lock()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
-        self._runner = None
-        self._started = threading.Event()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    # -- lifecycle -----------------------------------------------------------------------------
-
-    def start(self) -> str:
-        """Start serving; returns the base URL."""
-        self._thread = threading.Thread(target=self._serve, name="mock-sglang", daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout=30):
-            raise RuntimeError("mock SGLang server did not start within 30s")
-        return self.url
-
-    def _serve(self) -> None:
-        from aiohttp import web
-
-        self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._loop)
-        app = web.Application(client_max_size=2**30)
         self._handlers = {
             "/generate": self._generate, "/health": self._health, "/health_generate": self._health,
             "/get_model_info": self._model_info, "/model_info": self._model_info,
@@ -94,41 +97,18 @@ class MockSGLangServer:
             "/update_weights_from_distributed": self._update_from_distributed,
             "/destroy_weights_update_group": self._destroy_group,
         }
-        app.router.add_route("*", "/{path:.*}", self._dispatch)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, self.host, self.port)
-        self._loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self._started.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(self._runner.cleanup())
-        leftovers = asyncio.all_tasks(self._loop)  # e.g. "hang" handlers
-        for task in leftovers:
-            task.cancel()
-        self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
-        self._loop.close()
-
-    def stop(self) -> None:
-        """Stop serving (pending "hang" requests are cancelled)."""
-        if self._loop is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-
-    def __enter__(self) -> "MockSGLangServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # -- plumbing ------------------------------------------------------------------------------
 
     async def _dispatch(self, request):
-        """Validate against the release's API (404 / 405 / 400 like SGLang), then faults, then the handler."""
+        """The API key (401), then the release's API (404 / 405 / 400 like SGLang), then faults, then the handler."""
         from aiohttp import web
 
         path = request.path
+        if (self.api_key is not None and needs_api_key(request.method, path)
+                and request.headers.get("Authorization") != f"Bearer {self.api_key}"):
+            self.events.append((path, "401"))
+            return web.json_response({"error": "Unauthorized"}, status=401)
         body = None
         if request.can_read_body:
             try:
@@ -136,6 +116,8 @@ class MockSGLangServer:
             except ValueError:
                 body = "<not JSON>"
         refused = check_request(request.method, path, body, self.release)
+        if refused is None and path == "/generate" and isinstance(body, dict):
+            refused = self._context_refusal(body)
         if refused is not None:
             status, reason = refused
             self.events.append((path, str(status)))
@@ -189,17 +171,20 @@ class MockSGLangServer:
         batch = isinstance(input_ids[0], list)
         prompts = input_ids if batch else [input_ids]
         sampling = dict(body.get("sampling_params") or {})
+        max_new_tokens = sampling.get("max_new_tokens", 128)
         params = SamplingParams(
             temperature=sampling.get("temperature", 1.0),
             top_p=sampling.get("top_p", 1.0),
             top_k=sampling.get("top_k", -1),
-            max_new_tokens=sampling.get("max_new_tokens", 128),
+            # the scheduler's cut: max_req_len - prompt - 1 (one length for the batch: the mock's simplification)
+            max_new_tokens=min(max_new_tokens, min(self.max_req_len - len(p) - 1 for p in prompts)),
             stop_token_ids=tuple(sampling.get("stop_token_ids") or ()),
-            seed=sampling.get("sampling_seed"),
+            seed=sampling.get("sampling_seed", 42) if self.deterministic_inference else None,
         )
         rid = body.get("rid") or "mock"
         self.running_rids.add(rid)
         try:
+            await asyncio.sleep(self.generate_delay_s)
             results = await self._blocking(self._run_backend, self.backend.generate, prompts, params, 1)
         finally:
             self.running_rids.discard(rid)
@@ -222,6 +207,27 @@ class MockSGLangServer:
             _corrupt(answers[0], request["corrupt"])
         return web.json_response(answers if batch else answers[0])
 
+    def _context_refusal(self, body) -> Optional[tuple]:
+        """(400, SGLang's message) for a /generate prompt that does not fit the context length, or None."""
+        input_ids = body.get("input_ids") or []
+        prompts = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+        max_new_tokens = (body.get("sampling_params") or {}).get("max_new_tokens", 128)
+        context = self.max_req_len + 1 if self.context_length is None else self.context_length
+        refusal = None
+        for prompt in prompts:
+            if len(prompt) >= context:
+                refusal = f"The input ({len(prompt)} tokens) is longer than the model's context length ({context} tokens)."
+            elif max_new_tokens is not None and len(prompt) + max_new_tokens >= context:
+                refusal = (f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                           f"You requested a total of {len(prompt) + max_new_tokens} tokens: {len(prompt)} tokens "
+                           f"from the input messages and {max_new_tokens} tokens for the completion.")
+            elif len(prompt) >= self.max_req_len - 5:
+                refusal = (f"Input length ({len(prompt)} tokens) exceeds the maximum allowed length "
+                           f"({self.max_req_len - 5} tokens).")
+            if refusal:
+                return 400, refusal
+        return None
+
     async def _health(self, request):
         from aiohttp import web
 
@@ -236,7 +242,11 @@ class MockSGLangServer:
     async def _server_info(self, request):
         from aiohttp import web
 
-        return web.json_response({"tp_size": 1, "dp_size": 1, "version": f"mock-{self.release}"})
+        return web.json_response({
+            "tp_size": 1, "dp_size": 1, "version": self.release, "context_length": self.context_length,
+            "max_total_num_tokens": self.max_total_num_tokens, "max_req_input_len": self.max_req_len - 5,
+            "enable_deterministic_inference": self.deterministic_inference,
+            "sampling_backend": "pytorch" if self.deterministic_inference else "flashinfer"})
 
     async def _get_weight_version(self, request):
         from aiohttp import web
@@ -259,10 +269,32 @@ class MockSGLangServer:
             self.running_rids.clear()  # SGLang ends every running request
         return web.Response(status=200)
 
+    async def _one_at_a_time(self, path: str, group: Optional[str], fn, *args):
+        """Run weight update ``fn(*args)`` off the loop once no other update runs here (SGLang's order)."""
+        if path in COLLECTIVE_UPDATES:
+            self.update_overlaps.extend((group, other) for other, count in self._updates_in_flight.items()
+                                        if count and other != group)
+            self._updates_in_flight[group] = self._updates_in_flight.get(group, 0) + 1
+
+        def serially():
+            with self._update_lock:
+                self.weight_updates.append(("start", path, group))
+                try:
+                    return fn(*args)
+                finally:
+                    self.weight_updates.append(("end", path, group))
+
+        try:
+            return await self._blocking(serially)
+        finally:
+            if path in COLLECTIVE_UPDATES:
+                self._updates_in_flight[group] -= 1
+
     async def _update_from_disk(self, request):
         body = await request.json()
         try:
-            await self._blocking(self._load_checkpoint, body["model_path"], body.get("weight_version"))
+            await self._one_at_a_time(request.path, None, self._load_checkpoint, body["model_path"],
+                                      body.get("weight_version"))
         except (OSError, KeyError, ValueError) as err:
             return self._result(False, f"Failed to update weights: {err}")
         return self._result(True, "Succeeded to update model weights.")
@@ -270,9 +302,9 @@ class MockSGLangServer:
     async def _init_group(self, request):
         body = await request.json()
         try:
-            group = await self._blocking(
-                init_custom_process_group, body["backend"], body["master_address"], body["master_port"],
-                body["rank_offset"], body["world_size"], body["group_name"],
+            group = await self._one_at_a_time(
+                request.path, body["group_name"], init_custom_process_group, body["backend"], body["master_address"],
+                body["master_port"], body["rank_offset"], body["world_size"], body["group_name"],
             )
         except Exception as err:  # noqa: BLE001 - reported to the client like SGLang does
             return self._result(False, f"Failed to init group: {err!r}")
@@ -285,10 +317,13 @@ class MockSGLangServer:
         if group is None:
             return self._result(False, f"no weight-update group named {body.get('group_name')!r}")
         flattened = body.get("load_format") == "flattened_bucket"
-        received = await self._blocking(receive_bucket, body["names"], body["dtypes"], body["shapes"], group,
-                                        "cpu", 0, flattened)
+
+        def receive_and_load():
+            received = receive_bucket(body["names"], body["dtypes"], body["shapes"], group, "cpu", 0, flattened)
+            self._load(received, body.get("weight_version"))
+
         try:
-            await self._blocking(self._load, received, body.get("weight_version"))
+            await self._one_at_a_time(request.path, body.get("group_name"), receive_and_load)
         except (KeyError, ValueError) as err:
             return self._result(False, f"Failed to update weights: {err}")
         return self._result(True, "Succeeded to update parameter online.")
@@ -300,7 +335,7 @@ class MockSGLangServer:
         group = self._groups.pop(body.get("group_name"), None)
         if group is None:
             return self._result(False, f"no weight-update group named {body.get('group_name')!r}")
-        dist.destroy_process_group(group)
+        await self._one_at_a_time(request.path, body.get("group_name"), dist.destroy_process_group, group)
         return self._result(True, "Succeeded to destroy custom process group.")
 
     def _load_checkpoint(self, directory: str, weight_version: Optional[str]) -> None:
@@ -348,19 +383,35 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--api-key", default=None)
     parser.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random /generate fault")
     parser.add_argument("--fault-log", default=None, help="append each random fault to this file")
+    parser.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate answers no sooner")
+    parser.add_argument("--record-dir", default=None,
+                        help="on exit, write the requests, weight updates and update overlaps to DIR/<port>.json")
     args, _ = parser.parse_known_args(argv)
     engine = EmbeddedEngine(model_config_from_hf(read_hf_config(args.model_path)), seed=args.random_seed)
     with SafetensorsCheckpoint(args.model_path) as checkpoint:
         engine.update_weights(((name, checkpoint.tensor(name)) for name in checkpoint.names()), version=0)
     server = MockSGLangServer(engine, host=args.host, port=args.port, random_faults=args.fault_rate,
-                              seed=args.random_seed, fault_log=args.fault_log)
+                              seed=args.random_seed, fault_log=args.fault_log, context_length=args.context_length,
+                              model_context_length=engine.model_config.max_position_embeddings,
+                              deterministic_inference=args.enable_deterministic_inference, api_key=args.api_key,
+                              generate_delay_s=args.generate_delay_s)
     server.start()
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     stopped.wait()
     server.stop()
+    if args.record_dir:
+        import json
+        import os
+
+        with open(os.path.join(args.record_dir, f"{server.port}.json"), "w") as record:
+            json.dump({"events": server.events, "weight_updates": server.weight_updates,
+                       "update_overlaps": server.update_overlaps}, record)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,41 @@ Status codes (both releases): an unknown path is 404 and a known path with anoth
 (FastAPI); a body that does not validate is 400 (SGLang turns FastAPI's 422 into 400); weight
 updates answer 200 with success true or 400 with success false and the reason. SGLang ignores
 unknown body fields; :func:`check_request` rejects them, so a misspelt optional field fails a test
-instead of silently doing nothing on a cluster.
+instead of silently doing nothing on a cluster (a ``load_format`` sent to 0.5.3.post3 would be
+ignored and the flat broadcast would never be received: the push hangs).
+
+Behaviour of 0.5.3.post3 a run depends on (the mock server follows it, the client checks it at
+start-up):
+
+- ``--api-key KEY``: every request but those to paths starting with ``/health`` or ``/metrics``
+  needs ``Authorization: Bearer KEY``, else 401 ({"error": "Unauthorized"}) (:func:`needs_api_key`).
+- Context length: a request with ``len(input_ids) + max_new_tokens >= context_length`` is refused
+  with 400; the scheduler then cuts ``max_new_tokens`` to ``max_req_len - len(input_ids) - 1``
+  with ``max_req_len = min(context_length - 1, KV pool tokens - 1)`` and aborts a prompt of
+  ``max_req_input_len = max_req_len - 5`` tokens or more. ``/get_server_info`` reports the
+  server's arguments (``context_length`` is null unless ``--context-length`` was given) with the
+  scheduler's ``max_total_num_tokens`` and ``max_req_input_len`` (:func:`served_tokens`). A
+  prompt of P tokens gets its N new tokens in full only with ``--context-length`` >= P + N + 2
+  (:func:`required_context_length`). ``/get_model_info`` carries no context length (nor does
+  0.5.23's ``/model_info``).
+- ``sampling_seed`` (default 42; null is refused with 400) is used only by servers launched with
+  ``--enable-deterministic-inference``, which also needs an ``--attention-backend`` among
+  :data:`DETERMINISTIC_ATTENTION_BACKENDS`; ``/get_server_info`` reports
+  ``enable_deterministic_inference``.
+- Weight updates (``/init_weights_update_group``, ``/update_weights_from_distributed``,
+  ``/update_weights_from_disk``, ``/destroy_weights_update_group``) are served one at a time
+  (the scheduler handles one control request at a time; updates also take the model's writer
+  lock). A group's first collective blocks until all its members joined, so two servers taking
+  two groups' requests in opposite orders wait for each other until the group timeout.
+- ``load_format`` "flattened_bucket" in ``/update_weights_from_distributed``: from 0.5.6
+  (:data:`FLATTENED_BUCKETS_SINCE`; 0.5.5.post3 lacks it).
+
+sglang-router 0.2.0 (``python -m sglang_router.launch_router``): ``--request-timeout-secs``
+(default :data:`ROUTER_DEFAULT_REQUEST_TIMEOUT_S`) bounds each request it forwards; one cut there
+answers 500 and the router retries it (retryable: 408, 429, 500, 502, 503, 504) up to 5 attempts
+in all, without aborting the first on the worker. ``--api-key`` guards ``/generate`` and the admin
+routes (``/list_workers`` -> {"urls": [...]}, ``/flush_cache``, ...), not :data:`ROUTER_PUBLIC_PATHS`,
+and is sent to the workers as their key.
 """
 
 from __future__ import annotations
@@ -39,6 +73,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
 PINNED_RELEASE = "0.5.3.post3"
+FLATTENED_BUCKETS_SINCE = "0.5.6"  # the first release whose /update_weights_from_distributed takes load_format
+ROUTER_DEFAULT_REQUEST_TIMEOUT_S = 1800  # sglang-router 0.2.0's --request-timeout-secs
+ROUTER_RETRYABLE_STATUSES = (408, 429, 500, 502, 503, 504)
+ROUTER_MAX_ATTEMPTS = 5
+ROUTER_PUBLIC_PATHS = ("/liveness", "/readiness", "/health", "/health_generate", "/v1/models", "/get_model_info",
+                       "/get_server_info")
+AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
+DETERMINISTIC_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")
 NEWEST_CHECKED_RELEASE = "0.5.23"
 RELEASES = (PINNED_RELEASE, NEWEST_CHECKED_RELEASE)
 # Renamed endpoints, the pinned release's name first (both releases still answer it).
@@ -71,7 +113,7 @@ SAMPLING_FIELDS: Dict[str, Callable[[Any], bool]] = {
     "temperature": _number, "top_p": _number, "top_k": _INT, "min_p": _number, "max_new_tokens": _optional(_INT),
     "min_new_tokens": _INT, "stop": _optional(lambda v: _STR(v) or _list_of(_STR)(v)),
     "stop_token_ids": _optional(_INT_LIST), "ignore_eos": _BOOL, "skip_special_tokens": _BOOL,
-    "spaces_between_special_tokens": _BOOL, "no_stop_trim": _BOOL, "sampling_seed": _optional(_INT),
+    "spaces_between_special_tokens": _BOOL, "no_stop_trim": _BOOL, "sampling_seed": _INT,
     "frequency_penalty": _number, "presence_penalty": _number, "repetition_penalty": _number, "n": _INT,
 }
 
@@ -154,3 +196,38 @@ def check_request(method: str, path: str, body: Any, release: str = PINNED_RELEA
     problems = [f"{label}: {', '.join(names)}" for label, names in
                 (("missing", missing), ("unknown", unknown), ("wrong type", wrong)) if names]
     return (400, f"{path}: " + "; ".join(problems)) if problems else None
+
+
+def needs_api_key(method: str, path: str, router: bool = False) -> bool:
+    """Whether a server (or, ``router``, sglang-router 0.2.0) launched with ``--api-key`` asks this
+    request for ``Authorization: Bearer KEY``."""
+    if router:
+        return path not in ROUTER_PUBLIC_PATHS
+    return method != "OPTIONS" and not path.startswith(AUTH_EXEMPT_PREFIXES)
+
+
+def required_context_length(prompt_tokens: int, max_new_tokens: int) -> int:
+    """The smallest ``--context-length`` that serves a ``prompt_tokens`` prompt its ``max_new_tokens``
+    in full (see the module docstring: refused at prompt + new >= context, cut at context - 2)."""
+    return prompt_tokens + max_new_tokens + 2
+
+
+def served_tokens(server_info: Dict[str, Any]) -> Optional[int]:
+    """The most prompt + max_new_tokens tokens a server (its ``/get_server_info`` answer) serves
+    in full, or None when the answer says nothing about it: ``max_req_input_len + 4`` (the KV pool
+    counted) or, without it, ``context_length - 2``."""
+    if server_info.get("max_req_input_len") is not None:
+        return int(server_info["max_req_input_len"]) + 4
+    if server_info.get("context_length") is not None:
+        return int(server_info["context_length"]) - 2
+    return None
+
+
+def release_at_least(version: str, release: str) -> bool:
+    """Whether SGLang ``version`` (as ``/get_server_info`` reports it) is ``release`` or newer."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) >= Version(release)
+    except InvalidVersion:
+        return False

@@ -131,7 +131,9 @@ class SGLangEngine(RolloutEngine):
         With ``params.seed`` set and ``config.sampling_seeds`` on, sample j of prompt i gets
         ``sampling_seed = seed + i*n + j``.
         A request that still fails after its retries is sent to another server in rotation (the
-        failed one leaves it); when too few servers remain, or the call exceeds
+        failed one leaves it); one that fails on every server (or through the router on every
+        attempt), or is refused (4xx), becomes a rejected sample: its group is dropped, bounded by
+        ``max_rejected_fraction``. When too few servers remain, or the call exceeds
         ``rollout_timeout_s``, the other requests are cancelled and aborted on the servers, and
         ``RolloutError`` names the failure.
         """
@@ -179,8 +181,8 @@ class SGLangEngine(RolloutEngine):
     async def _generate_one(self, index: int, prompt, sampling: Dict[str, Any], limit: asyncio.Semaphore,
                             given_up: asyncio.Event) -> Completion:
         async with limit:
-            if given_up.is_set():
-                raise asyncio.CancelledError
+            if given_up.is_set():  # the call failed: this request never starts (and raises nothing that
+                return None        # could reach the caller before the failure's own error)
             payload = {
                 "rid": uuid.uuid4().hex,
                 "input_ids": [int(t) for t in prompt],
@@ -196,6 +198,13 @@ class SGLangEngine(RolloutEngine):
 
             try:
                 url, response = await self._request_on_a_server(index, payload, fresh_request_id)
+            except ServersLostError:
+                given_up.set()
+                await asyncio.shield(self._http.abort_quietly(payload["rid"]))
+                raise
+            except RolloutError as error:  # lost (retries spent, or refused): costs this prompt's group
+                await asyncio.shield(self._http.abort_quietly(payload["rid"]))
+                return rejected_completion(prompt, f"request {index} lost: {error}", {"rid": payload["rid"]})
             except BaseException:
                 given_up.set()
                 await asyncio.shield(self._http.abort_quietly(payload["rid"]))
@@ -210,7 +219,8 @@ class SGLangEngine(RolloutEngine):
         Without a router, the server that failed the request's retries leaves the rotation and the
         next in-rotation server gets it. Through a router, a failed request has every server
         health-checked (the unhealthy ones leave the rotation) and goes to the router again. Raises
-        :class:`ServersLostError` below ``min_healthy``; a 4xx answer is not retried.
+        :class:`ServersLostError` below ``min_healthy``, ``RolloutError`` when every attempt
+        failed; a 4xx answer is not retried (:class:`SGLangHTTPError`).
         """
         pool, last_error = self._http.pool, None
         for _ in range(len(pool.urls) + 1):
@@ -248,7 +258,16 @@ class SGLangEngine(RolloutEngine):
                 logger.warning("re-syncing %s failed: %s", url, err)
         return len(pool.in_rotation()) >= pool.min_healthy
 
-    # -- health, cache, versions ----------------------------------------------------------------
+    # -- health, start-up checks, cache, versions -----------------------------------------------
+
+    def check_servers(self, max_prompt_length: int, max_new_tokens: int):
+        """The start-up check of :func:`megatron_zcpo.rollout.server_checks.check_servers`: the API key,
+        every server's context length against ``max_prompt_length + max_new_tokens``, seeds and load
+        format. Returns the servers' :class:`~megatron_zcpo.rollout.server_checks.ServerFacts`."""
+        from megatron_zcpo.rollout.server_checks import check_servers
+
+        self._check_open()
+        return check_servers(self._http, self.config, max_prompt_length, max_new_tokens)
 
     def wait_until_healthy(self, timeout_s: Optional[float] = None, poll_s: float = 2.0,
                            is_alive: Optional[Callable[[], bool]] = None) -> None:

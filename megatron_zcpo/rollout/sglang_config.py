@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
+from megatron_zcpo.rollout.sglang_api import ROUTER_DEFAULT_REQUEST_TIMEOUT_S
+
 WEIGHT_SYNC_METHODS = ("distributed", "disk")
+API_KEY_ENV = "ZCPO_SGLANG_API_KEY"  # where rollout.sglang.client.api_key comes from when unset
 
 
 @dataclass
@@ -24,10 +28,17 @@ class SGLangEngineConfig:
     can read). ``quantization`` "fp8" pushes modelopt FP8 weights (servers launched with
     modelopt FP8 quantisation; turn the trainer's importance-sampling correction on).
     ``flattened_buckets``: broadcast each bucket as one flat byte buffer (SGLang's
-    ``flattened_bucket`` load format, newer than v0.5.3) instead of tensor by tensor.
+    ``flattened_bucket`` load format, from SGLang 0.5.6; refused at start-up against older
+    servers) instead of tensor by tensor.
     ``sampling_seeds``: forward ``SamplingParams.seed`` as SGLang's per-request ``sampling_seed``
-    (SGLang honours it only with ``--sampling-backend pytorch``; its default flashinfer sampler
-    rejects it), else seeds are not sent and SGLang sampling is not reproducible.
+    (SGLang 0.5.3.post3 uses it only on servers launched with ``--enable-deterministic-inference``:
+    checked at start-up, and the launchers pass the flag), else seeds are not sent and SGLang
+    sampling is not reproducible.
+    ``api_key``: sent as ``Authorization: Bearer`` with every request (servers and router launched
+    with ``--api-key``); None: the environment variable ``ZCPO_SGLANG_API_KEY``, else none.
+    ``router_timeout_s``: the router's ``--request-timeout-secs`` (sglang-router 0.2.0's default
+    1,800 s; the launchers start the router with this value): it must exceed ``request_timeout_s``,
+    so the client, which aborts and retries, gives up on a request first.
     Server loss: a server whose request fails its retries leaves the rotation (see
     :class:`~megatron_zcpo.rollout.server_pool.ServerPool`) and its requests go to the others; with
     a router, a failed request has the servers health-checked instead. Below ``min_healthy``
@@ -35,7 +46,8 @@ class SGLangEngineConfig:
     again and the transport can re-sync them at once (disk). Otherwise a lost server that is
     healthy again rejoins at the next weight push, which includes it. Bounded time: each request
     ``request_timeout_s`` (x (1 + ``max_retries``)), each :meth:`SGLangEngine.generate` call
-    ``rollout_timeout_s``, the start-up health wait ``startup_timeout_s``.
+    ``rollout_timeout_s``, the start-up health wait ``startup_timeout_s``; a request that still
+    fails costs its prompt's group (a rejected sample), not the call.
     Answers are checked (:mod:`megatron_zcpo.rollout.output_checks`, token ids against
     ``vocab_size``, the trainer's vocabulary): a bad one is rejected (its group is dropped) and
     counted in ``rejected_samples``; when more than ``max_rejected_fraction`` of one
@@ -67,6 +79,12 @@ class SGLangEngineConfig:
     flattened_buckets: bool = False
     vocab_size: Optional[int] = None
     max_rejected_fraction: float = 0.05
+    api_key: Optional[str] = None
+    router_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
 
     def validate(self, prefix: str = "rollout.sglang") -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -79,10 +97,15 @@ class SGLangEngineConfig:
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"{prefix}.quantization must be null or 'fp8', got {self.quantization!r}")
         for key in ("max_concurrency", "request_timeout_s", "bucket_bytes", "update_timeout_s", "rollout_timeout_s",
-                    "startup_timeout_s", "min_healthy"):
+                    "startup_timeout_s", "min_healthy", "router_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{prefix}.{key} must be positive, got {getattr(self, key)}")
         if self.max_retries < 0:
             raise ValueError(f"{prefix}.max_retries must be >= 0, got {self.max_retries}")
         if not 0.0 <= self.max_rejected_fraction <= 1.0:
             raise ValueError(f"{prefix}.max_rejected_fraction must be in [0, 1], got {self.max_rejected_fraction}")
+        if self.router_url and self.router_timeout_s <= self.request_timeout_s:
+            raise ValueError(f"{prefix}.client.router_timeout_s={self.router_timeout_s:g} must exceed "
+                             f"{prefix}.client.request_timeout_s={self.request_timeout_s:g}: the router would cut "
+                             "requests the client still waits for (and retry them without aborting the first); "
+                             "raise router_timeout_s (the router's --request-timeout-secs)")

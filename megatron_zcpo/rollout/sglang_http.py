@@ -100,7 +100,10 @@ class SGLangHTTP:
         """The shared aiohttp session, opened on first use (on the loop thread)."""
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self.config.max_concurrency + 8, force_close=False)
-            self._session = aiohttp.ClientSession(connector=connector)
+            # Servers and router launched with --api-key answer 401 to a request without it.
+            key = getattr(self.config, "api_key", None)
+            headers = {"Authorization": f"Bearer {key}"} if key else None
+            self._session = aiohttp.ClientSession(connector=connector, headers=headers)
         return self._session
 
     async def request_once(self, method: str, url: str, payload, timeout: float):

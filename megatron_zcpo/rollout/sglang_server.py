@@ -1,23 +1,33 @@
 """Launch SGLang servers (one per inference TP group) and the sglang router from a config or Slurm's environment.
 
 Command lines follow SGLang v0.5.3 (``python -m sglang.launch_server --model-path ... --tp-size
-...``) and sglang-router (``python -m sglang_router.launch_router --worker-urls ...``). Each
+...``) and sglang-router 0.2.0 (``python -m sglang_router.launch_router --worker-urls ...``). Each
 server gets its GPUs through ``CUDA_VISIBLE_DEVICES``; under Slurm every node runs the servers
-of its own GPUs (one launcher per node) and the first node also runs the router.
+of its own GPUs (one launcher per node) and the first node also runs the router. Servers and
+router bind to their node's address (the host of their URL), not to every interface, and take
+requests only with the job's API key (``--api-key``: a fresh one per launch unless given).
+What must agree with the client is filled in from its config by :func:`server_config_for_run`.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.rollout.sglang_api import (
+    DETERMINISTIC_ATTENTION_BACKENDS,
+    ROUTER_DEFAULT_REQUEST_TIMEOUT_S,
+    required_context_length,
+)
+from megatron_zcpo.utils.network import is_loopback, resolve
 from megatron_zcpo.utils.slurm import expand_slurm_nodelist
 
 
@@ -32,6 +42,13 @@ class SGLangServerConfig:
     (None: SLURM_JOB_NODELIST, else this host). ``quantization`` is passed as
     ``--quantization`` (``modelopt_fp8`` for FP8 rollouts). ``extra_args`` are appended to every
     server command. ``server_module`` / ``router_module`` can point at stand-ins (tests).
+    ``api_key``: ``--api-key`` of every server and the router (None: a fresh random key per
+    launcher, :attr:`SGLangLauncher.api_key`). ``router_request_timeout_s``: the router's
+    ``--request-timeout-secs`` (the client's ``router_timeout_s``).
+    ``enable_deterministic_inference``: per-request seeds are used (the client's
+    ``sampling_seeds``); SGLang then needs ``attention_backend`` among
+    :data:`~megatron_zcpo.rollout.sglang_api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
+    default for Qwen2/Llama/Qwen3 on H100).
     """
 
     model_path: str
@@ -55,6 +72,10 @@ class SGLangServerConfig:
     server_module: str = "sglang.launch_server"
     router_module: str = "sglang_router.launch_router"
     startup_timeout_s: float = 1200.0
+    api_key: Optional[str] = None
+    router_request_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
+    enable_deterministic_inference: bool = False
+    attention_backend: Optional[str] = None
 
     def validate(self, prefix: str = "rollout.servers") -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -65,6 +86,24 @@ class SGLangServerConfig:
                 raise ValueError(f"{prefix}.{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"{prefix}.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.router_request_timeout_s <= 0:
+            raise ValueError(f"{prefix}.router_request_timeout_s must be positive, got {self.router_request_timeout_s}")
+        if self.enable_deterministic_inference and self.attention_backend not in (None, *DETERMINISTIC_ATTENTION_BACKENDS):
+            raise ValueError(f"{prefix}.attention_backend={self.attention_backend!r}: SGLang's deterministic inference "
+                             f"(rollout.sglang.client.sampling_seeds) runs on {list(DETERMINISTIC_ATTENTION_BACKENDS)}")
+
+
+def server_config_for_run(launch: Mapping[str, Any], client, max_prompt_length: int,
+                          max_new_tokens: int) -> SGLangServerConfig:
+    """The launcher config of ``launch`` (``rollout.sglang.launch``) with what must agree with the
+    client (``client``, its SGLangEngineConfig) and the run's lengths filled in where ``launch``
+    leaves it: ``--context-length`` that serves ``max_prompt_length + max_new_tokens`` in full,
+    the router's ``--request-timeout-secs`` from ``client.router_timeout_s``, deterministic
+    inference when ``client.sampling_seeds`` and the client's API key."""
+    derived = {"context_length": required_context_length(max_prompt_length, max_new_tokens),
+               "router_request_timeout_s": client.router_timeout_s,
+               "enable_deterministic_inference": bool(client.sampling_seeds), "api_key": client.api_key}
+    return SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
 
 
 @dataclass(frozen=True)
@@ -116,12 +155,13 @@ def _this_host(env: Mapping[str, str]) -> str:
     return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def server_command(spec: ServerSpec, config: SGLangServerConfig) -> List[str]:
-    """The ``python -m sglang.launch_server ...`` command line of one server."""
+def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Optional[str] = None) -> List[str]:
+    """The ``python -m sglang.launch_server ...`` command line of one server (``api_key``: default
+    ``config.api_key``)."""
     command = [
         config.python, "-m", config.server_module,
         "--model-path", config.model_path,
-        "--host", "0.0.0.0",
+        "--host", spec.node,
         "--port", str(spec.port),
         "--tp-size", str(config.tp_size),
         "--mem-fraction-static", str(config.mem_fraction_static),
@@ -132,13 +172,36 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig) -> List[str]:
         command += ["--context-length", str(config.context_length)]
     if config.quantization:
         command += ["--quantization", config.quantization]
+    if config.enable_deterministic_inference:
+        command += ["--enable-deterministic-inference", "--attention-backend", config.attention_backend or "fa3"]
+    if api_key or config.api_key:
+        command += ["--api-key", api_key or config.api_key]
     return command + list(config.extra_args)
 
 
-def router_command(worker_urls: List[str], config: SGLangServerConfig) -> List[str]:
-    """The ``python -m sglang_router.launch_router ...`` command line over ``worker_urls``."""
-    return [config.python, "-m", config.router_module, "--host", "0.0.0.0", "--port", str(config.router_port),
-            "--policy", config.router_policy, "--worker-urls", *worker_urls]
+def router_command(worker_urls: List[str], config: SGLangServerConfig, host: str,
+                   api_key: Optional[str] = None) -> List[str]:
+    """The ``python -m sglang_router.launch_router ...`` command line over ``worker_urls``, bound to
+    ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``."""
+    command = [config.python, "-m", config.router_module, "--host", host, "--port", str(config.router_port),
+               "--policy", config.router_policy, "--request-timeout-secs", str(int(config.router_request_timeout_s)),
+               "--worker-urls", *worker_urls]
+    if api_key or config.api_key:
+        command += ["--api-key", api_key or config.api_key]
+    return command
+
+
+def check_bind_address(node: str, getaddrinfo=None) -> None:
+    """Raise ``ValueError`` when the servers of ``node`` would bind to a loopback address although
+    ``node`` is not a loopback name (a Debian-style /etc/hosts maps the host name to 127.0.1.1):
+    other nodes could not reach them. ``getaddrinfo``: the name service (default socket's)."""
+    if node in ("localhost", "::1") or node.startswith("127."):
+        return
+    address = resolve(node, 0, getaddrinfo)[1]
+    if is_loopback(address):
+        raise ValueError(f"rollout node {node!r} resolves to {address} on this host: servers bound there could not "
+                         f"be reached from other nodes; name the rollout nodes by an address of the cluster network "
+                         f"(rollout.sglang.launch.nodes, or sglang_node.py --nodes)")
 
 
 class SGLangLauncher:
@@ -152,6 +215,7 @@ class SGLangLauncher:
         self.config = config
         self.env: Dict[str, str] = dict(os.environ if env is None else env)
         self.specs = server_specs(config, self.env)
+        self.api_key = config.api_key or secrets.token_urlsafe(32)  # the servers' and router's --api-key
         self.processes: Dict[str, subprocess.Popen] = {}
         self._logs: Dict[str, str] = {}
 
@@ -172,10 +236,12 @@ class SGLangLauncher:
         os.makedirs(self.config.log_dir, exist_ok=True)
         for spec in self.specs:
             if self._is_this_node(spec.node):
+                check_bind_address(spec.node)
                 env = dict(self.env, CUDA_VISIBLE_DEVICES=",".join(spec.gpu_ids))
-                self._spawn(f"server-{spec.node}-{spec.port}", server_command(spec, self.config), env)
+                self._spawn(f"server-{spec.node}-{spec.port}", server_command(spec, self.config, self.api_key), env)
         if self.config.router and self._is_this_node(self.specs[0].node):
-            self._spawn("router", router_command(self.server_urls, self.config), dict(self.env))
+            self._spawn("router", router_command(self.server_urls, self.config, self.specs[0].node, self.api_key),
+                        dict(self.env))
 
     def _spawn(self, name: str, command: List[str], env: Dict[str, str]) -> None:
         path = os.path.join(self.config.log_dir, f"{name}.log")
@@ -222,15 +288,17 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 def launch_sglang(launcher: SGLangLauncher, **client_options):
     """Start ``launcher``'s processes, wait until all servers of the job are healthy, return a client.
 
-    ``client_options`` go to :class:`SGLangEngineConfig` (timeouts, weight push). The returned
-    :class:`SGLangEngine` stops the launched processes when it shuts down. Raises
-    ``RolloutError`` with the exit codes and log tails when a process dies during start-up.
+    ``client_options`` go to :class:`SGLangEngineConfig` (timeouts, weight push); the client
+    sends the launcher's API key and knows the router's timeout. The returned :class:`SGLangEngine` stops the launched processes
+    when it shuts down. Raises ``RolloutError`` with the exit codes and log tails when a process
+    dies during start-up.
     """
     from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 
     launcher.start()
+    options = {**client_options, "api_key": launcher.api_key, "router_timeout_s": launcher.config.router_request_timeout_s}
     engine = SGLangEngine(
-        SGLangEngineConfig(server_urls=launcher.server_urls, router_url=launcher.router_url, **client_options),
+        SGLangEngineConfig(server_urls=launcher.server_urls, router_url=launcher.router_url, **options),
         on_shutdown=launcher.stop,
     )
     try:

@@ -92,9 +92,47 @@ def test_config_validates_with_the_sbatch_overrides(example, tmp_path):
     settings = sbatch_settings(example)
     assert (int(settings["TRAIN_TP"]), int(settings["TRAIN_PP"]), int(settings.get("TRAIN_CP", 1))) == (
         config.parallel.tensor, config.parallel.pipeline, config.parallel.context)
-    longest = config.data.max_prompt_length + config.rollout.max_new_tokens
-    assert int(settings["CONTEXT_LENGTH"]) == longest and config.reward.max_response_length == config.rollout.max_new_tokens
+    assert config.reward.max_response_length == config.rollout.max_new_tokens
     assert settings["CONFIG"] == f"examples/{example}/config.yaml"
+
+
+@pytest.mark.parametrize("example", sorted(MODELS))
+def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sglang(example, tmp_path, monkeypatch):
+    """sglang_node.py --run-config (the resolved config) starts servers that pass the client's start-up
+    check (mock servers with the same flags), and every timeout outlasts the predicted duration it bounds."""
+    from megatron_zcpo.recipe.config import dump_run_config
+    from megatron_zcpo.recipe.timeouts import RolloutServers, check_timeouts
+    from megatron_zcpo.rollout.mock_server import MockSGLangServer
+    from megatron_zcpo.rollout.sglang_client import SGLangEngine
+    from megatron_zcpo.rollout.sglang_server import ServerSpec, router_command, server_command
+    from tests.rollout.test_sglang_client import ScriptedEngine
+
+    config = run_config(example, tmp_path)
+    resolved = tmp_path / "config.resolved.yaml"
+    resolved.write_text(dump_run_config(config))
+    settings, sglang_node = sbatch_settings(example), load_sglang_node()
+    monkeypatch.setenv("ZCPO_SGLANG_API_KEY", "per-job-key")
+    launch = sglang_node.server_config(sglang_node.parse_args([
+        "--model-path", "/m", "--nodes", "gpu05,gpu06", "--tp-size", settings["ROLLOUT_TP"],
+        "--run-config", str(resolved)]))
+    client = SGLangEngineConfig(server_urls=["http://x:1"], router_url="http://r:2", **config.rollout.sglang.client)
+    command = server_command(ServerSpec("gpu05", 30000, ("0",)), launch)
+    flags = dict(zip(command[3::2], command[4::2]))
+    assert (flags["--host"], flags["--api-key"]) == ("gpu05", "per-job-key")
+    router = router_command(["http://gpu05:30000"], launch, "gpu05")
+    assert int(router[router.index("--request-timeout-secs") + 1]) == client.router_timeout_s > client.request_timeout_s
+    assert ("--enable-deterministic-inference" in command) == client.sampling_seeds
+    prompt, new_tokens = config.data.max_prompt_length, config.rollout.max_new_tokens
+    with MockSGLangServer(ScriptedEngine(), context_length=int(flags["--context-length"]), api_key="per-job-key",
+                          deterministic_inference="--enable-deterministic-inference" in command) as server, \
+            SGLangEngine(SGLangEngineConfig(server_urls=[server.url], **config.rollout.sglang.client)) as engine:
+        engine.check_servers(prompt, new_tokens)
+    # every node must start its servers with the job's one key: none in the environment, no servers
+    monkeypatch.delenv("ZCPO_SGLANG_API_KEY")
+    assert sglang_node.main(["--model-path", "/m", "--nodes", "gpu05", "--tp-size", "8"]) == 2
+    rollout_gpus = (int(settings["nodes"]) - int(settings["TRAIN_NODES"])) * int(settings["gpus-per-node"])
+    check_timeouts(config, MODELS[example], RolloutServers(count=rollout_gpus // int(settings["ROLLOUT_TP"]),
+                                                           tp_size=int(settings["ROLLOUT_TP"])))
 
 
 @pytest.mark.parametrize("example", sorted(MODELS))
@@ -208,7 +246,8 @@ args = sys.argv[1:]
 options = [a for a in args[:next(i for i, a in enumerate(args) if not a.startswith("-"))]]
 command = args[len(options):]
 with open(os.environ["FAKE_SRUN_LOG"], "a") as log:
-    env = {{key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_MAX_CONNECTIONS")}}
+    env = {{key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_MAX_CONNECTIONS",
+                                                 "ZCPO_SGLANG_API_KEY")}}
     log.write(json.dumps({{"options": options, "command": command, "env": env}}) + "\\n")
 if "--print" in command:
     sys.exit(subprocess.call(command))
@@ -303,9 +342,12 @@ def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_ove
     assert (tmp_path / "ckpt" / "model_config.json").is_file()  # renamed from .partial once complete
     assert "--print" in probe["command"]
     assert "--nodelist=gpu05,gpu06,gpu07,gpu08" in sglang["options"] and "--ntasks-per-node=1" in sglang["options"]
+    assert sglang["command"][-2:] == ["--run-config", str(tmp_path / "run" / "config.resolved.yaml")]
     assert {"--nodes=4", "--ntasks-per-node=8", "--nodelist=gpu01,gpu02,gpu03,gpu04"} <= set(train["options"])
-    assert train["env"] == {"MASTER_ADDR": "gpu01", "MASTER_PORT": str(20000 + 4242),
-                            "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    key = sglang["env"].pop("ZCPO_SGLANG_API_KEY")  # one fresh key per job, for the servers and the trainer
+    assert re.fullmatch(r"[0-9a-f]{64}", key) and train["env"] == {
+        "MASTER_ADDR": "gpu01", "MASTER_PORT": str(20000 + 4242), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "ZCPO_SGLANG_API_KEY": key}
     assert train["command"][:3] == ["zcpo", "train", "examples/qwen2.5-32b-zcpo/config.yaml"]
     assert dry_run["command"] == train["command"] + ["--dry-run"]
     # What the training tasks receive is a valid run config pointing at the servers just started.
@@ -328,6 +370,7 @@ def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_pat
     config = load_run_config(train["command"][2], train["command"][3:])
     assert config.rollout.sglang.server_urls == ["http://infer1:30000", "http://infer2:30000"]
     assert config.rollout.sglang.router_url is None and config.parallel.pipeline == 2
+    assert train["env"]["ZCPO_SGLANG_API_KEY"] is None  # attached servers: the user's key, none generated
 
 
 def test_long_context_sbatch_needs_the_reward_function_and_passes_it(tmp_path):

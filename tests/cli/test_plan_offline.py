@@ -117,3 +117,17 @@ def test_the_decode_rate_is_modelled_unless_given(capsys):
     assert "generated tokens/s per rollout GPU, modelled for TP8 servers" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no KV cache left"):
         main(["plan", LLAMA_EXAMPLE, "--gpus", "64", "--preset", "Llama-3.3-70B", "--rollout-tp", "1"])
+
+
+def test_plan_checks_every_timeout_against_the_predicted_durations(capsys):
+    """The shipped 32B example passes; with the 7,200 s it shipped before, dynamic sampling's first round
+    (12,288 samples, ~9,990 s) outlasts rollout_timeout_s: the plan says which key to raise and fails."""
+    assert main(["plan", QWEN_EXAMPLE, "--gpus", "32", "--preset", "Qwen2.5-32B"]) == 0
+    text = capsys.readouterr().out
+    assert "rollout.sglang.client.rollout_timeout_s" in text and "parallel.collective_timeout_s" in text
+    assert "RAISE" not in text
+    assert main(["plan", QWEN_EXAMPLE, "--gpus", "32", "--preset", "Qwen2.5-32B",
+                 "rollout.sglang.client.rollout_timeout_s=7200", "--json"]) == 1
+    failed = [check for check in json.loads(capsys.readouterr().out)["timeouts"] if not check["ok"]]
+    assert {check["key"] for check in failed} == {"rollout.sglang.client.rollout_timeout_s"}
+    assert any("first round" in check["bounds"] and 9900 < check["predicted_s"] < 10100 for check in failed)

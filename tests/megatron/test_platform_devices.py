@@ -35,6 +35,6 @@ def test_process_group_binds_the_visible_device_under_one_gpu_per_task(monkeypat
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: groups.append(kwargs))
     for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
         monkeypatch.setenv(name, value)
-    initialize._init_process_group(timeout_minutes=1)
+    initialize._init_process_group(timeout_s=60)
     assert bound == [0]
     assert groups[0]["backend"] == "nccl" and groups[0]["rank"] == 3 and groups[0]["world_size"] == 4

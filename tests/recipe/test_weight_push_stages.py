@@ -145,3 +145,91 @@ def test_flat_bucket_round_trip_mixed_dtypes():
     back = unflatten_tensors(flat, [(tuple(t.shape), t.dtype) for t in aligned])
     for got, want in zip(back, aligned):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+TWO_LAYERS = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=64)
+
+
+def _push_stages_to_two_servers(rank, world, urls, api_key, model_config):
+    """PP2: each stage's lead pushes through its own group to both servers (one weight update at a
+    time each, in separate processes as real servers are); rank 0's engine commits and checks."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
+    from megatron_zcpo.megatron.weights import gather_full_state_dict, is_stage_lead
+    from megatron_zcpo.recipe.rank0_wait import Rank0Wait
+    from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights
+    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+
+    setup_megatron(pipeline_parallel=2, seed=5)
+    model = build_gpt_model(model_config, transformer_config(model_config, pipeline_parallel=2))
+    full = gather_full_state_dict(model)
+
+    def engine(group):
+        return SGLangEngine(SGLangEngineConfig(server_urls=urls, group_name=group, group_backend="gloo",
+                                               master_address="127.0.0.1", group_timeout_s=60, bucket_bytes=8_000,
+                                               api_key=api_key, sampling_seeds=True))
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    stages = StageWeightPush(engine(f"zcpo_weights-pp{stage}") if is_stage_lead() else None)
+    rank0 = engine("unused") if rank == 0 else None
+    push_weights(types.SimpleNamespace(policy=model, model_config=model_config), rank0, 3, stages, Rank0Wait(120))
+    served = rank0.served_weight_versions() if rank == 0 else None
+    for engine_ in (stages.engine, rank0):
+        if engine_ is not None:
+            engine_.shutdown()
+    expected = {h: t for n, w in full.items() for h, t in megatron_to_hf_tensors(n, w, model_config)}
+    return {"served": served, "expected": expected if rank == 0 else None}
+
+
+def test_stages_push_one_after_another_to_two_servers(tmp_path):
+    """Two servers, two stages: pushed at once, the servers could take the stages' groups in opposite
+    orders and wait for each other (SGLang serves one update at a time); one after the other, no server
+    ever sees a second group's request while one is in flight, and both serve exactly the pushed weights."""
+    import json
+    import os
+
+    from megatron_zcpo.rollout.embedded import EmbeddedEngine
+    from megatron_zcpo.rollout.engine import SamplingParams
+    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig
+    from megatron_zcpo.utils.runtime import free_port
+    from tests.rollout.test_sglang_server import write_tiny_checkpoint
+
+    records = tmp_path / "records"
+    records.mkdir()
+    config = SGLangServerConfig(
+        model_path=write_tiny_checkpoint(str(tmp_path / "hf"), TWO_LAYERS), nodes=["127.0.0.1"], gpus_per_node=2,
+        base_port=free_port(), port_stride=1, router=False, log_dir=str(tmp_path / "logs"),
+        server_module="megatron_zcpo.rollout.mock_server", enable_deterministic_inference=True,
+        extra_args=["--record-dir", str(records)], startup_timeout_s=180)
+    launcher = SGLangLauncher(config, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    launcher.start()
+    try:
+        client = SGLangEngine(SGLangEngineConfig(server_urls=launcher.server_urls, api_key=launcher.api_key,
+                                                 sampling_seeds=True))
+        client.wait_until_healthy(timeout_s=180, poll_s=0.2, is_alive=launcher.alive)
+        results = run_distributed(_push_stages_to_two_servers, 2, launcher.server_urls, launcher.api_key, TWO_LAYERS,
+                                  timeout=300)
+        assert results[0]["served"] == {url: 3 for url in launcher.server_urls}
+        reference = EmbeddedEngine(TWO_LAYERS)
+        reference.update_weights(results[0]["expected"].items(), version=3)
+        prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=5, seed=11)
+        served = client.generate(prompts, params)  # request i is sampled with seed 11 + i, on either server
+        for index, (prompt, [completion]) in enumerate(zip(prompts, served)):
+            [[expected]] = reference.generate([prompt], SamplingParams(max_new_tokens=5, seed=11 + index))
+            assert completion.output_ids == expected.output_ids and completion.weight_version == 3
+        client.shutdown()
+    finally:
+        launcher.stop()
+    paths = sorted(records.iterdir())
+    assert [path.name for path in paths] == sorted(f"{url.rsplit(':', 1)[1]}.json" for url in launcher.server_urls)
+    for path in paths:
+        record = json.loads(path.read_text())
+        assert record["update_overlaps"] == []
+        groups = [group for event, request, group in record["weight_updates"]
+                  if event == "start" and request != "/destroy_weights_update_group"]
+        assert groups == sorted(groups) and set(groups) == {"zcpo_weights-pp0", "zcpo_weights-pp1"}

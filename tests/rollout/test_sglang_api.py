@@ -43,6 +43,8 @@ def _http(method, url, body):
                                                   "weight_version": 3}, 400, "wrong type: weight_version"),
     ("POST", "/generate", {"input_ids": [1], "sampling_params": {"seed": 3}}, 400, "unknown: sampling_params.seed"),
     ("POST", "/generate", {"input_ids": [1], "sampling_params": {"top_k": 0.5}}, 400, "wrong type: sampling_params.top_k"),
+    ("POST", "/generate", {"input_ids": [1], "sampling_params": {"sampling_seed": None}}, 400,
+     "wrong type: sampling_params.sampling_seed"),  # SGLang: "sampling_seed should not be None"
     ("POST", "/update_weights_from_disk", {"weight_version": "1"}, 400, "missing: model_path"),
 ])
 def test_mock_refuses_like_sglang(method, path, body, status, named):

@@ -81,7 +81,8 @@ def test_request_and_response_follow_the_schema():
 
 def test_generate_n_samples_with_seeds():
     backend = ScriptedEngine()
-    with MockSGLangServer(backend) as server, SGLangEngine(_config(server.url, sampling_seeds=True)) as engine:
+    with MockSGLangServer(backend, deterministic_inference=True) as server, \
+            SGLangEngine(_config(server.url, sampling_seeds=True)) as engine:
         engine.wait_until_healthy(timeout_s=10)
         prompts = [[3, 10], [4, 50, 95], [7]]
         results = engine.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=(52,), seed=100), n=2)
@@ -99,6 +100,14 @@ def test_generate_n_samples_with_seeds():
     with MockSGLangServer(backend) as server, SGLangEngine(_config(server.url)) as engine:
         engine.generate([[1]], SamplingParams(max_new_tokens=1, seed=100))
         assert backend.seeds[-1] is None  # not forwarded unless the servers sample with seeds
+    # SGLang 0.5.3.post3 ignores per-request seeds without --enable-deterministic-inference ...
+    with MockSGLangServer(backend) as server, SGLangEngine(_config(server.url, sampling_seeds=True)) as engine:
+        engine.generate([[1]], SamplingParams(max_new_tokens=1, seed=100))
+        assert backend.seeds[-1] is None
+    # ... and with it, a request without one samples with seed 42: a prompt's G samples would be identical.
+    with MockSGLangServer(backend, deterministic_inference=True) as server, SGLangEngine(_config(server.url)) as engine:
+        engine.generate([[1]], SamplingParams(max_new_tokens=1, seed=100), n=2)
+        assert backend.seeds[-2:] == [42, 42]
 
 
 def test_retries_dropped_connections_and_503():

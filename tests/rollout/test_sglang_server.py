@@ -1,6 +1,7 @@
 """SGLang launcher: Slurm node lists, GPU/port plans, command lines, health wait and clean stop (without SGLang)."""
 
 import os
+import socket
 
 import pytest
 import torch
@@ -9,8 +10,10 @@ from megatron_zcpo.utils.runtime import free_port
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rollout.engine import RolloutError, SamplingParams
 from megatron_zcpo.utils.slurm import expand_slurm_nodelist
+from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 from megatron_zcpo.rollout.sglang_server import (
     ServerSpec,
+    check_bind_address,
     SGLangLauncher,
     SGLangServerConfig,
     launch_sglang,
@@ -54,18 +57,23 @@ def test_command_lines():
     assert flags["--model-path"] == "/ckpt/qwen" and flags["--port"] == "30010" and flags["--tp-size"] == "8"
     assert flags["--quantization"] == "modelopt_fp8" and flags["--context-length"] == "20480"
     assert command[-1] == "--enable-fp32-lm-head"
-    assert router_command(["http://a:1", "http://b:2"], config) == [
-        "python", "-m", "sglang_router.launch_router", "--host", "0.0.0.0", "--port", "29000",
-        "--policy", "cache_aware", "--worker-urls", "http://a:1", "http://b:2"]
+    assert flags["--host"] == "n1" and "--api-key" not in flags  # the node's address; no key given here
+    assert router_command(["http://a:1", "http://b:2"], config, "n1", "k3y") == [
+        "python", "-m", "sglang_router.launch_router", "--host", "n1", "--port", "29000",
+        "--policy", "cache_aware", "--request-timeout-secs", "1800", "--worker-urls", "http://a:1", "http://b:2",
+        "--api-key", "k3y"]
 
 
-def _tiny_checkpoint(directory):
+TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+
+
+def write_tiny_checkpoint(directory, config=TINY):
+    """A random Hugging Face checkpoint of ``config`` in ``directory`` (what mock servers load); returns it."""
     from megatron_zcpo.convert.hf_checkpoint import write_hf_config, write_safetensors_shards
     from megatron_zcpo.convert.mapping import hf_config_from_model_config
     from megatron_zcpo.rollout.embedded import build_hf_causal_lm
 
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
     torch.manual_seed(0)
     model = build_hf_causal_lm(config)
     write_hf_config(directory, hf_config_from_model_config(config))
@@ -74,22 +82,41 @@ def _tiny_checkpoint(directory):
 
 
 def test_launch_waits_for_health_serves_and_stops(tmp_path):
-    """Two CPU stand-ins for sglang.launch_server, started, health-waited, used, and stopped."""
+    """Two CPU stand-ins for sglang.launch_server and one for the router, started with a fresh API key,
+    health-waited, checked, used, and stopped; a client without the key is refused at start-up."""
     config = SGLangServerConfig(
-        model_path=_tiny_checkpoint(str(tmp_path / "hf")), nodes=["127.0.0.1"], gpus_per_node=2, tp_size=1,
-        base_port=free_port(), port_stride=1, router=False, log_dir=str(tmp_path / "logs"),
-        server_module="megatron_zcpo.rollout.mock_server", startup_timeout_s=120,
+        model_path=write_tiny_checkpoint(str(tmp_path / "hf")), nodes=["127.0.0.1"], gpus_per_node=2, tp_size=1,
+        base_port=free_port(), port_stride=1, router_port=free_port(), log_dir=str(tmp_path / "logs"),
+        server_module="megatron_zcpo.rollout.mock_server", router_module="megatron_zcpo.rollout.mock_router",
+        startup_timeout_s=120, router_request_timeout_s=120,
     )
     launcher = SGLangLauncher(config, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     engine = launch_sglang(launcher, request_timeout_s=60)
     processes = list(launcher.processes.values())
     try:
-        assert len(processes) == 2 and all(p.poll() is None for p in processes)
+        assert len(processes) == 3 and all(p.poll() is None for p in processes)
+        assert engine.config.api_key == launcher.api_key and len(launcher.api_key) >= 32  # generated for this launch
+        assert [fact.url for fact in engine.check_servers(3, 3)] == launcher.server_urls
         results = engine.generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=3, seed=0), n=2)
         assert all(len(c.output_ids) == 3 for samples in results for c in samples)
+        stranger = SGLangEngineConfig(server_urls=launcher.server_urls, router_url=launcher.router_url,
+                                      api_key="guessed", router_timeout_s=3600)
+        with SGLangEngine(stranger) as other, pytest.raises(RolloutError, match="(?s)refused the API key.*"
+                                                                                 + launcher.router_url):
+            other.check_servers(3, 3)
     finally:
         engine.shutdown()
     assert all(p.poll() is not None for p in processes)
+
+
+def test_servers_bind_to_their_nodes_address_never_silently_to_loopback():
+    def resolver(table):
+        return lambda host, port, *args, **kwargs: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (table[host], port))]
+
+    check_bind_address("gpu05", resolver({"gpu05": "10.1.0.5"}))
+    check_bind_address("127.0.0.1", resolver({}))  # a loopback name: tests, one-host runs
+    with pytest.raises(ValueError, match="'gpu05' resolves to 127.0.1.1 on this host.*rollout.sglang.launch.nodes"):
+        check_bind_address("gpu05", resolver({"gpu05": "127.0.1.1"}))  # a Debian-style /etc/hosts
 
 
 def test_launch_reports_a_dying_server(tmp_path):

@@ -1,0 +1,193 @@
+"""Timeouts that agree: every timeout on the chain from a training rank to one SGLang request,
+checked against the run's predicted durations, with the key to raise; and the SGLang start-up check.
+
+The chain, innermost first, with what each must outlast (durations from the step-time model,
+:mod:`megatron_zcpo.megatron.step_time` and :mod:`megatron_zcpo.megatron.decode_rate`, at mean
+lengths of half the caps):
+
+* ``rollout.sglang.client.request_timeout_s``: one /generate request, i.e. one response of the
+  longest ``max_new_tokens`` at one sequence's decode speed (a server decodes ``batch``
+  sequences together), times the waves in which a server works through the requests the client
+  keeps in flight on it (``max_concurrency`` over the servers). Requests are one sample each: no
+  single request needs hours, and a request that fails after its retries costs its prompt's
+  group, not the round.
+* ``rollout.sglang.client.router_timeout_s``: the router's ``--request-timeout-secs``; above the
+  request timeout, so the client (which aborts and retries) gives up first.
+* ``rollout.sglang.client.rollout_timeout_s``: one generate call, i.e. dynamic sampling's first
+  round (``ceil(prompts_per_step x oversample_factor) x G`` samples) or one evaluation batch (64
+  prompts x ``eval.k``) at the servers' throughput; and a request's retries
+  (``request_timeout_s x (1 + max_retries)``), so a lost request is given up before the call.
+* ``rollout.sglang.client.update_timeout_s`` / ``group_timeout_s``: one weight-update request (one
+  bucket at the link's bandwidth; the whole model with the disk transport).
+* ``parallel.collective_timeout_s``: the longest wait inside a training group, the weight push
+  (the whole model through one link). Rank 0's phases alone (start-up, rollouts, evaluation) are
+  waited for in the :class:`~megatron_zcpo.recipe.rank0_wait.Rank0Wait` group, whose timeout is
+  :func:`rank0_wait_timeout_s`.
+
+``zcpo plan`` prints the table (:func:`timeout_checks`); at start-up rank 0 checks the servers it
+attached to (:func:`check_sglang_servers`: API key, context length, seeds, load format) and the
+chain on their real layout, and refuses a config that fails, naming each key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from megatron_zcpo.megatron.decode_rate import H100_80GB_BYTES, decode_roofline, decode_tokens_per_s_per_gpu
+from megatron_zcpo.megatron.step_time import INFINIBAND_NDR_BYTES_S
+from megatron_zcpo.rollout.sglang_config import SGLangEngineConfig
+
+CLIENT = "rollout.sglang.client"
+EVAL_BATCH_PROMPTS = 64  # prompts per evaluation generate call (megatron_zcpo/rollout/evaluation.py)
+MEAN_FRACTION = 0.5  # mean prompt and response length as a fraction of the caps (zcpo plan's default)
+
+
+@dataclass(frozen=True)
+class RolloutServers:
+    """The SGLang servers the predictions assume: how many, GPUs each (``tp_size``), their
+    ``mem_fraction_static``, the decode rate per GPU (None: modelled by
+    :mod:`megatron_zcpo.megatron.decode_rate`), GPU memory and the trainer-to-server link."""
+
+    count: int
+    tp_size: int
+    mem_fraction: float = 0.85
+    decode_tokens_per_s_per_gpu: Optional[float] = None
+    gpu_memory_bytes: float = H100_80GB_BYTES
+    link_bytes_per_s: float = INFINIBAND_NDR_BYTES_S
+
+
+@dataclass(frozen=True)
+class TimeoutCheck:
+    """One timeout (``key``, ``timeout_s``) against the predicted duration it bounds."""
+
+    key: str
+    bounds: str
+    timeout_s: float
+    predicted_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.timeout_s > self.predicted_s
+
+    def problem(self) -> str:
+        """What is wrong and what to raise (for a failed check)."""
+        return (f"{self.key} = {self.timeout_s:,.0f} s does not outlast {self.bounds} (predicted "
+                f"{self.predicted_s:,.0f} s): raise {self.key} above {self.predicted_s:,.0f}")
+
+
+def client_config(config) -> SGLangEngineConfig:
+    """The run's ``rollout.sglang.client`` settings with their defaults (``config``: a RunConfig)."""
+    return SGLangEngineConfig(server_urls=list(config.rollout.sglang.server_urls) or ["http://unset"],
+                              router_url=config.rollout.sglang.router_url, **config.rollout.sglang.client)
+
+
+def longest_new_tokens(config) -> int:
+    """The most tokens a request of the run asks for (training or evaluation)."""
+    return max(config.rollout.max_new_tokens, config.eval.max_new_tokens or 0)
+
+
+def predicted_durations(config, model, servers: RolloutServers) -> Dict[str, float]:
+    """Seconds of: one request (``request``), dynamic sampling's first round (``round``), one
+    evaluation batch (``eval_call``), one weight bucket (``bucket``) and the whole push (``push``)
+    of ``config`` (a RunConfig) with ``model`` (ModelConfig) on ``servers``."""
+    client, rollout = client_config(config), config.rollout
+    prompt, response = MEAN_FRACTION * config.data.max_prompt_length, MEAN_FRACTION * rollout.max_new_tokens
+    roofline = decode_roofline(model, prompt, response, servers.tp_size, mem_fraction=servers.mem_fraction,
+                               gpu_memory_bytes=servers.gpu_memory_bytes)
+    rate = servers.decode_tokens_per_s_per_gpu or decode_tokens_per_s_per_gpu(
+        model, prompt, response, servers.tp_size, mem_fraction=servers.mem_fraction,
+        gpu_memory_bytes=servers.gpu_memory_bytes)
+    one_sequence = rate * servers.tp_size / roofline.batch  # tokens/s of one of the batch's sequences
+    in_flight = math.ceil(client.max_concurrency / servers.count)
+    request = math.ceil(in_flight / max(1.0, math.floor(roofline.batch))) * longest_new_tokens(config) / one_sequence
+
+    def call(samples: float, mean_response: float) -> float:
+        return max(samples * mean_response / (rate * servers.count * servers.tp_size), request)
+
+    sampling = rollout.dynamic_sampling
+    oversample = sampling.oversample_factor if sampling.drop_tied_groups else 1.0
+    model_bytes = 2 * model.num_parameters  # bf16
+    return {
+        "request": request,
+        "round": call(math.ceil(rollout.prompts_per_step * oversample) * rollout.samples_per_prompt, response),
+        "eval_call": call(min(EVAL_BATCH_PROMPTS, config.eval.num_prompts) * config.eval.k,
+                          MEAN_FRACTION * (config.eval.max_new_tokens or rollout.max_new_tokens)),
+        "bucket": min(client.bucket_bytes, model_bytes) / servers.link_bytes_per_s,
+        "push": model_bytes / servers.link_bytes_per_s,
+    }
+
+
+def timeout_checks(config, model, servers: RolloutServers) -> List[TimeoutCheck]:
+    """Every timeout of the chain (module docstring) against its predicted duration."""
+    client = client_config(config)
+    times = predicted_durations(config, model, servers)
+    evaluated = config.eval.at_start or config.eval.at_end or config.eval.every
+    retries = client.request_timeout_s * (1 + client.max_retries)
+    update = times["push"] if client.weight_sync == "disk" else times["bucket"]
+    checks = [
+        TimeoutCheck(f"{CLIENT}.request_timeout_s", "one request (a full-length response, queued behind the "
+                     "requests in flight on its server)", client.request_timeout_s, times["request"]),
+        TimeoutCheck(f"{CLIENT}.rollout_timeout_s", "dynamic sampling's first round", client.rollout_timeout_s,
+                     times["round"]),
+        TimeoutCheck(f"{CLIENT}.rollout_timeout_s", f"a request's {1 + client.max_retries} attempts (a lost request "
+                     "must cost its prompt, not the round)", client.rollout_timeout_s, retries),
+        TimeoutCheck(f"{CLIENT}.update_timeout_s", "one weight update request", client.update_timeout_s, update),
+        TimeoutCheck(f"{CLIENT}.group_timeout_s", "one bucket's broadcast", client.group_timeout_s, times["bucket"]),
+        TimeoutCheck("parallel.collective_timeout_s", "the weight push (ranks wait for it in a training group)",
+                     config.parallel.collective_timeout_s, times["push"]),
+    ]
+    if evaluated:
+        checks.insert(2, TimeoutCheck(f"{CLIENT}.rollout_timeout_s", "one evaluation batch",
+                                      client.rollout_timeout_s, times["eval_call"]))
+    if client.router_url:
+        checks.insert(1, TimeoutCheck(f"{CLIENT}.router_timeout_s", "the client's request timeout",
+                                      client.router_timeout_s, client.request_timeout_s))
+    return checks
+
+
+def check_timeouts(config, model, servers: RolloutServers) -> List[TimeoutCheck]:
+    """:func:`timeout_checks`; raises ``ValueError`` naming every timeout to raise. Returns the checks."""
+    checks = timeout_checks(config, model, servers)
+    failed = [check.problem() for check in checks if not check.ok]
+    if failed:
+        raise ValueError("timeouts shorter than the predicted durations they bound:\n  " + "\n  ".join(failed))
+    return checks
+
+
+def render_timeout_checks(checks: List[TimeoutCheck]) -> str:
+    """The checks as text lines: key, timeout, predicted duration, verdict."""
+    lines = ["timeouts (predicted durations from megatron_zcpo/megatron/step_time.py):"]
+    for check in checks:
+        verdict = "ok" if check.ok else f"RAISE above {check.predicted_s:,.0f} s"
+        lines.append(f"  {check.key:<40} {check.timeout_s:>10,.0f} s  vs {check.predicted_s:>10,.0f} s  "
+                     f"{check.bounds}: {verdict}")
+    return "\n".join(lines)
+
+
+def rank0_wait_timeout_s(config) -> float:
+    """How long the other ranks may wait for rank 0 alone (the Rank0Wait group's timeout): the
+    budget of its longest stretch, start-up then evaluation and two steps' rollouts (overlapped:
+    the one in flight and the next), each generate call bounded by ``rollout_timeout_s``, plus
+    two weight-update commits and the collective timeout."""
+    client = client_config(config)
+    launch = config.rollout.sglang.launch or {}
+    startup = client.startup_timeout_s + float(launch.get("startup_timeout_s", 0) or 0)
+    sampling = config.rollout.dynamic_sampling
+    rounds = sampling.max_rounds if sampling.drop_tied_groups else 1
+    evaluation = math.ceil(config.eval.num_prompts / EVAL_BATCH_PROMPTS)
+    return (startup + (2 * rounds + evaluation) * client.rollout_timeout_s + 2 * client.update_timeout_s
+            + config.parallel.collective_timeout_s)
+
+
+def check_sglang_servers(config, model, engine) -> List[TimeoutCheck]:
+    """Rank 0's start-up check of the SGLang servers of ``engine`` for ``config``: the API key,
+    every server's context length against ``data.max_prompt_length + max_new_tokens``, seeds and
+    load format (:meth:`SGLangEngine.check_servers`), then the timeout chain on the servers'
+    real layout. Raises ``RolloutError`` / ``ValueError`` naming what to change."""
+    facts = engine.check_servers(config.data.max_prompt_length, longest_new_tokens(config))
+    fractions = [fact.mem_fraction_static for fact in facts if fact.mem_fraction_static]
+    servers = RolloutServers(count=len(facts), tp_size=max(fact.tp_size for fact in facts),
+                             mem_fraction=min(fractions) if fractions else RolloutServers.mem_fraction)
+    return check_timeouts(config, model, servers)
