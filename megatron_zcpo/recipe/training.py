@@ -57,7 +57,11 @@ class RLRecipe:
         checkpoint = self._resume()
         self.logger = self._make_logger() if self.rank == 0 else None
         if self.logger and checkpoint is not None:
-            self.logger.print(f"resumed from {checkpoint} at step {self.start_step}")
+            from megatron_zcpo.megatron.checkpoint_manifest import read_manifest
+
+            old = "" if read_manifest(checkpoint) else (" (written before checkpoints had manifests: checked "
+                                                       "against the checkpoint library's index only)")
+            self.logger.print(f"resumed from {checkpoint} at step {self.start_step}{old}")
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
         self.stages = stage_weight_push(config, self.engine)
         push_weights(self.trainer, self.engine, self.start_step, self.stages)
@@ -88,13 +92,26 @@ class RLRecipe:
         return model_config
 
     def _resume(self) -> Optional[Path]:
-        """Load the checkpoint ``checkpoint.resume`` names (auto: the latest), if any; sets ``start_step``."""
-        from megatron_zcpo.megatron.checkpoint import find_latest
+        """Load the checkpoint ``checkpoint.resume`` names (auto: the newest intact one), if any; sets
+        ``start_step`` and ``run_id``. Rank 0 chooses (:func:`megatron_zcpo.recipe.run_dir.open_run`)
+        and every rank follows, or raises its refusal."""
+        import sys
 
-        config = self.config
+        import torch.distributed as dist
+
+        from megatron_zcpo.recipe.run_dir import open_run
+
         self.start_step, self.loop_state = 0, {}
-        resume = config.checkpoint.resume
-        checkpoint = None if resume == "never" else (find_latest(config.checkpoint_dir) if resume == "auto" else Path(resume))
+        decision = [None]
+        if self.rank == 0:
+            try:
+                decision[0] = open_run(self.config, lambda message: print(f"warning: {message}", file=sys.stderr))
+            except ValueError as refusal:  # RunMixError, CheckpointDamagedError: every rank stops with it
+                decision[0] = refusal
+        dist.broadcast_object_list(decision, src=0)
+        if isinstance(decision[0], Exception):
+            raise decision[0]
+        checkpoint, self.run_id = decision[0]
         if checkpoint is not None:
             self.loop_state = self.trainer.load(checkpoint).get("loop", {})
             self.start_step = self.trainer.step
@@ -108,7 +125,7 @@ class RLRecipe:
         logging = self.config.logging
         return MetricsLogger(self.run_dir, console=logging.console, tensorboard=logging.tensorboard,
                              wandb_project=logging.wandb_project, total_steps=self.config.train.steps,
-                             start_step=self.start_step)
+                             start_step=self.start_step, run_id=self.run_id)
 
     @property
     def engine(self):
@@ -223,7 +240,8 @@ class RLRecipe:
                 loop["in_flight"] = self.overlap.state()
             loop["data"] = self.rollout.dataset.state_dict()
         # Every rank passes its state; rank 0's is the one written (it owns the prompt stream).
-        self.trainer.save(self.config.checkpoint_dir, {"loop": loop}, keep_last=self.config.checkpoint.keep_last)
+        self.trainer.save(self.config.checkpoint_dir, {"loop": loop, "run_id": self.run_id},
+                          keep_last=self.config.checkpoint.keep_last)
 
     def cleanup(self) -> None:
         """Stop the rollout side (engines, reward workers) and close the loggers."""

@@ -36,3 +36,22 @@ def local_cuda_device(local_rank: int) -> int:
             " GPU with as many visible devices as tasks per node, or one visible device per task"
         )
     return local_rank
+
+
+def gpu_memory_gib() -> "float | None":
+    """Memory of this node's first visible GPU in GiB, None without CUDA (or when nvidia-smi cannot say).
+
+    Asks nvidia-smi rather than torch, so a launcher that only checks a layout creates no CUDA
+    context on the GPU its ranks are about to use."""
+    import os
+    import subprocess
+
+    if not has_cuda():
+        return None
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()  # nvidia-smi -i takes an index or UUID
+    try:
+        answer = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+        return float(answer.split()[0]) / 1024  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
