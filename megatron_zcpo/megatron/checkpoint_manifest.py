@@ -45,6 +45,9 @@ class CheckpointDamagedError(ValueError):
         self.checkpoint, self.file, self.reason = Path(checkpoint), file, reason
         super().__init__(f"checkpoint {checkpoint} is damaged: {file}: {reason}")
 
+    def __reduce__(self):  # rank 0 sends it to the other ranks (they stop with the same error)
+        return type(self), (self.checkpoint, self.file, self.reason)
+
 
 def describe_file(path: Path) -> Dict[str, object]:
     """``{"size": bytes, "crc32": "8 hex digits"}`` of ``path``, after fsyncing it (it is durable once described)."""

@@ -90,7 +90,7 @@ class MetricsLogger:
 
     def print(self, message: str) -> None:
         if self.console_mode != "quiet":
-            self.console.print(message)
+            self.console.print(message, soft_wrap=True)  # whole lines: logs are read with grep
 
     def log(self, step: int, metrics: Dict[str, float], *, advance: bool = True) -> None:
         """Record ``metrics`` at ``step`` in every sink; a training step (``advance``) adds a table row."""

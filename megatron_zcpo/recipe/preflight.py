@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, List
+from typing import Any, List, Optional
 
 from megatron_zcpo.utils.config_loader import ConfigError
 
@@ -42,13 +42,14 @@ def check_reward_function(function_path: str, record) -> float:
     return float(value)
 
 
-def run_startup_checks(config, *, world_size: int, overwrite: bool = False, memory_check: bool = True) -> None:
+def run_startup_checks(config, *, world_size: Optional[int] = None, overwrite: bool = False,
+                       memory_check: bool = True) -> None:
     """Check a validated :class:`~megatron_zcpo.recipe.config.RunConfig` against the file system,
     before any training process starts.
 
     Loads the tokenizer, the model's config, the training (and evaluation) data; imports the
     reward function and calls it once on the first record; checks the layout on ``world_size``
-    processes as a rank would (:func:`~megatron_zcpo.recipe.layout_checks.layout_problems`; memory
+    processes (default: one model-parallel replica) as a rank would (:func:`~megatron_zcpo.recipe.layout_checks.layout_problems`; memory
     against this node's GPU when it has one and ``memory_check``); probes that the run and
     checkpoint directories can be written. Cheap (no model weights are read, no GPU is touched).
     Raises :class:`StartupCheckError` listing every problem found, each under its config key.
@@ -67,6 +68,8 @@ def run_startup_checks(config, *, world_size: int, overwrite: bool = False, memo
     from megatron_zcpo.utils.devices import gpu_memory_gib
 
     problems: List[str] = []
+    parallel = config.parallel
+    world_size = world_size or parallel.tensor * parallel.pipeline * parallel.context
     tokenizer = _check(problems, "model.tokenizer" if config.model.tokenizer else "model.path", lambda: load_tokenizer(config))
     model = _check(problems, "model.path", lambda: run_architecture(config))
     if config.model.reference is not None:

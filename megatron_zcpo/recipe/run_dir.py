@@ -58,7 +58,8 @@ def held_run(config) -> List[str]:
     held = []
     metrics = run_dir / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size:
-        held.append(f"{METRICS_FILE} ({sum(1 for _ in metrics.open())} records)")
+        with open(metrics) as records:
+            held.append(f"{METRICS_FILE} ({sum(1 for _ in records)} records)")
     checkpoints = sorted(p.name for p in config.checkpoint_dir.glob(f"{STEP_PREFIX}*") if p.is_dir())
     if checkpoints:
         held.append(f"checkpoints {', '.join(checkpoints)} in {config.checkpoint_dir}")
