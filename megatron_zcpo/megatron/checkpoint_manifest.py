@@ -51,15 +51,14 @@ class CheckpointDamagedError(ValueError):
 
 def describe_file(path: Path) -> Dict[str, object]:
     """``{"size": bytes, "crc32": "8 hex digits"}`` of ``path``, after fsyncing it (it is durable once described)."""
-    checksum = 0
-    with open(path, "rb") as handle:
-        while True:
-            block = handle.read(_READ_BYTES)
-            if not block:
-                break
-            checksum = zlib.crc32(block, checksum)
+    checksum, size = 0, 0
+    block = bytearray(_READ_BYTES)  # one buffer reused: no allocation per read
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(block):
+            checksum = zlib.crc32(view[:count], checksum)
+            size += count
         os.fsync(handle.fileno())
-        size = handle.tell()
     return {"size": size, CHECKSUM: f"{checksum:08x}"}
 
 

@@ -23,13 +23,27 @@ NO_EVAL = {"at_start": False, "at_end": False}
 ONE_PROCESS = {"parallel": {"tensor": 1}, "eval": NO_EVAL, "checkpoint": {"every": 1, "keep_last": 3}}
 
 
-def zcpo(*args, env=None):
-    """Run ``zcpo ARGS`` as a fresh process, as a user would."""
-    environment = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+def _start(args):
+    environment = dict(os.environ, OMP_NUM_THREADS="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ZCPO_STARTUP_CHECKED"):
         environment.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "megatron_zcpo.cli.main", *map(str, args)],
-                          capture_output=True, text=True, env=environment, timeout=600)
+    return subprocess.Popen([sys.executable, "-m", "megatron_zcpo.cli.main", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+
+
+def zcpo_all(*commands):
+    """Run several independent ``zcpo`` commands at once (both cores of a CI machine); their results in order."""
+    processes = [_start(command) for command in commands]
+    results = []
+    for command, process in zip(commands, processes):
+        stdout, stderr = process.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
+    return results
+
+
+def zcpo(*args):
+    """Run ``zcpo ARGS`` as a fresh process, as a user would."""
+    return zcpo_all(args)[0]
 
 
 def snapshot(directory: Path) -> dict:
@@ -137,15 +151,15 @@ def test_a_layout_a_rank_would_refuse_is_refused_by_dry_run_plan_and_train_alike
     path = write_config(tmp_path, tiny_model, eval=NO_EVAL)
     message = ("parallel.tensor=3 must divide the model's num_attention_heads=4 and num_key_value_heads=2 and "
                "intermediate_size=256 (parallel.tensor may be 1, 2)")
-    for command in (("train", path, "parallel.tensor=3", "--dry-run"), ("plan", path, "parallel.tensor=3"),
-                    ("train", path, "parallel.tensor=3")):
-        done = zcpo(*command)
-        assert done.returncode != 0 and message in done.stderr, (command, done.stderr[-2000:])
+    *refusals, batches, ranks = zcpo_all(
+        ("train", path, "parallel.tensor=3", "--dry-run"), ("plan", path, "parallel.tensor=3"),
+        ("train", path, "parallel.tensor=3"), ("train", path, "train.mini_batches=8", "--dry-run"),
+        ("train", path, "--nproc", "16", "--dry-run"))  # DP 8, but a mini-batch holds 4 responses
+    for done in refusals:
+        assert done.returncode != 0 and message in done.stderr, (done.args, done.stderr[-2000:])
     assert not [p for p in tmp_path.joinpath("run").rglob("*") if p.is_file()]  # refused before anything was written
-    batches = zcpo("train", path, "train.mini_batches=8", "--dry-run")
     assert batches.returncode == 2
     assert "train.mini_batches=8 is more than the rollout's rollout.prompts_per_step=4 groups" in batches.stderr
-    ranks = zcpo("train", path, "--nproc", "16", "--dry-run")  # DP 8, but a mini-batch holds 4 responses
     assert ranks.returncode == 2
     assert ("each of the train.mini_batches=2 mini-batches holds 4 responses (rollout.prompts_per_step=4 x "
             "rollout.samples_per_prompt=2) but the 8 data-parallel ranks need one each" in ranks.stderr), ranks.stderr
@@ -170,17 +184,19 @@ def test_a_reward_that_fails_on_most_answers_stops_the_run_and_the_launcher_says
 def test_an_empty_data_file_a_yaml_error_and_a_missing_step_are_named(trained, tmp_path, tiny_model):  # noqa: F811
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    path = write_config(tmp_path, tiny_model, **ONE_PROCESS, data={"train_files": [str(empty)]})
-    done = zcpo("train", path)
-    assert done.returncode == 2 and f"data.train_files: DataError: {empty}: the file holds no records" in done.stderr
+    (tmp_path / "a").mkdir()
+    empty_data = write_config(tmp_path / "a", tiny_model, **ONE_PROCESS, data={"train_files": [str(empty)]})
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  path: x\n train: {steps: 2}\n")
-    done = zcpo("train", bad)
-    assert done.returncode == 2 and len(done.stderr.splitlines()) <= 4, done.stderr
-    assert f"{bad}:3:2: YAML syntax error" in done.stderr
-    path = write_config(tmp_path, tiny_model, **ONE_PROCESS)
     before = snapshot(trained)
-    done = zcpo("eval", path, "--checkpoint", trained / "checkpoints" / "step_00000009")
+    empty_data, syntax, done = zcpo_all(
+        ("train", empty_data), ("train", bad),
+        ("eval", write_config(tmp_path, tiny_model, **ONE_PROCESS), "--checkpoint",
+         trained / "checkpoints" / "step_00000009"))
+    assert empty_data.returncode == 2
+    assert f"data.train_files: DataError: {empty}: the file holds no records" in empty_data.stderr
+    assert syntax.returncode == 2 and len(syntax.stderr.splitlines()) <= 4, syntax.stderr
+    assert f"{bad}:3:2: YAML syntax error" in syntax.stderr
     assert done.returncode == 2
     assert (f"step_00000009 does not exist; the checkpoints under {trained / 'checkpoints'} are step_00000001, "
             "step_00000002" in done.stderr), done.stderr
@@ -196,8 +212,8 @@ def test_plan_of_a_tiny_model_prints_real_numbers(trained, tiny_model, tmp_path)
     assert step.endswith((" ms", " us")) and float(step.split()[0]) > 0, step
 
 
-@pytest.mark.parametrize("example", sorted(p.parent.name for p in EXAMPLES.glob("*/config.yaml")))
-def test_every_example_plans_as_shipped(example):
-    done = zcpo("plan", EXAMPLES / example / "config.yaml")
-    assert done.returncode == 0, done.stderr
-    assert "B parameters on the GPU; fits." in done.stdout and "predicted step" in done.stdout
+def test_every_example_plans_as_shipped():
+    examples = sorted(EXAMPLES.glob("*/config.yaml"))
+    for done in zcpo_all(*(("plan", example) for example in examples)):
+        assert done.returncode == 0, (done.args, done.stderr)
+        assert "B parameters on the GPU; fits." in done.stdout and "predicted step" in done.stdout
