@@ -129,7 +129,7 @@ def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
     return timing, rate, source
 
 
-def seconds(value: float) -> str:
+def format_seconds(value: float) -> str:
     """A predicted duration with the digits it needs: ``13,556 s``, ``2.4 s``, ``35.1 ms``, ``480 us``."""
     if value >= 100:
         return f"{value:,.0f} s"
@@ -194,9 +194,10 @@ def run(args: argparse.Namespace) -> int:
     mode = (f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})" if overlap
             else "sequential, on-policy (rollout.overlap=false)")
     other = "overlapped" if not overlap else "sequential"
-    print(f"rollout mode: {mode}; predicted step {seconds(timing.step_s(overlap))} "
-          f"(rollout {seconds(timing.rollout_s)}, training {seconds(timing.train_s)}, weight push "
-          f"{seconds(timing.push_per_stage_s)} per stage vs {seconds(timing.push_funnel_s)} through rank 0); "
-          f"{other}: {seconds(timing.step_s(not overlap))}")
+    duration = format_seconds
+    print(f"rollout mode: {mode}; predicted step {duration(timing.step_s(overlap))} "
+          f"(rollout {duration(timing.rollout_s)}, training {duration(timing.train_s)}, weight push "
+          f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "
+          f"{other}: {duration(timing.step_s(not overlap))}")
     print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
     return 0 if plan.fits else 1

@@ -17,19 +17,19 @@ Layout of one training checkpoint (``<root>/step_00000010``):
   (:mod:`megatron_zcpo.megatron.checkpoint_manifest`).
 Both are read with ``torch.load(weights_only=True)``: a checkpoint cannot run code when loaded.
 
-Every rank writes into ``step_00000010.tmp`` and checksums (and fsyncs) the files it wrote; once
-all ranks are done, rank 0 writes ``trainer_state.pt`` and the manifest, renames the directory and
-then points ``<root>/latest`` at it (write + fsync + rename), so a crash (``kill -9`` of any rank at any point) leaves either the old or the new
-checkpoint, never half of one: only complete directories ever carry a ``step_XXXXXXXX`` name, and
-directories leave that name (renamed to ``*.discarded``) before they are deleted. Leftovers of an
-interrupted save are removed by the next one. ``keep_last`` checkpoints are kept. The directory is
-probed at start-up and before each save (:func:`check_checkpoint_dir`: writable, room for one more
-checkpoint the size of the last); a failed write on any rank raises :class:`CheckpointWriteError`
-on every rank, naming the path.
+Every rank writes into ``step_00000010.tmp`` and checksums (and fsyncs) the files it wrote; once all
+ranks are done, rank 0 writes ``trainer_state.pt`` and the manifest, renames the directory and then
+points ``<root>/latest`` at it (write + fsync + rename), so a crash (``kill -9`` of any rank at any
+point) leaves either the old or the new checkpoint, never half of one: only complete directories
+ever carry a ``step_XXXXXXXX`` name, and directories leave that name (renamed to ``*.discarded``)
+before they are deleted. Leftovers of an interrupted save are removed by the next one. ``keep_last``
+checkpoints are kept. The directory is probed at start-up and before each save
+(:func:`check_checkpoint_dir`: writable, room for one more checkpoint the size of the last); a
+failed write on any rank raises :class:`CheckpointWriteError` on every rank, naming the path.
 
-Resuming (:func:`megatron_zcpo.megatron.checkpoint_verify.newest_intact_checkpoint`) checks the newest checkpoint against its manifest first
-(:func:`verify_checkpoint`); a damaged one is named, moved aside to ``step_XXXXXXXX.damaged``
-(never deleted) and the newest intact one is used instead.
+A resume checks the newest checkpoint against its manifest first
+(:mod:`megatron_zcpo.megatron.checkpoint_verify`); a damaged one is named, moved aside to
+``step_XXXXXXXX.damaged`` (never deleted) and the newest intact one is used instead.
 """
 
 from __future__ import annotations
@@ -364,13 +364,12 @@ def save_checkpoint(
 ) -> Path:
     """Save everything needed to resume at ``step``; collective over all ranks.
 
-    ``trainer_state`` holds the loop state: tensors and plain values only (checked before
-    anything is written, ``TypeError`` naming the key), stored with the step and world size; its
-    ``run_id``, when given, goes into the manifest too. The model's :class:`ModelConfig` is written
-    beside the weights. Every rank checksums and fsyncs the files it wrote; rank 0 writes the
-    manifest last. A write failure on any rank
-    (read-only or full directory) raises :class:`CheckpointWriteError` on every rank naming the
-    path, and leaves the previous checkpoint and ``latest`` as they were. Returns the checkpoint
+    ``trainer_state`` holds the loop state: tensors and plain values only (checked before anything is
+    written, ``TypeError`` naming the key), stored with the step and world size; its ``run_id``, when
+    given, goes into the manifest too. The model's :class:`ModelConfig` is written beside the weights.
+    Every rank checksums and fsyncs the files it wrote; rank 0 writes the manifest last. A write failure
+    on any rank (read-only or full directory) raises :class:`CheckpointWriteError` on every rank naming
+    the path, and leaves the previous checkpoint and ``latest`` as they were. Returns the checkpoint
     directory.
     """
     import torch.distributed as dist
@@ -417,10 +416,11 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> Dict[str, Any]
     The stored model config is compared with the model's first (:class:`CheckpointMismatchError`
     naming the differing fields). Files are read as tensors and plain values only
     (:class:`UnsafeCheckpointError` for anything else: nothing pickled is executed). RNG states are
-    restored when the world size matches. A file that cannot be read raises
-    :class:`CheckpointDamagedError` naming it (check a checkpoint first with
-    :func:`megatron_zcpo.megatron.checkpoint_verify.verify_checkpoint`).
-    Returns the trainer state dict. Collective over all ranks.
+    restored when the world size matches. A state file that cannot be read raises
+    :class:`CheckpointDamagedError` naming it, weights that cannot be loaded a ``RuntimeError``
+    naming the checkpoint (check one first with
+    :func:`megatron_zcpo.megatron.checkpoint_verify.verify_checkpoint`). Returns the trainer state
+    dict. Collective over all ranks.
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -433,9 +433,9 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> Dict[str, Any]
     trainer_state = read_checkpoint_file(path, TRAINER_STATE)
     try:
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path / "weights"))
-    except Exception as error:  # noqa: BLE001 - the library's errors name neither the checkpoint nor the file
-        raise CheckpointDamagedError(path, "weights/", f"the checkpoint library could not load it ({_last_line(error)}); "
-                                     f"`zcpo checkpoint verify {path}` checks every file's checksum") from error
+    except Exception as error:  # noqa: BLE001 - the library's errors name neither the checkpoint nor a file
+        raise RuntimeError(f"loading {path / 'weights'} failed ({_last_line(error)}); `zcpo checkpoint verify "
+                           f"{path}` checks every file's checksum") from error
     unwrap(model).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"

@@ -48,13 +48,12 @@ class RLRecipe:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.run_dir = Path(config.logging.run_dir)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_run_config(config))
         tokenizer = load_tokenizer(config)
         model_config = self._build_trainer(tokenizer)
         self.rollout = Rollout(config, model_config, tokenizer) if self.rank == 0 else None
-        checkpoint = self._resume()
+        checkpoint = self._resume()  # (creates the run directory, or refuses to mix with the run it holds)
+        if self.rank == 0:
+            (self.run_dir / "config.yaml").write_text(dump_run_config(config))
         self.logger = self._make_logger() if self.rank == 0 else None
         if self.logger and checkpoint is not None:
             from megatron_zcpo.megatron.checkpoint_manifest import read_manifest
@@ -106,7 +105,7 @@ class RLRecipe:
         if self.rank == 0:
             try:
                 decision[0] = open_run(self.config, lambda message: print(f"warning: {message}", file=sys.stderr))
-            except ValueError as refusal:  # RunMixError, CheckpointDamagedError: every rank stops with it
+            except Exception as refusal:  # noqa: BLE001 - RunMixError, CheckpointDamagedError, ...: every rank stops with it
                 decision[0] = refusal
         dist.broadcast_object_list(decision, src=0)
         if isinstance(decision[0], Exception):
