@@ -36,7 +36,7 @@ class ModelSource:
     ``path``, or ``path/hf`` for converted checkpoints). ``architecture``: random initialisation
     of this architecture instead of ``path`` (tests). ``preset``: the architecture of ``path`` by
     name (megatron_zcpo/convert/presets.py), so ``zcpo plan`` needs nothing downloaded; once
-    ``path`` exists, it must hold that architecture.
+    ``path`` exists, its shapes (layers, widths, heads, vocabulary) must be the preset's.
     """
 
     path: Optional[str] = None

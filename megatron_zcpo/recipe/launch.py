@@ -118,8 +118,9 @@ def _exit_description(code: int) -> str:
 def failure_summary(directory: Path, exit_codes: Dict[int, int], world_size: int) -> Optional[str]:
     """What to tell the user when ranks failed: the first failing rank's traceback, its error last,
     after one line about the other ranks. ``directory``: the ranks' error records
-    (:func:`report_rank_failure`); ``exit_codes``: torchrun's failed ranks and their exit codes.
-    None when no rank recorded an error (then only exit codes are known)."""
+    (:func:`report_rank_failure`); ``exit_codes``: torchrun's failed ranks and their exit codes
+    (all there is to say when no rank recorded an error: killed, or failed before recording). None
+    when nothing is known."""
     records = sorted((json.loads(path.read_text()) for path in directory.glob("rank_*.json")),
                      key=lambda record: (record["time"], record["rank"]))
     if not records:

@@ -15,10 +15,16 @@ from typing import List, Optional
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.recipe.config import RunConfig
 
+# What model.preset must agree on with model.path: the shapes the plan and the layout depend on
+# (an Instruct release may differ from its base in context length or RoPE base, and still plan alike).
+PRESET_SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_layernorm")
+
 
 def run_architecture(config: RunConfig) -> ModelConfig:
     """The architecture ``config`` trains: ``model.architecture``, else what ``model.path`` holds
-    (which must match ``model.preset`` when both are given), else ``model.preset``.
+    (whose shapes, :data:`PRESET_SHAPE_FIELDS`, must match ``model.preset`` when both are given),
+    else ``model.preset``.
 
     Reads config files only (a few KB). Raises ``ValueError`` naming the key.
     """
@@ -30,14 +36,13 @@ def run_architecture(config: RunConfig) -> ModelConfig:
     preset = preset_model_config(source.preset) if source.preset else None
     if source.path is not None and Path(source.path).exists():
         from megatron_zcpo.convert.checkpoint import model_config_at
-        from megatron_zcpo.megatron.checkpoint import check_same_architecture
 
         stored = model_config_at(source.path)
-        if preset is not None:
-            try:
-                check_same_architecture(stored, preset, source.path)
-            except ValueError as error:
-                raise ValueError(f"model.preset={source.preset!r} does not describe model.path: {error}") from None
+        differing = [f"{field} {getattr(stored, field)!r} (preset {getattr(preset, field)!r})"
+                     for field in PRESET_SHAPE_FIELDS if preset is not None and getattr(stored, field) != getattr(preset, field)]
+        if differing:
+            raise ValueError(f"model.preset={source.preset!r} does not describe model.path={source.path!r}, which has "
+                             f"{', '.join(differing)}: correct model.preset or remove it")
         return stored
     if preset is not None:
         return preset

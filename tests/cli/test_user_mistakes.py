@@ -151,10 +151,11 @@ def test_a_layout_a_rank_would_refuse_is_refused_by_dry_run_plan_and_train_alike
     path = write_config(tmp_path, tiny_model, eval=NO_EVAL)
     message = ("parallel.tensor=3 must divide the model's num_attention_heads=4 and num_key_value_heads=2 and "
                "intermediate_size=256 (parallel.tensor may be 1, 2)")
-    *refusals, batches, ranks = zcpo_all(
+    *refusals, batches, ranks, preset = zcpo_all(
         ("train", path, "parallel.tensor=3", "--dry-run"), ("plan", path, "parallel.tensor=3"),
         ("train", path, "parallel.tensor=3"), ("train", path, "train.mini_batches=8", "--dry-run"),
-        ("train", path, "--nproc", "16", "--dry-run"))  # DP 8, but a mini-batch holds 4 responses
+        ("train", path, "--nproc", "16", "--dry-run"),  # DP 8, but a mini-batch holds 4 responses
+        ("train", path, "model.preset=Qwen3-4B", "--dry-run"))
     for done in refusals:
         assert done.returncode != 0 and message in done.stderr, (done.args, done.stderr[-2000:])
     assert not [p for p in tmp_path.joinpath("run").rglob("*") if p.is_file()]  # refused before anything was written
@@ -163,6 +164,7 @@ def test_a_layout_a_rank_would_refuse_is_refused_by_dry_run_plan_and_train_alike
     assert ranks.returncode == 2
     assert ("each of the train.mini_batches=2 mini-batches holds 4 responses (rollout.prompts_per_step=4 x "
             "rollout.samples_per_prompt=2) but the 8 data-parallel ranks need one each" in ranks.stderr), ranks.stderr
+    assert preset.returncode == 2 and f"model.preset='Qwen3-4B' does not describe model.path='{tiny_model}'" in preset.stderr
 
 
 def test_a_reward_that_fails_on_most_answers_stops_the_run_and_the_launcher_says_so_once(tmp_path, tiny_model):  # noqa: F811
