@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from megatron_zcpo.recipe.config import load_run_config
+from megatron_zcpo.utils.config_loader import ConfigError
 
 
 def add_parser(subparsers) -> None:
@@ -23,10 +24,30 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def check_checkpoint_path(path: Path, config_checkpoint_dir: Path) -> None:
+    """Raise ``ConfigError`` when ``--checkpoint`` names nothing loadable, saying which checkpoints exist."""
+    from megatron_zcpo.convert.checkpoint import megatron_checkpoint_dir
+    from megatron_zcpo.megatron.checkpoint import list_checkpoints
+
+    if path.exists() and (megatron_checkpoint_dir(path) is not None or (path / "config.json").is_file()):
+        return
+    roots = [path.parent, path, config_checkpoint_dir]
+    steps = next(((root, found) for root in roots if (found := list_checkpoints(root))), None)
+    if path.exists():
+        problem = f"{path} holds no model: neither a Hugging Face directory (config.json) nor a Megatron checkpoint"
+    else:
+        problem = f"{path} does not exist"
+    known = (f"the checkpoints under {steps[0]} are {', '.join(p.name for p in steps[1])}" if steps
+             else f"no training checkpoints under {config_checkpoint_dir} either")
+    raise ConfigError(f"--checkpoint: {problem}; {known}")
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_zcpo.recipe.evaluation import evaluate_policy
 
     config = load_run_config(args.config, args.overrides)
+    if args.checkpoint:
+        check_checkpoint_path(Path(args.checkpoint), config.checkpoint_dir)
     output = Path(args.output or Path(config.logging.run_dir) / "eval" / "eval.json")
     metrics = evaluate_policy(config, args.checkpoint, output)
     print(json.dumps({"checkpoint": str(Path(args.checkpoint or config.model.path)), **metrics}, indent=2))

@@ -8,11 +8,11 @@ from typing import List, Optional
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_zcpo.cli import demo, evaluate, plan, report, train
+    from megatron_zcpo.cli import checkpoint, demo, evaluate, plan, report, train
 
     parser = argparse.ArgumentParser(prog="zcpo", description="ZCPO RL post-training on megatron-core")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for command in (train, demo, evaluate, plan, report):
+    for command in (train, demo, evaluate, plan, report, checkpoint):
         command.add_parser(subparsers)
     return parser
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_zcpo.recipe.config import RunConfig
+from megatron_zcpo.recipe.layout_checks import layout_problems, plan_inputs, run_architecture
 from megatron_zcpo.utils.config_loader import apply_overrides, from_dict, load_yaml, validate_tree
 
 # Sections the planner reads; the others (model sources, data files, rewards, eval, logging) may
@@ -27,46 +28,16 @@ def load_plan_config(path: str, overrides=()) -> RunConfig:
 
 def model_config_of(config: RunConfig, model_config: Optional[str] = None, preset: Optional[str] = None):
     """The architecture to plan: ``model_config`` (a config.json file or its directory), else
-    ``preset`` (see megatron_zcpo.convert.presets), else model.architecture, else what model.path
-    holds (a Megatron checkpoint, or a Hugging Face directory: config.json alone is enough)."""
+    ``preset`` (see megatron_zcpo.convert.presets), else the config's own
+    (:func:`~megatron_zcpo.recipe.layout_checks.run_architecture`: model.architecture, what
+    model.path holds, or model.preset)."""
     from megatron_zcpo.convert import presets
 
     if model_config is not None:
         return presets.model_config_from_json(model_config)
     if preset is not None:
         return presets.preset_model_config(preset)
-    if config.model.architecture is not None:
-        return config.model.architecture
-    path = config.model.path
-    if path is None or not Path(path).exists():
-        raise ValueError(
-            f"model.path={path!r} does not exist: give the architecture with --model-config PATH "
-            f"(the model's config.json, a few KB) or --preset NAME (one of {presets.preset_names()})")
-    from megatron_zcpo.convert.checkpoint import model_config_at
-
-    return model_config_at(path)
-
-
-def plan_inputs(config: RunConfig, gpus: int):
-    """(Layout, Workload) of ``config`` on ``gpus`` GPUs (DP = gpus / (TP*PP*CP))."""
-    from megatron_zcpo.megatron.memory_model import Layout, Workload
-
-    parallel = config.parallel
-    model_parallel = parallel.tensor * parallel.pipeline * parallel.context
-    if gpus % model_parallel:
-        raise ValueError(f"--gpus {gpus} is not a multiple of TP*PP*CP = {model_parallel}")
-    layout = Layout(tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
-                    context_parallel=parallel.context, data_parallel=gpus // model_parallel,
-                    sequence_parallel=parallel.sequence_parallel,
-                    distributed_optimizer=parallel.distributed_optimizer,
-                    recompute=config.train.recompute or "none")
-    longest = config.data.max_prompt_length + config.rollout.max_new_tokens
-    # The trainer gives a sequence longer than the token budget a micro-batch of its own.
-    workload = Workload(micro_batch_tokens=max(config.train.micro_batch_tokens, longest),
-                        max_sequence_length=longest,
-                        kl_chunk_tokens=config.train.kl_chunk_size,
-                        reference="offloaded" if config.train.reference_offload else "resident")
-    return layout, workload
+    return run_architecture(config)
 
 
 def step_load_of(config: RunConfig, response_fraction: float, prompt_fraction: float):
@@ -88,7 +59,9 @@ def add_parser(subparsers) -> None:
                                    description=__doc__)
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=4")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs for training (default: TP*PP*CP)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs for training (default: the fewest, TP*PP*CP times the data-parallel size, on "
+                             "which the layout fits)")
     parser.add_argument("--gpu-memory", type=float, default=None,
                         help="GiB per GPU, training and rollout (default: H100 80GB)")
     source = parser.add_mutually_exclusive_group()
@@ -168,16 +141,47 @@ def timeout_checks_of(args, config: RunConfig, model, gpus: int, decode_rate: fl
     return timeout_checks(config, model, servers)
 
 
+def format_seconds(value: float) -> str:
+    """A predicted duration with the digits it needs: ``13,556 s``, ``2.4 s``, ``35.1 ms``, ``480 us``."""
+    if value >= 100:
+        return f"{value:,.0f} s"
+    if value >= 1:
+        return f"{value:.1f} s"
+    return f"{value * 1e3:.3g} ms" if value >= 1e-3 else f"{value * 1e6:.3g} us"
+
+
+# `zcpo plan` without --gpus looks for the fewest GPUs (data-parallel replicas) up to this many.
+MAX_SEARCHED_DATA_PARALLEL = 256
+
+
+def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
+    """(GPUs, data-parallel size) of the fewest replicas of the config's layout that fit; (TP*PP*CP, 1)
+    when none up to :data:`MAX_SEARCHED_DATA_PARALLEL` does (the distributed optimizer is what
+    shards with DP)."""
+    from megatron_zcpo.megatron.planner import plan_memory
+
+    parallel = config.parallel
+    replica = parallel.tensor * parallel.pipeline * parallel.context
+    for data_parallel in range(1, MAX_SEARCHED_DATA_PARALLEL + 1 if parallel.distributed_optimizer else 2):
+        if plan_memory(model, *plan_inputs(config, replica * data_parallel), hardware).fits:
+            return replica * data_parallel, data_parallel
+    return replica, 1
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_zcpo.megatron.memory_model import Hardware
-    from megatron_zcpo.megatron.planner import plan_memory, render_plan, suggest_layout
+    from megatron_zcpo.megatron.planner import format_count as count, plan_memory, render_plan, suggest_layout
 
     try:
         config = load_plan_config(args.config, args.overrides)
         model = model_config_of(config, args.model_config, args.preset)
         parallel = config.parallel
-        gpus = args.gpus or parallel.tensor * parallel.pipeline * parallel.context
         hardware = Hardware() if args.gpu_memory is None else Hardware(gpu_memory_gib=args.gpu_memory)
+        replica = parallel.tensor * parallel.pipeline * parallel.context
+        problems = layout_problems(config, model, args.gpus or replica, world_source="GPUs (--gpus)")
+        if problems:
+            raise ValueError("the layout would be refused:\n  " + "\n  ".join(problems))
+        gpus, data_parallel = (args.gpus, None) if args.gpus else fewest_gpus(config, model, hardware)
         layout, workload = plan_inputs(config, gpus)
         plan = plan_memory(model, layout, workload, hardware)
         timing, decode_rate, decode_source = _step_time(args, config, model, layout, gpus, hardware)
@@ -193,8 +197,10 @@ def run(args: argparse.Namespace) -> int:
                           "decode_source": decode_source,
                           "timeouts": [{**vars(check), "ok": check.ok} for check in timeouts]}, indent=2))
         return 0 if plan.fits and all(check.ok for check in timeouts) else 1
-    print(f"{model.num_parameters / 1e6:,.1f}M parameters, {layout.describe()}, "
+    print(f"{count(model.num_parameters)} parameters, {layout.describe()}, "
           f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
+    if data_parallel and data_parallel > 1:
+        print(f"(no --gpus: planned on {gpus} GPUs, the fewest on which this layout fits: DP{data_parallel})")
     print(render_plan(plan))
     if args.gpus:
         print("smallest fitting layout on", gpus, "GPUs:",
@@ -202,10 +208,11 @@ def run(args: argparse.Namespace) -> int:
     mode = (f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})" if overlap
             else "sequential, on-policy (rollout.overlap=false)")
     other = "overlapped" if not overlap else "sequential"
-    print(f"rollout mode: {mode}; predicted step {timing.step_s(overlap):,.0f} s "
-          f"(rollout {timing.rollout_s:,.0f} s, training {timing.train_s:,.0f} s, weight push "
-          f"{timing.push_per_stage_s:,.1f} s per stage vs {timing.push_funnel_s:,.1f} s through rank 0); "
-          f"{other}: {timing.step_s(not overlap):,.0f} s")
+    duration = format_seconds
+    print(f"rollout mode: {mode}; predicted step {duration(timing.step_s(overlap))} "
+          f"(rollout {duration(timing.rollout_s)}, training {duration(timing.train_s)}, weight push "
+          f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "
+          f"{other}: {duration(timing.step_s(not overlap))}")
     print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
     from megatron_zcpo.recipe.timeouts import render_timeout_checks
 

@@ -21,7 +21,13 @@ def add_parser(subparsers) -> None:
                         help="processes to start on this machine when not launched by torchrun/srun "
                              "(default: TP*PP*CP)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the config, print it with every default filled in, and exit")
+                        help="validate the config and its layout (as the ranks would), print it with every "
+                             "default filled in, and exit")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete the run that logging.run_dir holds (checkpoints, metrics) and start a new one "
+                             "there (without it, checkpoint.resume=never into such a directory is refused)")
+    parser.add_argument("--skip-memory-check", action="store_true",
+                        help="start even when the memory planner says the layout does not fit this node's GPUs")
     parser.set_defaults(func=run)
 
 
@@ -39,21 +45,25 @@ def _run(args: argparse.Namespace, guard) -> "int | None":
     """``zcpo train`` under ``guard``; None: stopped by a signal before anything was trained."""
     from megatron_zcpo.megatron.initialize import distributed_env_from_slurm
     from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from megatron_zcpo.recipe.launch import relaunch_with_torchrun, world_size_needed
+    from megatron_zcpo.recipe.launch import relaunch_with_torchrun, report_rank_failure, world_size_needed
     from megatron_zcpo.recipe.training import run_training
 
     config = load_run_config(args.config, args.overrides)  # validate before starting anything
+    distributed_env_from_slurm()
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else world_size_needed(config, args.nproc)
     if args.dry_run:
+        _check_layout(config, world_size, memory_check=not args.skip_memory_check)
         print(dump_run_config(config), end="")
         return 0
-    distributed_env_from_slurm()
     if os.environ.get("RANK", "0") == "0" and not os.environ.get(STARTUP_CHECKED):
         from megatron_zcpo.recipe.preflight import run_startup_checks
 
-        run_startup_checks(config)  # files, directories, reward function: before any process starts
+        # files, directories, reward function, layout, the run directory: before any process starts
+        run_startup_checks(config, world_size=world_size, overwrite=args.overwrite,
+                           memory_check=not args.skip_memory_check)
         os.environ[STARTUP_CHECKED] = "1"  # the processes torchrun starts below inherit it
     if "RANK" not in os.environ:
-        nproc = world_size_needed(config, args.nproc)
+        nproc = world_size
         if guard.received:  # nothing started yet, so nothing to save: requeue as after a checkpoint
             print(f"zcpo train: stopped by signal {guard.received} before starting (exit code "
                   f"{PREEMPTED_EXIT_CODE}: requeue and resume)", file=sys.stderr)
@@ -65,4 +75,24 @@ def _run(args: argparse.Namespace, guard) -> "int | None":
     except Preempted as stopped:
         print(f"zcpo train: {stopped}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    except Exception as error:
+        if not report_rank_failure(error):  # a rank of `zcpo train`'s own launch: the launcher prints it
+            raise
+        return 1
     return 0 if summary is not None else 1
+
+
+def _check_layout(config, world_size: int, memory_check: bool) -> None:
+    """``--dry-run``: what the ranks would refuse about the layout (the same check as ``zcpo train``'s)."""
+    from megatron_zcpo.recipe.layout_checks import layout_problems, run_architecture
+    from megatron_zcpo.recipe.preflight import StartupCheckError
+    from megatron_zcpo.utils.devices import gpu_memory_gib
+
+    try:
+        model = run_architecture(config)
+    except (ValueError, OSError) as error:
+        raise StartupCheckError(f"model.path: {error}") from None
+    problems = layout_problems(config, model, world_size, world_source="processes (--nproc, or the job's tasks)",
+                               gpu_memory_gib=gpu_memory_gib() if memory_check else None)
+    if problems:
+        raise StartupCheckError("the layout would be refused:\n  " + "\n  ".join(problems))

@@ -14,6 +14,10 @@ from megatron_zcpo.megatron.model import ModelConfig
 _QWEN25 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
            "vocab_size": 152064, "rope_theta": 1000000.0, "tie_word_embeddings": False,
            "use_sliding_window": False, "initializer_range": 0.02}
+_QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "silu", "vocab_size": 151936,
+          "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+          "attention_bias": False, "use_sliding_window": False, "initializer_range": 0.02}
 
 # The architecture fields of each model's config.json on the Hugging Face hub (weights-free).
 HF_CONFIGS: Dict[str, dict] = {
@@ -31,6 +35,9 @@ HF_CONFIGS: Dict[str, dict] = {
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                       "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
                       "initializer_range": 0.02},
+    "Qwen3-4B": dict(_QWEN3, max_position_embeddings=40960, rope_theta=1000000.0),
+    # the long-context example's model (examples/qwen3-4b-long-context-zcpo): the same layers, longer RoPE
+    "Qwen3-4B-Thinking-2507": dict(_QWEN3, max_position_embeddings=262144, rope_theta=5000000.0),
 }
 
 

@@ -131,7 +131,8 @@ def read_prompt_file(path: str, on_bad_row: str = "error") -> List[PromptRecord]
 
     Bad rows (invalid JSON, missing or mistyped keys) are reported with the file and line (JSONL) or
     row (Parquet) number: ``on_bad_row="error"`` raises :class:`DataError` listing them, ``"skip"``
-    logs them and leaves them out. Record uids are ``"<file name>:<line or row>"``.
+    logs them and leaves them out. Record uids are ``"<file name>:<line or row>"``. A file without
+    a single row (empty, or blank lines only) raises :class:`DataError` naming it.
     """
     if on_bad_row not in ON_BAD_ROW_CHOICES:
         raise ValueError(f"on_bad_row must be one of {list(ON_BAD_ROW_CHOICES)}, got {on_bad_row!r}")
@@ -156,4 +157,6 @@ def read_prompt_file(path: str, on_bad_row: str = "error") -> List[PromptRecord]
         if on_bad_row == "error":
             raise DataError(f"{len(bad_rows)} bad row(s) in {path} (data.on_bad_row=error):\n  {listed}{more}")
         logger.warning("skipped %d bad row(s) in %s (data.on_bad_row=skip):\n  %s%s", len(bad_rows), path, listed, more)
+    if not records and not bad_rows:
+        raise DataError(f"{path}: the file holds no records (it is empty or only blank lines)")
     return records

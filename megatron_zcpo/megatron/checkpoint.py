@@ -13,17 +13,23 @@ Layout of one training checkpoint (``<root>/step_00000010``):
   and plain values (written by global rank 0, last);
 - ``rng/rank_XXXXX.pt``: every rank's generator states as tensors and plain values (restored when
   the world size matches).
+- ``manifest.json``: every other file's size and CRC-32, the step and the run id, written last
+  (:mod:`megatron_zcpo.megatron.checkpoint_manifest`).
 Both are read with ``torch.load(weights_only=True)``: a checkpoint cannot run code when loaded.
 
-Every rank writes into ``step_00000010.tmp``; once all ranks are done, rank 0 writes
-``trainer_state.pt``, renames the directory and then points ``<root>/latest`` at it (write + fsync +
-rename), so a crash (``kill -9`` of any rank at any point) leaves either the old or the new
-checkpoint, never half of one: only complete directories ever carry a ``step_XXXXXXXX`` name, and
-directories leave that name (renamed to ``*.discarded``) before they are deleted. Leftovers of an
-interrupted save are removed by the next one. ``keep_last`` checkpoints are kept. The directory is
-probed at start-up and before each save (:func:`check_checkpoint_dir`: writable, room for one more
-checkpoint the size of the last); a failed write on any rank raises :class:`CheckpointWriteError`
-on every rank, naming the path.
+Every rank writes into ``step_00000010.tmp`` and checksums (and fsyncs) the files it wrote; once all
+ranks are done, rank 0 writes ``trainer_state.pt`` and the manifest, renames the directory and then
+points ``<root>/latest`` at it (write + fsync + rename), so a crash (``kill -9`` of any rank at any
+point) leaves either the old or the new checkpoint, never half of one: only complete directories
+ever carry a ``step_XXXXXXXX`` name, and directories leave that name (renamed to ``*.discarded``)
+before they are deleted. Leftovers of an interrupted save are removed by the next one. ``keep_last``
+checkpoints are kept. The directory is probed at start-up and before each save
+(:func:`check_checkpoint_dir`: writable, room for one more checkpoint the size of the last); a
+failed write on any rank raises :class:`CheckpointWriteError` on every rank, naming the path.
+
+A resume checks the newest checkpoint against its manifest first
+(:mod:`megatron_zcpo.megatron.checkpoint_verify`); a damaged one is named, moved aside to
+``step_XXXXXXXX.damaged`` (never deleted) and the newest intact one is used instead.
 """
 
 from __future__ import annotations
@@ -41,6 +47,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_zcpo.megatron.checkpoint_manifest import (
+    MANIFEST,
+    CheckpointDamagedError,
+    describe_files,
+    files_written_by,
+    fsync_directory,
+    write_manifest,
+)
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.utils.devices import has_cuda
 from megatron_zcpo.utils.runtime import unwrap
@@ -50,6 +64,8 @@ LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 _COMPLETE_NAME = re.compile(STEP_PREFIX + r"\d{8}")
 _DISCARDED_SUFFIX = ".discarded"
+_STAGING_SUFFIX = ".tmp"
+DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint moved out of the way of resumes and pruning, kept
 _PROBE_BYTES = 4096
 _PLAIN_TYPES = (str, int, float, bool, type(None), bytes, torch.Tensor)
 MODEL_CONFIG_FILE = "model_config.json"
@@ -154,8 +170,9 @@ class UnsafeCheckpointError(ValueError):
 
 
 def _is_complete(path: Path) -> bool:
-    # Only a finished save is renamed to step_XXXXXXXX, and trainer_state.pt is its last file.
-    return bool(_COMPLETE_NAME.fullmatch(path.name)) and (path / TRAINER_STATE).is_file()
+    # Only a finished save is renamed to step_XXXXXXXX; one without its manifest (or, written before
+    # manifests, without trainer_state.pt) lost files since, which verify_checkpoint names.
+    return bool(_COMPLETE_NAME.fullmatch(path.name)) and ((path / TRAINER_STATE).is_file() or (path / MANIFEST).is_file())
 
 
 def list_checkpoints(root: str | os.PathLike) -> List[Path]:
@@ -285,26 +302,19 @@ def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
             "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)}
 
 
-def _raise_if_any_rank_failed(error: Optional[BaseException], where: Path) -> None:
-    """Collective: every rank raises :class:`CheckpointWriteError` when any rank's ``error`` is set."""
+def _raise_if_any_rank_failed(error: Optional[BaseException], where: Path, payload: Any = None) -> List[Any]:
+    """Collective: every rank raises :class:`CheckpointWriteError` when any rank's ``error`` is set;
+    otherwise returns every rank's ``payload``, in rank order."""
     import torch.distributed as dist
 
-    messages: List[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    failed = {rank: message for rank, message in enumerate(messages) if message is not None}
+    reports: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, (None if error is None else f"{type(error).__name__}: {error}", payload))
+    failed = {rank: message for rank, (message, _) in enumerate(reports) if message is not None}
     if failed:
         details = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
         raise CheckpointWriteError(f"saving checkpoint {where} failed ({details}); "
                                    f"the previous checkpoint is kept") from error
-
-
-def _fsync_directory(path: Path) -> None:
-    # The renames below are durable only once their directory entry is synced.
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    return [payload for _, payload in reports]
 
 
 def _discard(path: Path) -> None:
@@ -318,7 +328,7 @@ def _discard(path: Path) -> None:
 def _start_save(root: Path, tmp: Path) -> None:
     """Rank 0: clear leftovers of crashed saves, check the space, create the staging directory."""
     for leftover in root.glob(f"{STEP_PREFIX}*"):
-        if not _COMPLETE_NAME.fullmatch(leftover.name):  # *.tmp or *.discarded of an interrupted save
+        if leftover.name.endswith((_STAGING_SUFFIX, _DISCARDED_SUFFIX)):  # of an interrupted save
             shutil.rmtree(leftover, ignore_errors=True)
     previous = find_latest(root)
     check_checkpoint_dir(root, needed_bytes=_directory_bytes(previous) if previous is not None else 0)
@@ -331,14 +341,14 @@ def _publish(root: Path, tmp: Path, final: Path, keep_last: int) -> None:
     if final.exists():  # re-saving a step (a resumed run): the old copy leaves the namespace first
         _discard(final)
     os.replace(tmp, final)
-    _fsync_directory(root)
+    fsync_directory(root)
     pointer = root / (LATEST + ".tmp")
     with open(pointer, "w") as handle:
         handle.write(final.name)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(pointer, root / LATEST)
-    _fsync_directory(root)
+    fsync_directory(root)
     for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
         _discard(old)
 
@@ -354,11 +364,12 @@ def save_checkpoint(
 ) -> Path:
     """Save everything needed to resume at ``step``; collective over all ranks.
 
-    ``trainer_state`` holds the loop state: tensors and plain values only (checked before
-    anything is written, ``TypeError`` naming the key), stored with the step and world size. The
-    model's :class:`ModelConfig` is written beside the weights. A write failure on any rank
-    (read-only or full directory) raises :class:`CheckpointWriteError` on every rank naming the
-    path, and leaves the previous checkpoint and ``latest`` as they were. Returns the checkpoint
+    ``trainer_state`` holds the loop state: tensors and plain values only (checked before anything is
+    written, ``TypeError`` naming the key), stored with the step and world size; its ``run_id``, when
+    given, goes into the manifest too. The model's :class:`ModelConfig` is written beside the weights.
+    Every rank checksums and fsyncs the files it wrote; rank 0 writes the manifest last. A write failure
+    on any rank (read-only or full directory) raises :class:`CheckpointWriteError` on every rank naming
+    the path, and leaves the previous checkpoint and ``latest`` as they were. Returns the checkpoint
     directory.
     """
     import torch.distributed as dist
@@ -377,17 +388,21 @@ def save_checkpoint(
         except OSError as failure:
             error = failure
     _raise_if_any_rank_failed(error, tmp)
+    described: Dict[str, Dict[str, Any]] = {}
     try:
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "weights"))
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         if rank == 0:
             write_model_config(tmp / "weights", unwrap(model).zcpo_model_config)
+        described = describe_files(tmp, files_written_by(tmp, rank))
     except (OSError, CheckpointException) as failure:
         error = failure
-    _raise_if_any_rank_failed(error, tmp)
+    by_rank = _raise_if_any_rank_failed(error, tmp, described)
     if rank == 0:
         try:
             torch.save(trainer_state, tmp / TRAINER_STATE)
+            write_manifest(tmp, {key: value for files in by_rank for key, value in files.items()}, step=step,
+                           run_id=trainer_state.get("run_id"), world_size=dist.get_world_size())
             _publish(root, tmp, final, keep_last)
         except OSError as failure:
             error = failure
@@ -400,8 +415,12 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> Dict[str, Any]
 
     The stored model config is compared with the model's first (:class:`CheckpointMismatchError`
     naming the differing fields). Files are read as tensors and plain values only
-    (:class:`UnsafeCheckpointError` for anything else: nothing pickled is executed). RNG states are restored when the world size matches. Returns
-    the trainer state dict. Collective over all ranks.
+    (:class:`UnsafeCheckpointError` for anything else: nothing pickled is executed). RNG states are
+    restored when the world size matches. A state file that cannot be read raises
+    :class:`CheckpointDamagedError` naming it, weights that cannot be loaded a ``RuntimeError``
+    naming the checkpoint (check one first with
+    :func:`megatron_zcpo.megatron.checkpoint_verify.verify_checkpoint`). Returns the trainer state
+    dict. Collective over all ranks.
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -411,11 +430,31 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> Dict[str, Any]
     if not state_file.is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
     check_same_architecture(read_model_config(path / "weights"), unwrap(model).zcpo_model_config, path)
-    trainer_state = read_plain_state(state_file)
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path / "weights"))
+    trainer_state = read_checkpoint_file(path, TRAINER_STATE)
+    try:
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path / "weights"))
+    except Exception as error:  # noqa: BLE001 - the library's errors name neither the checkpoint nor a file
+        raise RuntimeError(f"loading {path / 'weights'} failed ({_last_line(error)}); `zcpo checkpoint verify "
+                           f"{path}` checks every file's checksum") from error
     unwrap(model).load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if trainer_state.get("world_size") == dist.get_world_size() and rng_file.is_file():
-        _set_rng_state(read_plain_state(rng_file))
+        _set_rng_state(read_checkpoint_file(path, rng_file.relative_to(path).as_posix()))
     return trainer_state
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
+def read_checkpoint_file(checkpoint: Path, relative: str) -> Dict[str, Any]:
+    """:func:`read_plain_state` of ``checkpoint/relative``; a file torch cannot read (truncated,
+    overwritten) raises :class:`CheckpointDamagedError` naming it."""
+    try:
+        return read_plain_state(checkpoint / relative)
+    except UnsafeCheckpointError:
+        raise
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointDamagedError(checkpoint, relative, f"cannot be read ({_last_line(error)})") from None

@@ -169,13 +169,13 @@ def render_plan(plan: MemoryPlan, width: int = 88) -> str:
 
     table = Table()
     table.add_column("component")
-    table.add_column("GiB", justify="right")
+    table.add_column("memory", justify="right")
     table.add_column("share", justify="right")
     for name in COMPONENTS:
         value = plan.components[name]
-        table.add_row(name, f"{value / GIB:.2f}", f"{value / plan.total_bytes:.0%}")
+        table.add_row(name, format_bytes(value), f"{value / plan.total_bytes:.0%}")
     table.add_section()
-    table.add_row("total", f"{plan.total_bytes / GIB:.2f}",
+    table.add_row("total", format_bytes(plan.total_bytes),
                   f"{plan.total_bytes / plan.capacity_bytes:.0%} of {plan.capacity_bytes / GIB:.1f}")
     verdict = "fits" if plan.fits else "does NOT fit"
     buffer = io.StringIO()
@@ -183,5 +183,24 @@ def render_plan(plan: MemoryPlan, width: int = 88) -> str:
     console.print(f"{plan.layout.describe()}  ({plan.layout.num_gpus} GPUs; most loaded: "
                   f"{plan.stage} stage, {plan.phase} phase)", soft_wrap=True)
     console.print(table)
-    console.print(f"{plan.parameters_on_gpu / 1e9:.3f}B parameters on the GPU; {verdict}.")
+    console.print(f"{format_count(plan.parameters_on_gpu)} parameters on the GPU; {verdict}.")
     return buffer.getvalue()
+
+
+def format_count(count: float) -> str:
+    """A parameter count a reader can take in: ``32.76B``, ``494.0M``, ``310.3K``, ``96``."""
+    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if count >= scale:
+            return f"{count / scale:,.{digits}f}{suffix}"
+    return f"{count:.0f}"
+
+
+def format_bytes(value: float) -> str:
+    """Memory with its unit, so that a tiny model's components are not all ``0.00``: ``55.68 GiB``,
+    ``3.4 MiB``, ``12.0 KiB``."""
+    if value >= GIB:
+        return f"{value / GIB:.2f} GiB"
+    for scale, unit in ((2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"

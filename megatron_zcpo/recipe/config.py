@@ -34,19 +34,26 @@ class ModelSource:
     with only this rank's shard read: the way for 32B/70B). ``reference``: the frozen reference
     (default: the same as ``path``). ``tokenizer``: a directory with tokenizer files (default:
     ``path``, or ``path/hf`` for converted checkpoints). ``architecture``: random initialisation
-    of this architecture instead of ``path`` (tests).
+    of this architecture instead of ``path`` (tests). ``preset``: the architecture of ``path`` by
+    name (megatron_zcpo/convert/presets.py), so ``zcpo plan`` needs nothing downloaded; once
+    ``path`` exists, its shapes (layers, widths, heads, vocabulary) must be the preset's.
     """
 
     path: Optional[str] = None
     reference: Optional[str] = None
     tokenizer: Optional[str] = None
     architecture: Optional[ModelConfig] = None
+    preset: Optional[str] = None
 
     def validate(self) -> None:
         if (self.path is None) == (self.architecture is None):
             raise ValueError("exactly one of model.path and model.architecture must be set")
         if self.path is None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required with model.architecture")
+        if self.preset is not None:
+            from megatron_zcpo.convert.presets import preset_model_config
+
+            preset_model_config(self.preset)  # an unknown name lists the presets
         for key in ("path", "reference", "tokenizer"):
             value = getattr(self, key)
             if value is not None and not Path(value).exists():

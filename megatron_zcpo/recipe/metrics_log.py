@@ -57,13 +57,15 @@ def _finite(value) -> bool:
 
 
 class MetricsLogger:
-    """Writes every step's metrics to ``run_dir/metrics.jsonl`` (append, resumable), TensorBoard
-    (``run_dir/tensorboard``) and W&B when configured, and prints a per-step table row."""
+    """Writes every step's metrics to ``run_dir/metrics.jsonl`` (append, resumable; each record
+    carries ``run_id`` when given), TensorBoard (``run_dir/tensorboard``) and W&B when configured,
+    and prints a per-step table row."""
 
     def __init__(self, run_dir: str | Path, *, console: str = "table", tensorboard: bool = True,
                  wandb_project: Optional[str] = None, total_steps: int = 0, start_step: int = 0,
-                 run_name: Optional[str] = None):
+                 run_name: Optional[str] = None, run_id: Optional[str] = None):
         self.run_dir = Path(run_dir)
+        self.run_id = run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self.console_mode = console
@@ -88,12 +90,12 @@ class MetricsLogger:
 
     def print(self, message: str) -> None:
         if self.console_mode != "quiet":
-            self.console.print(message)
+            self.console.print(message, soft_wrap=True)  # whole lines: logs are read with grep
 
     def log(self, step: int, metrics: Dict[str, float], *, advance: bool = True) -> None:
         """Record ``metrics`` at ``step`` in every sink; a training step (``advance``) adds a table row."""
         record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items() if _finite(v)}}
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.write(json.dumps(record if self.run_id is None else {"run_id": self.run_id, **record}) + "\n")
         self.jsonl.flush()
         for key, value in record.items():
             if key not in ("step", "time") and self.writer is not None:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional
 
 from megatron_zcpo.utils.config_loader import ConfigError
 
@@ -43,37 +42,59 @@ def check_reward_function(function_path: str, record) -> float:
     return float(value)
 
 
-def run_startup_checks(config) -> None:
-    """Check a validated :class:`~megatron_zcpo.recipe.config.RunConfig` against the file system.
+def run_startup_checks(config, *, world_size: Optional[int] = None, overwrite: bool = False,
+                       memory_check: bool = True) -> None:
+    """Check a validated :class:`~megatron_zcpo.recipe.config.RunConfig` against the file system,
+    before any training process starts.
 
     Loads the tokenizer, the model's config, the training (and evaluation) data; imports the
-    reward function and calls it once on the first record; probes that the run and checkpoint
-    directories can be written and that ``checkpoint.resume`` names a complete checkpoint.
-    Cheap (no model weights are read, no GPU is touched). Raises :class:`StartupCheckError`
-    listing every problem found, each under its config key.
+    reward function and calls it once on the first record; checks the layout on ``world_size``
+    processes (default: one model-parallel replica) as a rank would (:func:`~megatron_zcpo.recipe.layout_checks.layout_problems`; memory
+    against this node's GPU when it has one and ``memory_check``); probes that the run and
+    checkpoint directories can be written. Cheap (no model weights are read, no GPU is touched).
+    Raises :class:`StartupCheckError` listing every problem found, each under its config key.
+    When everything passes, opens the run (:func:`~megatron_zcpo.recipe.run_dir.open_run`): a run
+    directory holding another run is refused unless ``overwrite``, the checkpoint to resume is
+    checked (a damaged one is named and the newest intact one used) and the run id recorded.
     """
-    from megatron_zcpo.recipe.inputs import load_tokenizer
-    from megatron_zcpo.convert.checkpoint import model_config_at
+    import sys
+
     from megatron_zcpo.data.dataset import load_records
-    from megatron_zcpo.megatron.checkpoint import TRAINER_STATE, check_checkpoint_dir
+    from megatron_zcpo.megatron.checkpoint import check_checkpoint_dir
+    from megatron_zcpo.recipe.inputs import load_tokenizer
+    from megatron_zcpo.recipe.layout_checks import layout_problems, run_architecture
+    from megatron_zcpo.megatron.checkpoint_manifest import CheckpointDamagedError
+    from megatron_zcpo.recipe.run_dir import RunMixError, open_run
+    from megatron_zcpo.utils.devices import gpu_memory_gib
 
     problems: List[str] = []
-    _check(problems, "model.tokenizer" if config.model.tokenizer else "model.path", lambda: load_tokenizer(config))
-    for key in ("path", "reference"):
-        path = getattr(config.model, key)
-        if path is not None:
-            _check(problems, f"model.{key}", lambda path=path: model_config_at(path))
-    records = _check(problems, "data", lambda: load_records(config.data))
-    if records == []:
-        problems.append("data: no records")
+    parallel = config.parallel
+    world_size = world_size or parallel.tensor * parallel.pipeline * parallel.context
+    tokenizer = _check(problems, "model.tokenizer" if config.model.tokenizer else "model.path", lambda: load_tokenizer(config))
+    model = _check(problems, "model.path", lambda: run_architecture(config))
+    if config.model.reference is not None:
+        from megatron_zcpo.convert.checkpoint import model_config_at
+
+        _check(problems, "model.reference", lambda: model_config_at(config.model.reference))
+    records = _check(problems, "data.train_files" if config.data.train_files else "data.task",
+                     lambda: load_records(config.data))
+    if records == []:  # (an empty data file is refused by name when it is read)
+        problems.append(f"data.task={config.data.task!r}: the task produced no records (data.task_size, data.task_options)")
     if config.eval.data is not None:
         _check(problems, "eval.data", lambda: load_records(config.eval.data))
     if records:
         _check(problems, "reward.function", lambda: check_reward_function(config.reward.function, records[0]))
+    if model is not None:
+        problems += layout_problems(config, model, world_size, world_source="processes (--nproc, or the job's tasks)",
+                                    tokenizer_size=len(tokenizer) if tokenizer is not None else None,
+                                    gpu_memory_gib=gpu_memory_gib() if memory_check else None)
     _check(problems, "logging.run_dir", lambda: check_checkpoint_dir(config.logging.run_dir))
     _check(problems, "checkpoint.dir", lambda: check_checkpoint_dir(config.checkpoint_dir))
-    resume = config.checkpoint.resume
-    if resume not in ("auto", "never") and not (Path(resume) / TRAINER_STATE).is_file():
-        problems.append(f"checkpoint.resume: {resume} is not a complete checkpoint (no {TRAINER_STATE})")
     if problems:
         raise StartupCheckError("start-up checks failed:\n  " + "\n  ".join(problems))
+    try:
+        open_run(config, lambda message: print(f"zcpo train: warning: {message}", file=sys.stderr), overwrite=overwrite)
+    except RunMixError as refusal:
+        raise StartupCheckError(str(refusal)) from None
+    except CheckpointDamagedError as damaged:  # the checkpoint named by checkpoint.resume=PATH
+        raise StartupCheckError(f"checkpoint.resume={config.checkpoint.resume}: {damaged}") from None

@@ -172,9 +172,12 @@ class Rollout:
         """One training batch of groups (dynamic sampling), as trainer samples and metrics.
 
         Round r of step ``step`` samples with seed ``round_seed(rollout.seed, step, r)``: a resumed
-        run draws the same samples as an uninterrupted one.
+        run draws the same samples as an uninterrupted one. Raises
+        :class:`~megatron_zcpo.rewards.scorer.RewardFailureRateError` when more of the rollout's
+        reward calls failed than ``reward.max_failed_fraction`` (before any sampling cap error).
         """
-        from megatron_zcpo.rollout.dynamic_sampling import round_seed, sample_groups
+        from megatron_zcpo.rewards.scorer import RewardFailureRateError
+        from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingError, round_seed, sample_groups
 
         rollout = self.config.rollout
         rounds = itertools.count()
@@ -184,13 +187,23 @@ class Rollout:
             params = dataclasses.replace(self.params, seed=round_seed(rollout.seed, step, next(rounds)))
             return self.engine.generate([r.prompt_ids for r in records], params, n=rollout.samples_per_prompt)
 
-        result = sample_groups(
-            next_prompts=self.dataset.next_batch,
-            generate=generate,
-            score=self.score,
-            num_groups=rollout.prompts_per_step,
-            config=rollout.dynamic_sampling,
-        )
+        self.scorer.start_tally()
+        what = f"step {step}'s rollout"
+        try:
+            result = sample_groups(
+                next_prompts=self.dataset.next_batch,
+                generate=generate,
+                score=self.score,
+                num_groups=rollout.prompts_per_step,
+                config=rollout.dynamic_sampling,
+            )
+        except DynamicSamplingError:  # groups tied by made-up failure scores: then the reward is the cause
+            try:
+                self.scorer.check_failure_rate(what)
+            except RewardFailureRateError as broken_reward:
+                raise broken_reward from None
+            raise
+        failure_metrics = self.scorer.check_failure_rate(what)
         samples = samples_from_groups(result, group_offset=step * 10 ** 6)
         metrics = dict(result.metrics)
         metrics["rollout/rejected_samples"] = float(getattr(self.engine, "rejected_samples", 0) - rejected_before)
@@ -199,6 +212,7 @@ class Rollout:
             metrics["rollout/stale_samples"] = float(sum(c.weight_version not in (None, step)
                                                          for group in result.completions for c in group))
         metrics.update(result.rewards.metrics())
+        metrics.update(failure_metrics)
         if samples:
             metrics.update(rollout_metrics(samples))
         return samples, metrics

@@ -54,17 +54,20 @@ class RLRecipe:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.run_dir = Path(config.logging.run_dir)
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_run_config(config))
         tokenizer = load_tokenizer(config)
         model_config = self._build_trainer(tokenizer)
         self.rollout = Rollout(config, model_config, tokenizer) if self.rank == 0 else None
         self.waits.barrier()  # rank 0 started (and checked) the rollout side
-        checkpoint = self._resume()
+        checkpoint = self._resume()  # (creates the run directory, or refuses to mix with the run it holds)
+        if self.rank == 0:
+            (self.run_dir / "config.yaml").write_text(dump_run_config(config))
         self.logger = self._make_logger() if self.rank == 0 else None
         if self.logger and checkpoint is not None:
-            self.logger.print(f"resumed from {checkpoint} at step {self.start_step}")
+            from megatron_zcpo.megatron.checkpoint_manifest import read_manifest
+
+            old = "" if read_manifest(checkpoint) else (" (written before checkpoints had manifests: checked "
+                                                       "against the checkpoint library's index only)")
+            self.logger.print(f"resumed from {checkpoint} at step {self.start_step}{old}")
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
         self.stages = stage_weight_push(config, self.engine, self.waits)
         push_weights(self.trainer, self.engine, self.start_step, self.stages, self.waits)
@@ -96,13 +99,24 @@ class RLRecipe:
         return model_config
 
     def _resume(self) -> Optional[Path]:
-        """Load the checkpoint ``checkpoint.resume`` names (auto: the latest), if any; sets ``start_step``."""
-        from megatron_zcpo.megatron.checkpoint import find_latest
+        """Load the checkpoint ``checkpoint.resume`` names (auto: the newest intact one), if any; sets
+        ``start_step`` and ``run_id``. Rank 0 chooses (:func:`megatron_zcpo.recipe.run_dir.open_run`)
+        and every rank follows, or raises its refusal."""
+        import sys
 
-        config = self.config
+        from megatron_zcpo.recipe.run_dir import open_run
+
         self.start_step, self.loop_state = 0, {}
-        resume = config.checkpoint.resume
-        checkpoint = None if resume == "never" else (find_latest(config.checkpoint_dir) if resume == "auto" else Path(resume))
+        decision = None
+        if self.rank == 0:
+            try:
+                decision = open_run(self.config, lambda message: print(f"warning: {message}", file=sys.stderr))
+            except Exception as refusal:  # noqa: BLE001 - RunMixError, CheckpointDamagedError, ...: every rank stops with it
+                decision = refusal
+        decision = self.waits.broadcast(decision)  # rank 0 verifies the checkpoint alone (rank0_wait.py)
+        if isinstance(decision, Exception):
+            raise decision
+        checkpoint, self.run_id = decision
         if checkpoint is not None:
             self.loop_state = self.trainer.load(checkpoint).get("loop", {})
             self.start_step = self.trainer.step
@@ -116,7 +130,7 @@ class RLRecipe:
         logging = self.config.logging
         return MetricsLogger(self.run_dir, console=logging.console, tensorboard=logging.tensorboard,
                              wandb_project=logging.wandb_project, total_steps=self.config.train.steps,
-                             start_step=self.start_step)
+                             start_step=self.start_step, run_id=self.run_id)
 
     @property
     def engine(self):
@@ -233,7 +247,8 @@ class RLRecipe:
                 loop["in_flight"] = self.overlap.state()
             loop["data"] = self.rollout.dataset.state_dict()
         # Every rank passes its state; rank 0's is the one written (it owns the prompt stream).
-        self.trainer.save(self.config.checkpoint_dir, {"loop": loop}, keep_last=self.config.checkpoint.keep_last)
+        self.trainer.save(self.config.checkpoint_dir, {"loop": loop, "run_id": self.run_id},
+                          keep_last=self.config.checkpoint.keep_last)
 
     def cleanup(self) -> None:
         """Stop the rollout side (engines, reward workers) and close the loggers."""

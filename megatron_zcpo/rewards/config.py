@@ -20,6 +20,11 @@ class RewardConfig:
     on_failure: what a call that raised, timed out or killed its worker gives: "error" raises
         naming the prompt, "zero" scores it 0, "min" scores it ``min_reward``, "skip-group" drops its
         whole group from training. (A NaN or non-number result is always an error: it is a bug.)
+    max_failed_fraction: above this share of a rollout's reward calls failing (raised, timed out),
+        the run stops after that rollout naming the reward's error, the count and an example input:
+        a reward function that fails that often is broken, and the scores ``on_failure`` gives
+        would tie the groups (dynamic sampling then drops them). Below it the count is a metric
+        (``reward/failed_calls``, ``reward/failed_fraction``).
     overlong_penalty, max_response_length, overlong_buffer, overlong_penalty_factor: DAPO's soft
         overlong punishment; ``max_response_length`` is the generation cap L_max (keep it equal to the
         rollout's max_new_tokens) and ``overlong_buffer`` is L_cache (paper: 20,480 and 4,096).
@@ -32,6 +37,7 @@ class RewardConfig:
     start_method: str = "forkserver"
     on_failure: str = "min"
     min_reward: float = -1.0
+    max_failed_fraction: float = 0.1
     overlong_penalty: bool = True
     max_response_length: int = 20480
     overlong_buffer: int = 4096
@@ -53,6 +59,8 @@ class RewardConfig:
             )
         if self.on_failure not in ON_FAILURE_CHOICES:
             problems.append(f"reward.on_failure must be one of {list(ON_FAILURE_CHOICES)}, got {self.on_failure!r}")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            problems.append(f"reward.max_failed_fraction must be in [0, 1], got {self.max_failed_fraction!r}")
         if not isinstance(self.max_response_length, int) or self.max_response_length < 1:
             problems.append(f"reward.max_response_length must be an integer >= 1, got {self.max_response_length!r}")
         elif self.overlong_penalty and not 0 < self.overlong_buffer <= self.max_response_length:

@@ -21,6 +21,20 @@ class RewardError(RuntimeError):
     """A reward could not be produced (names the prompt and response)."""
 
 
+class RewardFailureRateError(RewardError):
+    """More of a rollout's reward calls failed than ``reward.max_failed_fraction`` allows."""
+
+
+@dataclasses.dataclass
+class FailureTally:
+    """Reward calls and failed calls since :meth:`RewardScorer.start_tally`; ``example``: the first
+    failure (where, its input and the reward's error)."""
+
+    calls: int = 0
+    failed: int = 0
+    example: Optional[str] = None
+
+
 @dataclasses.dataclass
 class RewardBatch:
     """Per-response reward results of P groups of G responses; every field is [P, G].
@@ -105,6 +119,28 @@ class RewardScorer:
         self.pool = RewardWorkerPool(
             config.function, num_workers=config.num_workers, timeout_s=config.timeout_s, start_method=config.start_method
         )
+        self.tally = FailureTally()
+
+    def start_tally(self) -> None:
+        """Count reward calls and failures from now on (a rollout's), for :meth:`check_failure_rate`."""
+        self.tally = FailureTally()
+
+    def check_failure_rate(self, what: str) -> Dict[str, float]:
+        """``reward/failed_calls`` and ``reward/failed_fraction`` of the calls since :meth:`start_tally`.
+
+        Raises :class:`RewardFailureRateError` (naming ``what``, e.g. "step 3's rollout", the count
+        and the first failure's input and error) when the fraction is above
+        ``reward.max_failed_fraction``.
+        """
+        tally, config = self.tally, self.config
+        fraction = tally.failed / tally.calls if tally.calls else 0.0
+        if fraction > config.max_failed_fraction:
+            raise RewardFailureRateError(
+                f"reward function {config.function!r} failed on {tally.failed} of the {tally.calls} responses of "
+                f"{what} ({fraction:.0%}, above reward.max_failed_fraction={config.max_failed_fraction:g}); the run "
+                f"stops rather than train on the scores reward.on_failure={config.on_failure!r} makes up for them. "
+                f"Fix the reward function (or raise reward.max_failed_fraction). The first failure, on {tally.example}")
+        return {"reward/failed_calls": float(tally.failed), "reward/failed_fraction": fraction}
 
     def score(
         self,
@@ -167,6 +203,7 @@ class RewardScorer:
         failed = torch.zeros(num_groups, group_size, dtype=torch.bool)
         valid = scorable.clone()
         failures = []
+        self.tally.calls += len(positions)
         for (p, j), outcome in zip(positions, outcomes):
             where = self._describe(p, j, metadata[p])
             if outcome.status == "ok" and not math.isnan(outcome.value):
@@ -183,8 +220,13 @@ class RewardScorer:
             else:  # raised, timed out or killed its worker: on_failure decides
                 failed[p, j] = True
                 failures.append((where, outcome))
+                if self.tally.example is None:
+                    self.tally.example = (f"{where} ({outcome.status}): response {responses[p][j][:200]!r}, ground truth "
+                                          f"{ground_truths[p]!r}:\n{(outcome.error or '').rstrip()}")
+        first_failures = self.tally.failed == 0  # of this tally: only those print the reward's traceback
+        self.tally.failed += len(failures)
         if failures:
-            self._handle_failures(failures, score, failed, valid)
+            self._handle_failures(failures, score, failed, valid, first_failures)
         return score, failed, valid
 
     def score_completions(self, records: Sequence[Any], completions: Sequence[Sequence[Any]], tokenizer) -> RewardBatch:
@@ -212,8 +254,10 @@ class RewardScorer:
         uid = metadata.get("uid")
         return f"prompt {prompt_index}" + (f" (uid {uid})" if uid else "") + f", response {response_index}"
 
-    def _handle_failures(self, failures: List[tuple], score: torch.Tensor, failed: torch.Tensor, valid: torch.Tensor) -> None:
-        """Apply ``on_failure`` to the failed calls (already marked in ``failed``) and log them."""
+    def _handle_failures(self, failures: List[tuple], score: torch.Tensor, failed: torch.Tensor, valid: torch.Tensor,
+                         with_traceback: bool = True) -> None:
+        """Apply ``on_failure`` to the failed calls (already marked in ``failed``) and log them (the
+        first failure's traceback when ``with_traceback``)."""
         config = self.config
         first_where, first = failures[0]
         counts = collections.Counter(outcome.status for _, outcome in failures)
@@ -224,13 +268,13 @@ class RewardScorer:
                 f"continue):\n{first.error}"
             )
         logger.warning(
-            "reward function %r: %d call(s) failed (%s), handled as %r; first on %s:\n%s",
+            "reward function %r: %d call(s) failed (%s), handled as %r; first on %s%s",
             config.function,
             len(failures),
             ", ".join(f"{count} {status}" for status, count in sorted(counts.items())),
             config.on_failure,
             first_where,
-            first.error,
+            f":\n{first.error}" if with_traceback else " (a traceback as above)",
         )
         if config.on_failure == "min":
             score[failed] = config.min_reward

@@ -120,7 +120,7 @@ def sample_groups(
     records: List[PromptRecord] = []
     completions: List[List[Any]] = []
     batches: List[RewardBatch] = []
-    counts = {"rounds": 0, "prompts": 0, "kept": 0, "dropped_tied": 0, "dropped_invalid": 0}
+    counts = {"rounds": 0, "prompts": 0, "kept": 0, "dropped_tied": 0, "dropped_invalid": 0, "reward_failed": 0}
     while counts["kept"] < num_groups:
         missing = num_groups - counts["kept"]
         request = math.ceil(missing * config.oversample_factor)
@@ -144,6 +144,7 @@ def sample_groups(
         counts["prompts"] += len(round_records)
         counts["dropped_invalid"] += int(invalid.sum())
         counts["dropped_tied"] += int(tied.sum())
+        counts["reward_failed"] += int(batch.failed.sum())
         counts["kept"] += len(keep)
         records.extend(round_records[i] for i in keep.tolist())
         completions.extend(round_completions[i] for i in keep.tolist())
@@ -162,12 +163,14 @@ def sample_groups(
         "dynamic_sampling/cap_hit": float(cap_hit),
     }
     if cap_hit:
+        failed = (f" (the reward function failed on {counts['reward_failed']} responses, whose reward.on_failure "
+                  f"scores tie their groups: fix it first)") if counts["reward_failed"] else ""
         message = (
             f"dynamic sampling kept {counts['kept']} of {num_groups} groups after {counts['rounds']} round(s) and "
             f"{counts['prompts']} prompts ({counts['dropped_tied']} groups dropped with tied {config.filter_on}s, "
             f"{counts['dropped_invalid']} as invalid): the cap {SECTION}.max_rounds={config.max_rounds} / "
-            f"max_prompts={config.max_prompts} was hit. Raise the cap or the oversample_factor, or use data of "
-            f"a difficulty that splits the groups"
+            f"max_prompts={config.max_prompts} was hit{failed}. Raise the cap or the oversample_factor, or use data "
+            f"of a difficulty that splits the groups"
         )
         if config.on_cap == "error":
             raise DynamicSamplingError(f"{message}; or set {SECTION}.on_cap=partial to train on the partial batch")

@@ -108,7 +108,12 @@ def parse_override(text: str) -> tuple:
     key = key.strip()
     if not key:
         raise ConfigError(f"override {text!r} has an empty key")
-    return key.split("."), yaml.safe_load(raw) if raw.strip() else ""
+    if not raw.strip():
+        return key.split("."), ""
+    try:
+        return key.split("."), yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({_yaml_problem(error)})") from None
 
 
 def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
@@ -132,10 +137,27 @@ def load_yaml(path: str | Path) -> Dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        if mark is None:
+            raise ConfigError(f"{path}: YAML syntax error: {_yaml_problem(error)}") from None
+        lines = text.splitlines()
+        shown = lines[mark.line] if mark.line < len(lines) else ""
+        raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {_yaml_problem(error)}\n"
+                          f"    {shown}\n    {' ' * mark.column}^") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return data
+
+
+def _yaml_problem(error: "yaml.YAMLError") -> str:
+    """PyYAML's own words for what is wrong, without its "<unicode string>" position lines."""
+    parts = [getattr(error, "context", None), getattr(error, "problem", None)]
+    words = "; ".join(part for part in parts if part)
+    return words or str(error).splitlines()[0]
 
 
 def validate_tree(config: Any, prefix: str = "") -> None:

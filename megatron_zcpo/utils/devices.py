@@ -74,3 +74,21 @@ def kernel_backend(device: torch.device, requested: str = "auto") -> str:
         raise ValueError(f"backend='triton' on {device} tensors needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                          "triton is first imported (Triton's interpreter; megatron-core imports triton)")
     return "triton"
+
+
+def gpu_memory_gib() -> "float | None":
+    """Memory of this node's first visible GPU in GiB, None without CUDA (or when nvidia-smi cannot say).
+
+    Asks nvidia-smi rather than torch, so a launcher that only checks a layout creates no CUDA
+    context on the GPU its ranks are about to use."""
+    import subprocess
+
+    if not has_cuda():
+        return None
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()  # nvidia-smi -i takes an index or UUID
+    try:
+        answer = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+        return float(answer.split()[0]) / 1024  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None

@@ -10,7 +10,7 @@ from megatron_zcpo.convert.presets import HF_CONFIGS, preset_model_config
 from megatron_zcpo.megatron.decode_rate import decode_tokens_per_s_per_gpu
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.megatron.step_time import Cluster, StepLoad, predict_step_time, push_bytes_per_stage
-from tests.cli.test_examples import EXAMPLES, LLAMA33_70B, QUOTED, QWEN25_32B, QWEN25_72B
+from tests.cli.test_examples import EXAMPLES, LLAMA33_70B, QUOTED, QWEN3_4B_THINKING, QWEN25_32B, QWEN25_72B
 
 QWEN_EXAMPLE = str(EXAMPLES / "qwen2.5-32b-zcpo" / "config.yaml")
 LLAMA_EXAMPLE = str(EXAMPLES / "llama-3.3-70b-zcpo" / "config.yaml")
@@ -18,6 +18,7 @@ LLAMA_EXAMPLE = str(EXAMPLES / "llama-3.3-70b-zcpo" / "config.yaml")
 
 def test_presets_are_the_public_architectures():
     assert preset_model_config("Qwen2.5-32B") == QWEN25_32B
+    assert preset_model_config("Qwen3-4B-Thinking-2507") == QWEN3_4B_THINKING
     assert preset_model_config("llama-3.3-70b-instruct") == LLAMA33_70B
     assert preset_model_config("Qwen2.5-72B") == QWEN25_72B
     assert 72e9 < QWEN25_72B.num_parameters < 73e9
@@ -26,9 +27,12 @@ def test_presets_are_the_public_architectures():
 
 
 def test_the_shipped_example_plans_with_nothing_downloaded(capsys):
-    """The config as shipped: model.path and data files absent; the same numbers as the quoted plan."""
-    with pytest.raises(SystemExit, match="model.path=.*--model-config.*--preset"):
-        main(["plan", QWEN_EXAMPLE, "--gpus", "32"])
+    """The config as shipped: model.path and data files absent, model.preset names the architecture;
+    the same numbers as the quoted plan. Without model.preset (nor a flag) the keys to set are named."""
+    with pytest.raises(SystemExit, match="model.path=.*model.preset.*--model-config.*--preset"):
+        main(["plan", QWEN_EXAMPLE, "--gpus", "32", "model.preset=null"])
+    assert main(["plan", QWEN_EXAMPLE, "--gpus", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == _plan_json(capsys)  # (which names the preset)
     assert main(["plan", QWEN_EXAMPLE, "--gpus", "32", "--preset", "Qwen2.5-32B", "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert round(answer["plan"]["total_gib"], 2) == QUOTED["qwen2.5-32b-zcpo"][1]

@@ -43,9 +43,9 @@ def _catches(pid, signum):
 
 
 def _step_metrics(run_dir):
-    """{step: metrics} of the trained steps, without timings (which differ run to run)."""
+    """{step: metrics} of the trained steps, without timings and the run id (which differ run to run)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k != "train/tokens_per_s"}
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k not in ("train/tokens_per_s", "run_id")}
             for r in records if "rollout/reward_mean" in r}
 
 
@@ -58,6 +58,8 @@ def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):  # 
     expected, got = _step_metrics(tmp_path / "a" / "run"), _step_metrics(tmp_path / "b" / "run")
     assert sorted(got) == [1, 2]
     assert got[2] == expected[2]
+    records = [json.loads(line) for line in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["run_id"] for r in records} == {(tmp_path / "b" / "run" / "run_id").read_text().strip()}  # one run
 
 
 def _reference_and_started_run(tmp_path, model, steps):

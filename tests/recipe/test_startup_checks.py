@@ -22,7 +22,7 @@ def test_every_problem_is_named_before_any_process_starts(tmp_path, tiny_model, 
     err = capsys.readouterr().err
     assert time.monotonic() - started < 60  # nothing was launched
     assert "start-up checks failed" in err
-    assert "data: DataError: " in err and "missing.jsonl" in err
+    assert "data.train_files: DataError: " in err and "missing.jsonl" in err
     assert f"checkpoint.dir: CheckpointWriteError: checkpoint directory {blocked}/ckpt is not writable" in err
     # The reward function is checked on the first record, so with bad data it waits for good data:
     path = write_config(tmp_path, tiny_model, reward={"function": "megatron_zcpo.rewards.no_such_module:score"})

@@ -25,3 +25,11 @@ def scripted_reward(response, ground_truth, metadata):
     if response.startswith("echo:"):
         return float(response[len("echo:"):])
     return float(response == ground_truth)
+
+
+def fails_unless_exact(response, ground_truth, metadata):
+    """1.0 when the response is exactly the ground truth (what the start-up probe sends), else it
+    raises: a reward function that passes the probe and then fails on most real answers."""
+    if response == ground_truth:
+        return 1.0
+    raise KeyError("no boxed answer")

@@ -11,7 +11,7 @@ from megatron_zcpo.rewards.config import RewardConfig
 from megatron_zcpo.rewards.math import dapo_math_reward
 from megatron_zcpo.rewards.overlong import overlong_loss_mask, overlong_penalty
 from megatron_zcpo.rewards.pool import RewardFunctionLoadError, resolve_function
-from megatron_zcpo.rewards.scorer import RewardError, RewardScorer
+from megatron_zcpo.rewards.scorer import RewardError, RewardFailureRateError, RewardScorer
 
 SCRIPTED = "tests.rewards.scripted_rewards:scripted_reward"
 FAR_APART = "\\boxed{3} was my first guess. " + "But wait, let me recheck every step of it. " * 3 + "So \\boxed{4}."
@@ -118,6 +118,22 @@ def test_crashing_reward_function_is_handled_by_config(scorer):
     assert torch.equal(skipped.valid, torch.tensor([[True, True], [False, False]]))
     assert torch.equal(skipped.loss_mask, skipped.valid)
     assert torch.equal(skipped.reward[1], torch.zeros(2))
+
+
+def test_a_rollout_whose_reward_calls_fail_too_often_is_stopped_below_the_threshold_counted(scorer):
+    """reward.max_failed_fraction: 1 failure in 10 calls is counted (metrics); 2 in 10 stop the rollout
+    with the count, the failing input and the reward's own error."""
+    truths = ["a"] * 5
+    scorer.start_tally()
+    _score(scorer, [["crash", "a"]] + [["a", "b"]] * 4, truths, on_failure="min", max_failed_fraction=0.1)
+    assert scorer.check_failure_rate("step 0's rollout") == {"reward/failed_calls": 1.0, "reward/failed_fraction": 0.1}
+    scorer.start_tally()
+    _score(scorer, [["crash", "crash"]] + [["a", "b"]] * 4, truths, on_failure="min", max_failed_fraction=0.1)
+    with pytest.raises(RewardFailureRateError, match=r"failed on 2 of the 10 responses of step 3's rollout \(20%, "
+                                                     r"above reward.max_failed_fraction=0.1\)(.|\n)*prompt 0 \(uid q0\), "
+                                                     r"response 0 \(error\): response 'crash', ground truth 'a'"
+                                                     r"(.|\n)*ValueError: scripted crash for q0$"):
+        scorer.check_failure_rate("step 3's rollout")
 
 
 def test_hanging_reward_function_is_killed_and_replaced_off_the_main_thread(scorer):
