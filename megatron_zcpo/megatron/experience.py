@@ -25,12 +25,13 @@ from megatron_zcpo.utils.devices import compute_device
 @dataclass(frozen=True)
 class TokenStatsOptions:
     """How the fused op scores response tokens: the true ``vocab_size`` (the model's, before
-    megatron's padding), ``chunk_size`` (``train.kl_chunk_size``) and the rollout's sampling
-    ``temperature``."""
+    megatron's padding), ``chunk_size`` (``train.kl_chunk_size``), the rollout's sampling
+    ``temperature`` and the kernels' ``backend`` (``train.token_stats_backend``: auto, torch or triton)."""
 
     vocab_size: int
     chunk_size: int
     temperature: float
+    backend: str = "auto"
 
 
 def token_stats_on_shard(hidden, weight, targets, ref_hidden=None, ref_weight=None, *, options: TokenStatsOptions):
@@ -49,7 +50,7 @@ def token_stats_on_shard(hidden, weight, targets, ref_hidden=None, ref_weight=No
         hidden, weight, targets, ref_hidden, ref_weight,
         group=ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None,
         vocab_size=options.vocab_size, chunk_size=options.chunk_size, temperature=options.temperature,
-        kl_temperature=1.0,
+        kl_temperature=1.0, backend=options.backend,
     )
 
 

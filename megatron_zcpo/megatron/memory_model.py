@@ -17,7 +17,12 @@ What is modelled, for the most loaded pipeline stage (first and last stage are b
   Large Transformer Models" (arXiv:2205.05198), Sec. 4, re-derived tensor by tensor for this
   architecture (see :func:`layer_activation_bytes`), times the layers a 1F1B / interleaved schedule
   keeps in flight on the stage (see :func:`layers_in_flight`).
-* Logits and KL: the chunked vocab-parallel ops hold fp32 ``[chunk_tokens, V_pad/TP]`` blocks, the
+* Logits and KL (:func:`token_stats_bytes`), by the backend the run selects
+  (``train.token_stats_backend``; ``auto`` is the Triton kernels on a GPU): the torch backend holds
+  six fp32 tiles of ``[chunk_tokens, 2**25 / chunk_tokens]`` columns of the V_pad/TP shard; the
+  Triton kernels an fp32 ``[chunk_tokens, V_pad/TP]`` logit buffer (two with the reference) and,
+  in the update, float16 ``[tokens, V_pad/TP]`` caches (two when the update runs the reference)
+  kept for the backward, which writes a bf16 ``[tokens, V_pad/TP]`` logit gradient. Besides: the
   gathered final hidden states of the micro-batch and a few fp32 vectors per token.
 * Reference model: a bf16 copy of the stage's parameters, resident, offloaded to CPU between
   experience passes, or absent (methods without a reference).
@@ -42,17 +47,22 @@ H100_80GB_GIB = 81559 / 1024
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 REFERENCE_CHOICES = ("resident", "offloaded", "none")
+TOKEN_STATS_BACKENDS = ("auto", "torch", "triton")  # train.token_stats_backend; auto = triton on a GPU
 COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits_kl",
               "reference_model", "overhead")
 
 BYTES_BF16 = 2
 BYTES_FP32 = 4
 ADAM_MOMENTS = 2
-# megatron_zcpo.ops.token_stats works in tiles of [chunk tokens, at most KL_VOCAB_TILE columns] of
-# this rank's vocabulary shard and keeps six fp32 buffers of that size (policy and reference
-# logits and the element-wise temporaries), in forward and in backward.
+# The torch backend of megatron_zcpo.ops.token_stats works in tiles of [chunk tokens, at most
+# TORCH_TILE_ELEMENTS / chunk columns] of this rank's vocabulary shard (ops/token_stats_kernels.py,
+# _GPU_TILE) and keeps six fp32 buffers of that size (policy and reference logits and the
+# element-wise temporaries), in forward and in backward.
 KL_FP32_BLOCKS = 6
-KL_VOCAB_TILE = 32768  # the op's GPU default of columns per tile
+TORCH_TILE_ELEMENTS = 2 ** 25
+# The Triton backend (ops/token_stats_triton.py) caches, when a gradient is wanted, the policy's
+# probabilities and (with the reference) the log-ratio as float16 [tokens, V_local] each.
+TRITON_CACHE_BYTES = 2
 # fp32 values kept per token of the micro-batch by those ops: log-prob, entropy, reference
 # log-prob, KL, both maxima, S, S_r, B, G, sum e^u u, target logits (policy and reference).
 PER_TOKEN_FP32_VECTORS = 13
@@ -143,7 +153,10 @@ class Workload:
     response). ``kl_chunk_tokens``: tokens per chunk of the vocab-parallel log-prob / KL ops.
     ``num_microbatches``: micro-batches per optimizer step and pipeline; None plans for the worst
     case (at least as many as the pipeline keeps in flight). ``reference``: "resident" on the GPU,
-    "offloaded" to CPU outside the experience pass, or "none".
+    "offloaded" to CPU outside the experience pass, or "none". ``token_stats_backend``: the
+    token statistics' kernels, "auto" (Triton on a GPU), "torch" or "triton";
+    ``update_reference``: the update runs the reference beside the policy (a differentiable
+    conditional KL in the loss, ``algorithm.kl_loss=full``).
     """
 
     micro_batch_tokens: int
@@ -151,6 +164,13 @@ class Workload:
     kl_chunk_tokens: int = 4096
     num_microbatches: Optional[int] = None
     reference: str = "resident"
+    token_stats_backend: str = "auto"
+    update_reference: bool = False
+
+    @property
+    def token_stats_kernels(self) -> str:
+        """The token statistics' backend on the planned GPUs: "torch" or "triton" (what ``auto`` selects)."""
+        return "torch" if self.token_stats_backend == "torch" else "triton"
 
     def validate(self, prefix: str = "workload") -> None:
         """Raise ``ValueError`` naming the offending key on a bad value."""
@@ -167,6 +187,9 @@ class Workload:
             raise ValueError(f"{prefix}.num_microbatches must be positive, got {self.num_microbatches}")
         if self.reference not in REFERENCE_CHOICES:
             raise ValueError(f"{prefix}.reference={self.reference!r}: choose one of {REFERENCE_CHOICES}")
+        if self.token_stats_backend not in TOKEN_STATS_BACKENDS:
+            raise ValueError(f"{prefix}.token_stats_backend={self.token_stats_backend!r}: choose one of "
+                             f"{TOKEN_STATS_BACKENDS}")
 
 
 @dataclass(frozen=True)
@@ -345,23 +368,55 @@ def layers_in_flight(
     return in_flight * num_layers / (pipeline_parallel * chunks)
 
 
+def token_stats_bytes(backend: str, *, tokens: float, chunk_tokens: int, vocab_columns: int, hidden_size: int,
+                      with_reference: bool, gradient: bool, operand_bytes: int = BYTES_BF16) -> Dict[str, float]:
+    """Bytes the token statistics' op holds besides its inputs and per-token vectors, by part.
+
+    ``backend``: "torch" or "triton"; ``tokens`` scored in one call (a micro-batch's on this rank),
+    ``chunk_tokens`` per chunk (``train.kl_chunk_size``), ``vocab_columns`` of this rank's shard;
+    ``with_reference``: the reference's logits too; ``gradient``: forward and backward (the
+    update) rather than a no-grad forward; ``operand_bytes``: the output layer's dtype (bf16).
+
+    Returns {"saved": kept from the forward until the backward, "forward": the forward's working
+    buffers, "backward": the backward's}; the op's peak is saved + max(forward, backward).
+    torch: six fp32 tiles in either pass, and the backward's fp32 weight-gradient accumulator
+    [V_local, H]. triton: the fp32 logits of a chunk (and the reference's); with a gradient, the
+    float16 caches [tokens, V_local] (two with the reference) and in the backward the logit gradient
+    [tokens, V_local] and the weight gradient [V_local, H], both in the operands' dtype.
+    """
+    chunk = min(chunk_tokens, tokens)
+    if backend == "torch":
+        tile = KL_FP32_BLOCKS * chunk * min(vocab_columns, max(1, TORCH_TILE_ELEMENTS // chunk_tokens)) * BYTES_FP32
+        weight_grad = vocab_columns * hidden_size * BYTES_FP32
+        return {"saved": 0.0, "forward": tile, "backward": tile + weight_grad if gradient else 0.0}
+    if backend != "triton":
+        raise ValueError(f"backend={backend!r}: choose 'torch' or 'triton'")
+    models = 2 if with_reference else 1
+    saved = models * tokens * vocab_columns * TRITON_CACHE_BYTES if gradient else 0.0
+    backward = (tokens + hidden_size) * vocab_columns * operand_bytes if gradient else 0.0
+    return {"saved": saved, "forward": models * chunk * vocab_columns * BYTES_FP32, "backward": backward}
+
+
 def _logits_kl_bytes(model: ModelConfig, layout: Layout, workload: Workload, tokens: float,
                      phase: str) -> float:
-    """The chunked log-prob / KL ops on the last stage: fp32 vocab blocks, hidden states, vectors.
+    """The token statistics on the last stage: the op's buffers (:func:`token_stats_bytes`), hidden states, vectors.
 
     The output layer is column-parallel over the vocabulary, so every TP rank needs the final hidden
-    states of all the micro-batch's tokens (gathered, bf16). Training also accumulates their fp32
-    gradient over the chunks, and the fused op accumulates the output weight's gradient in an fp32
-    [V/TP, h] buffer; the experience pass holds the policy's and the reference's hidden states.
+    states of all the micro-batch's tokens (gathered, bf16). Training also holds their fp32
+    gradient; the experience pass (when there is a reference) and an update that runs the
+    reference hold the reference's hidden states too.
     """
     vocab_shard = padded_vocab_size(model.vocab_size, layout.tensor_parallel,
                                     model.make_vocab_size_divisible_by) // layout.tensor_parallel
-    chunk = min(workload.kl_chunk_tokens, tokens)
-    blocks = KL_FP32_BLOCKS * chunk * min(KL_VOCAB_TILE, vocab_shard) * BYTES_FP32
-    hidden_per_token = (BYTES_BF16 + BYTES_FP32) if phase == "train" else 2 * BYTES_BF16
+    train = phase == "train"
+    with_reference = workload.update_reference if train else workload.reference != "none"
+    parts = token_stats_bytes(workload.token_stats_kernels, tokens=tokens, chunk_tokens=workload.kl_chunk_tokens,
+                              vocab_columns=vocab_shard, hidden_size=model.hidden_size,
+                              with_reference=with_reference, gradient=train)
+    op_peak = parts["saved"] + max(parts["forward"], parts["backward"])
+    hidden_per_token = BYTES_BF16 * (2 if with_reference else 1) + (BYTES_FP32 if train else 0)
     per_token = hidden_per_token * model.hidden_size + PER_TOKEN_FP32_VECTORS * BYTES_FP32
-    weight_grad = vocab_shard * model.hidden_size * BYTES_FP32 if phase == "train" else 0
-    return blocks + tokens * per_token + weight_grad
+    return op_peak + tokens * per_token
 
 
 def stage_phase_components(model: ModelConfig, layout: Layout, workload: Workload, hardware: Hardware,

@@ -184,6 +184,9 @@ def render_plan(plan: MemoryPlan, width: int = 88) -> str:
                   f"{plan.stage} stage, {plan.phase} phase)", soft_wrap=True)
     console.print(table)
     console.print(f"{format_count(plan.parameters_on_gpu)} parameters on the GPU; {verdict}.")
+    workload = plan.workload
+    console.print(f"logits_kl: the token statistics' {workload.token_stats_kernels} backend "
+                  f"(train.token_stats_backend={workload.token_stats_backend})", soft_wrap=True)
     return buffer.getvalue()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_zcpo.utils.devices import KERNEL_BACKENDS, kernel_backend
+
 
 @dataclass
 class ParallelConfig:
@@ -92,6 +94,9 @@ class TrainConfig:
     packing: str = "thd"  # thd: padding-free packed sequences | padded: right-padded rows
     bf16: bool = False
     kl_chunk_size: int = 1024
+    # Kernels of the token statistics (megatron_zcpo.ops): auto = Triton on CUDA when triton imports
+    # (each kind of call checked against torch on its first use), else torch; torch | triton.
+    token_stats_backend: str = "auto"
     reference_offload: bool = False
     recompute: Optional[str] = None  # None | "selective" | "full"
     selfcheck_tolerance: float = 1e-4  # step-0 policy == reference check; < 0 disables it
@@ -114,6 +119,22 @@ class TrainConfig:
             raise ValueError(f"train.recompute must be null, 'selective' or 'full', got {self.recompute!r}")
         if self.verify_tolerance is not None and not self.verify_tolerance > 0:
             raise ValueError(f"train.verify_tolerance must be > 0 (or null), got {self.verify_tolerance!r}")
+        if self.token_stats_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"train.token_stats_backend must be one of {', '.join(KERNEL_BACKENDS)}, "
+                             f"got {self.token_stats_backend!r}")
+
+
+def check_token_stats_backend(train: TrainConfig, device) -> str:
+    """"torch" or "triton": what ``train.token_stats_backend`` selects on ``device`` (the ranks' compute device).
+
+    Checked where the ranks start rather than in :meth:`TrainConfig.validate`, which may run on a
+    machine without the ranks' GPU or triton. Raises ValueError naming the key where the backend
+    cannot run there (triton without triton, or on CPU tensors without Triton's interpreter).
+    """
+    try:
+        return kernel_backend(device, train.token_stats_backend)
+    except ValueError as error:
+        raise ValueError(f"train.token_stats_backend={train.token_stats_backend}: {error}") from None
 
 
 def check_context_parallel(parallel: ParallelConfig, train: TrainConfig, algorithm, diagnostics: bool) -> None:

@@ -51,7 +51,12 @@ from megatron_zcpo.megatron.model import ModelConfig, build_gpt_model, transform
 from megatron_zcpo.megatron.offload import HostOffload
 from megatron_zcpo.megatron.pipeline import ModelChunks, install_hidden_state_head
 from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats, RolloutStep
-from megatron_zcpo.megatron.train_config import ParallelConfig, TrainConfig, check_context_parallel
+from megatron_zcpo.megatron.train_config import (
+    ParallelConfig,
+    TrainConfig,
+    check_context_parallel,
+    check_token_stats_backend,
+)
 from megatron_zcpo.megatron.update import (
     LossInputs,
     PolicyUpdate,
@@ -62,7 +67,7 @@ from megatron_zcpo.megatron.update import (
     minibatch_normalizer,
     run_update,
 )
-from megatron_zcpo.utils.devices import has_cuda
+from megatron_zcpo.utils.devices import compute_device, has_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +105,7 @@ class PolicyTrainer:
 
         self.algorithm = build_algorithm(algorithm_config)
         check_context_parallel(parallel, train, self.algorithm, diagnostics is not None)
+        check_token_stats_backend(train, compute_device())
         self.model_config = model_config
         self.train_config = train
         self.parallel = parallel
@@ -259,9 +265,10 @@ class PolicyTrainer:
 
     @property
     def token_stats(self) -> TokenStatsOptions:
-        """How the fused op scores tokens: the true vocabulary, ``train.kl_chunk_size``, the sampling temperature."""
+        """How the fused op scores tokens: the true vocabulary, ``train.kl_chunk_size``, the sampling temperature,
+        ``train.token_stats_backend``."""
         return TokenStatsOptions(vocab_size=self.model_config.vocab_size, chunk_size=self.train_config.kl_chunk_size,
-                                 temperature=self.temperature)
+                                 temperature=self.temperature, backend=self.train_config.token_stats_backend)
 
     def _diagnose(self, update: PolicyUpdate, step: RolloutStep, timings: Dict[str, float]):
         """(metrics, before_minibatch) of the diagnostics hook when due, else ({}, None): ``run`` now, and a

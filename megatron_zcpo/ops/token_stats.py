@@ -6,7 +6,9 @@ Columns at or past ``vocab_size`` (Megatron's padding) are ignored; logits at or
 takes the logits, :func:`fused_token_stats` the final hidden states and the output layer (the
 float32 logits never exist whole). Two backends compute them: torch (the CPU path and the
 reference; numerics, tiling and memory in :mod:`megatron_zcpo.ops.token_stats_kernels`) and Triton
-kernels on CUDA (:mod:`megatron_zcpo.ops.token_stats_triton`), chosen by ``backend``.
+kernels on CUDA (:mod:`megatron_zcpo.ops.token_stats_triton`), chosen by ``backend``; the Triton
+backend's first use per kind of call is checked against the torch one
+(:mod:`megatron_zcpo.ops.token_stats_check`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_zcpo.ops import token_stats_check as first_use
 from megatron_zcpo.ops.output_projection import OutputProjection
 from megatron_zcpo.ops.token_stats_kernels import (
     MASKED_LOGIT,
@@ -76,13 +79,39 @@ def _run(function, forward: Callable, needs_grad: bool, inputs: tuple, shape, dt
 
 
 def _backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"torch" or "triton" (utils.devices.kernel_backend); float64 stays on torch (the kernels are float32)."""
+    """"torch" or "triton" (utils.devices.kernel_backend); float64 stays on torch (the kernels are float32),
+    and so does everything after a failed first-use check (token_stats_check)."""
     backend = kernel_backend(device, requested)
     if backend == "triton" and dtype == torch.float64:
         if requested == "triton":
             raise ValueError("backend='triton' computes in float32: float64 inputs need backend='torch' or 'auto'")
         return "torch"
-    return backend
+    return "torch" if first_use.torch_instead() else backend
+
+
+def _triton_backend():
+    from megatron_zcpo.ops import token_stats_triton
+
+    return token_stats_triton
+
+
+def _probe_gradients(rows: int, tiling: Tiling, device) -> tuple:
+    """Upstream gradients (logprob, entropy, kl) [rows] of the first-use check: every term, different per row."""
+    ramp = torch.linspace(0.5, 1.5, rows, dtype=torch.float32, device=device)
+    return ramp, -0.5 * ramp.flip(0), (0.25 * ramp if tiling.with_ref else None)
+
+
+def _fields_at(results, rows=None) -> dict:
+    """{field: values [r]} of a TokenStats (at ``rows`` of its flattened fields) or TileResults."""
+    fields = ("logprob", "entropy", "ref_logprob", "kl")
+    values = {f: getattr(results, f) for f in fields if getattr(results, f) is not None}
+    return {f: v.reshape(-1)[rows] if rows is not None else v for f, v in values.items()}
+
+
+def _described(kind: str, key: tuple, tiling: Tiling, rows: int) -> str:
+    dtypes = "/".join(str(d).replace("torch.", "") for d in key[1] if d is not None)
+    return (f"{kind}, {dtypes}, {key[2]} columns per shard, {'with' if tiling.with_ref else 'without'} reference, "
+            f"{'with' if key[3] else 'without'} gradient; {rows} rows compared")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,14 +219,43 @@ def vocab_parallel_token_stats(
     inputs = (logits.reshape(-1, logits.shape[-1]),
               None if ref_logits is None else ref_logits.reshape(-1, logits.shape[-1]),
               targets.reshape(-1).to(device=logits.device, dtype=torch.long), tiling)
-    kernels = (_logits_forward, _logits_backward)
-    if chosen == "triton":
-        from megatron_zcpo.ops import token_stats_triton as triton_backend
+    needs_grad = _needs_grad(logits)
+    stats = _from_logits(inputs, chosen, needs_grad, targets.shape, dtype)
+    key = ("logits", (logits.dtype, None if ref_logits is None else ref_logits.dtype), logits.shape[-1], needs_grad,
+           tiling.separate_kl_temperature)
+    if chosen == "triton" and first_use.due(key, logits.device) and not _logits_agree(key, inputs, stats, needs_grad):
+        stats = _from_logits(inputs, "torch", needs_grad, targets.shape, dtype)
+    return stats
 
-        kernels = (triton_backend.logits_forward, triton_backend.logits_backward)
-    if _needs_grad(logits):
-        return _shaped(_TokenStatsFromLogits.apply(*inputs, *kernels), targets.shape, dtype)
-    return _shaped(kernels[0](*inputs), targets.shape, dtype)
+
+def _from_logits(inputs: tuple, backend: str, needs_grad: bool, shape, dtype) -> TokenStats:
+    kernels = (_logits_forward, _logits_backward)
+    if backend == "triton":
+        kernels = (_triton_backend().logits_forward, _triton_backend().logits_backward)
+    if needs_grad:
+        return _shaped(_TokenStatsFromLogits.apply(*inputs, *kernels), shape, dtype)
+    return _shaped(kernels[0](*inputs), shape, dtype)
+
+
+def _logits_agree(key: tuple, inputs: tuple, stats: TokenStats, needs_grad: bool) -> bool:
+    """First-use check of a Triton call from logits: a few rows with the torch backend (token_stats_check)."""
+    logits, ref_logits, targets, tiling = inputs
+    rows = first_use.check_rows(targets.shape[0], logits.device)
+    if not len(rows):
+        return True
+    with torch.no_grad():
+        z, zr, rows_targets = logits[rows], None if ref_logits is None else ref_logits[rows], targets[rows]
+        expected = _logits_forward(z, zr, rows_targets, tiling)
+        problems = first_use.value_problems(_fields_at(stats, rows), _fields_at(expected))
+        if needs_grad:
+            probe = _probe_gradients(len(rows), tiling, logits.device)
+            triton = _triton_backend()
+            saved = triton.logits_forward(z, zr, rows_targets, tiling).saved
+            got = triton.logits_backward(z, zr, rows_targets, saved, probe, tiling)
+            want = _logits_backward(z, zr, rows_targets, expected.saved, probe, tiling)
+            problems += [p for p in [first_use.gradient_problem(got, want, cached=False)] if p]
+    return first_use.conclude(key, _described("from logits", key, tiling, len(rows)), problems, tiling.group,
+                              logits.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,12 +365,55 @@ def fused_token_stats(
     inputs = (hidden.reshape(-1, hidden.shape[-1]), weight,
               None if ref_hidden is None else ref_hidden.reshape(-1, hidden.shape[-1]), ref_weight,
               targets.reshape(-1).to(device=hidden.device, dtype=torch.long), tiling)
-    if chosen == "triton":
-        from megatron_zcpo.ops import token_stats_triton as triton_backend
+    needs_grad = _needs_grad(hidden, weight)
+    stats = _fused(inputs, chosen, needs_grad, targets.shape, dtype)
+    key = ("fused", (hidden.dtype, weight.dtype, None if ref_hidden is None else ref_hidden.dtype,
+                     None if ref_weight is None else ref_weight.dtype), weight.shape[0], needs_grad,
+           tiling.separate_kl_temperature)
+    if chosen == "triton" and first_use.due(key, hidden.device) and not _fused_agrees(key, inputs, stats, needs_grad):
+        stats = _fused(inputs, "torch", needs_grad, targets.shape, dtype)
+    return stats
+
+
+def _fused(inputs: tuple, backend: str, needs_grad: bool, shape, dtype) -> TokenStats:
+    if backend == "triton":
+        triton = _triton_backend()
 
         def forward_only(*args):
-            return triton_backend.fused_forward(*args, keep_cache=False)[0]
+            return triton.fused_forward(*args, keep_cache=False)[0]
 
-        return _run(triton_backend.TritonFusedTokenStats, forward_only, _needs_grad(hidden, weight), inputs,
-                    targets.shape, dtype)
-    return _run(_FusedTokenStats, _fused_forward, _needs_grad(hidden, weight), inputs, targets.shape, dtype)
+        return _run(triton.TritonFusedTokenStats, forward_only, needs_grad, inputs, shape, dtype)
+    return _run(_FusedTokenStats, _fused_forward, needs_grad, inputs, shape, dtype)
+
+
+def _fused_agrees(key: tuple, inputs: tuple, stats: TokenStats, needs_grad: bool) -> bool:
+    """First-use check of a fused Triton call: the torch backend over the float32 logits of a few rows of the
+    first chunk, recomputed by the very GEMM call the kernels read (so the two backends see the same
+    numbers); with a gradient, the logit gradient the Triton backward computes from its float16 caches."""
+    hidden, weight, ref_hidden, ref_weight, targets, tiling = inputs
+    first_chunk = min(tiling.chunk_rows, targets.shape[0])
+    rows = first_use.check_rows(first_chunk, hidden.device)
+    if not len(rows):
+        return True
+    with torch.no_grad():
+        h, rh, rows_targets = hidden[rows], None if ref_hidden is None else ref_hidden[rows], targets[rows]
+        z = _output_logits(hidden[:first_chunk], weight, tiling)[rows]
+        zr = None if rh is None else _output_logits(ref_hidden[:first_chunk], ref_weight, tiling)[rows]
+        expected = _logits_forward(z, zr, rows_targets, tiling)
+        problems = first_use.value_problems(_fields_at(stats, rows), _fields_at(expected))
+        if needs_grad:
+            probe = _probe_gradients(len(rows), tiling, hidden.device)
+            got = _triton_backend().fused_logit_gradient(h, weight, rh, ref_weight, rows_targets, tiling, probe)
+            if got is not None:  # None: this shard is all padding
+                want = _logits_backward(z, zr, rows_targets, expected.saved, probe, tiling)
+                problems += [p for p in [first_use.gradient_problem(got, want, cached=True)] if p]
+    return first_use.conclude(key, _described("fused", key, tiling, len(rows)), problems, tiling.group,
+                              hidden.device)
+
+
+def _output_logits(hidden: torch.Tensor, weight: torch.Tensor, tiling: Tiling) -> torch.Tensor:
+    """[n, valid_columns] float32 logits hidden @ weight.T as both backends compute them (OutputProjection)."""
+    out = torch.empty(hidden.shape[0], tiling.valid_columns, dtype=tiling.dtype, device=hidden.device)
+    OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype).logits_into(0, hidden.shape[0], 0,
+                                                                                     tiling.valid_columns, out)
+    return out

@@ -281,6 +281,25 @@ def logits_backward(logits, ref_logits, targets, saved, grads, tiling: Tiling) -
     return grad_logits
 
 
+def _cached_logit_gradient(policy: OutputProjection, targets, cache: _Cache, saved, grads, tiling: Tiling):
+    """d(loss)/d(logits) [N, valid_columns] in the gradient GEMMs' operand dtype, from the forward's caches."""
+    grad_logits = torch.empty(targets.shape[0], tiling.valid_columns, dtype=policy.gradient_dtype,
+                              device=targets.device)
+    _backward(grad_logits, targets, saved, grads, tiling, cache=cache)
+    return grad_logits
+
+
+def fused_logit_gradient(hidden, weight, ref_hidden, ref_weight, targets, tiling: Tiling,
+                         grads) -> Optional[torch.Tensor]:
+    """The logit gradient [N, valid_columns] that :class:`TritonFusedTokenStats` feeds its gradient GEMMs, for
+    the upstream ``grads`` (logprob, entropy, kl) [N] each (the first-use check); None for a shard of padding."""
+    results, cache = fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling, keep_cache=True)
+    if cache is None:
+        return None
+    policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
+    return _cached_logit_gradient(policy, targets, cache, results.saved, grads, tiling)
+
+
 class TritonFusedTokenStats(torch.autograd.Function):
     """Autograd of :func:`fused_forward`: backward from the caches, then the two gradient GEMMs."""
 
@@ -301,9 +320,7 @@ class TritonFusedTokenStats(torch.autograd.Function):
         _, at_kl, width = ctx.cache_layout
         cache = _Cache(kept[0], kept[1], kept[2], at_kl, width)
         policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
-        grad_logits = torch.empty(hidden.shape[0], tiling.valid_columns, dtype=policy.gradient_dtype,
-                                  device=hidden.device)
-        _backward(grad_logits, targets, saved, grads, tiling, cache=cache)
+        grad_logits = _cached_logit_gradient(policy, targets, cache, saved, grads, tiling)
         grad_weight = torch.empty_like(weight)
         grad_weight[tiling.valid_columns:].zero_()
         grad_hidden = policy.shard_gradients(grad_logits, grad_weight[:tiling.valid_columns])

@@ -54,6 +54,7 @@ def plan_inputs(config: RunConfig, gpus: int):
     """(Layout, Workload) of the memory planner for ``config`` on ``gpus`` GPUs (DP = gpus / (TP*PP*CP)).
 
     Raises ``ValueError`` when ``gpus`` is not a multiple of TP*PP*CP."""
+    from megatron_zcpo.algorithms import build_algorithm
     from megatron_zcpo.megatron.memory_model import Layout, Workload
 
     parallel = config.parallel
@@ -70,7 +71,9 @@ def plan_inputs(config: RunConfig, gpus: int):
     workload = Workload(micro_batch_tokens=max(config.train.micro_batch_tokens, longest),
                         max_sequence_length=longest,
                         kl_chunk_tokens=config.train.kl_chunk_size,
-                        reference="offloaded" if config.train.reference_offload else "resident")
+                        reference="offloaded" if config.train.reference_offload else "resident",
+                        token_stats_backend=config.train.token_stats_backend,
+                        update_reference=build_algorithm(config.algorithm).needs_current_kl)
     return layout, workload
 
 

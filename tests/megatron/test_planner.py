@@ -6,8 +6,8 @@ import json
 import pytest
 
 from megatron_zcpo.megatron.memory_model import (
-    COMPONENTS, GIB, KL_FP32_BLOCKS, KL_VOCAB_TILE, Hardware, Layout, Workload, bytes_per_parameter,
-    layer_activation_bytes, layers_in_flight, stage_parameters,
+    COMPONENTS, GIB, KL_FP32_BLOCKS, Hardware, Layout, Workload, bytes_per_parameter, layer_activation_bytes,
+    layers_in_flight, stage_parameters, token_stats_bytes,
 )
 from megatron_zcpo.megatron.model import ModelConfig, padded_vocab_size
 from megatron_zcpo.megatron.planner import candidate_layouts, plan_memory, render_plan, suggest_layout
@@ -135,11 +135,40 @@ def test_plan_components_respond_to_reference_placement_and_kl_chunk():
     assert offloaded.totals["first/train"] == pytest.approx(
         resident.totals["first/train"] - 2 * resident.parameters_on_gpu)
     assert offloaded.totals["first/experience"] == pytest.approx(resident.totals["first/experience"])
-    bigger_chunk = plan_memory(QWEN25_32B, layout, dataclasses.replace(LONG_ZCPO, kl_chunk_tokens=8192))
+    # The torch backend's six fp32 tiles hold at most 2**25 elements: 1024 tokens x the whole shard
+    # of 19,072 columns, or 4096 tokens x 8192 columns (ops/token_stats_kernels.py, _GPU_TILE).
     vocab_shard = padded_vocab_size(QWEN25_32B.vocab_size, 8) // 8
-    assert bigger_chunk.components["logits_kl"] - resident.components["logits_kl"] == pytest.approx(
-        KL_FP32_BLOCKS * 4096 * min(KL_VOCAB_TILE, vocab_shard) * 4)
+    torch_plans = [plan_memory(QWEN25_32B, layout, dataclasses.replace(LONG_ZCPO, token_stats_backend="torch",
+                                                                       kl_chunk_tokens=chunk)) for chunk in (1024, 4096)]
+    assert torch_plans[1].components["logits_kl"] - torch_plans[0].components["logits_kl"] == pytest.approx(
+        KL_FP32_BLOCKS * 4 * (4096 * 8192 - 1024 * vocab_shard))
     assert resident.components["overhead"] == pytest.approx(0.1 * resident.capacity_bytes)
+
+
+def test_triton_backend_counts_the_float16_caches_kept_for_the_backward():
+    tokens, columns, hidden = 22528, 19008, 5120
+    parts = token_stats_bytes("triton", tokens=tokens, chunk_tokens=4096, vocab_columns=columns, hidden_size=hidden,
+                              with_reference=False, gradient=True)
+    assert parts == {"saved": tokens * columns * 2, "forward": 4096 * columns * 4,
+                     "backward": (tokens + hidden) * columns * 2}  # bf16 logit and weight gradients
+    with_reference = token_stats_bytes("triton", tokens=tokens, chunk_tokens=4096, vocab_columns=columns,
+                                       hidden_size=hidden, with_reference=True, gradient=False)
+    assert with_reference == {"saved": 0.0, "forward": 2 * 4096 * columns * 4, "backward": 0.0}  # experience pass
+    torch_parts = token_stats_bytes("torch", tokens=tokens, chunk_tokens=4096, vocab_columns=columns,
+                                    hidden_size=hidden, with_reference=True, gradient=True)
+    assert torch_parts == {"saved": 0.0, "forward": KL_FP32_BLOCKS * 2**25 * 4,
+                           "backward": KL_FP32_BLOCKS * 2**25 * 4 + columns * hidden * 4}
+
+    # In the plan: an update that runs the reference (algorithm.kl_loss=full) keeps the log-ratio
+    # cache and the reference's bf16 hidden states too; "auto" plans the Triton kernels.
+    layout = Layout(tensor_parallel=8, data_parallel=4, recompute="full")
+    plan = plan_memory(QWEN25_32B, layout, LONG_ZCPO)
+    assert (plan.phase, plan.workload.token_stats_kernels) == ("train", "triton")
+    kl_loss = plan_memory(QWEN25_32B, layout, dataclasses.replace(LONG_ZCPO, update_reference=True))
+    vocab_shard = padded_vocab_size(QWEN25_32B.vocab_size, 8) // 8  # 19,072 with Megatron's padding
+    assert kl_loss.components["logits_kl"] - plan.components["logits_kl"] == pytest.approx(
+        tokens * vocab_shard * 2 + tokens * hidden * 2)
+    assert "token statistics' triton backend (train.token_stats_backend=auto)" in render_plan(plan)
 
 
 def test_most_loaded_stage_is_reported():
@@ -185,6 +214,8 @@ def test_small_model_needs_no_model_parallelism_and_huge_one_does_not_fit():
     (lambda: plan_memory(QWEN25_32B, Layout(), Workload(1024, 2048)), "workload.micro_batch_tokens"),
     (lambda: plan_memory(QWEN25_32B, Layout(), dataclasses.replace(LONG_ZCPO, reference="gpu")),
      "workload.reference"),
+    (lambda: plan_memory(QWEN25_32B, Layout(), dataclasses.replace(LONG_ZCPO, token_stats_backend="cuda")),
+     "workload.token_stats_backend"),
     (lambda: plan_memory(QWEN25_32B, Layout(), LONG_ZCPO, Hardware(headroom_fraction=1.5)),
      "hardware.headroom_fraction"),
 ])
