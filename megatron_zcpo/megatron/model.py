@@ -48,8 +48,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
-    qkv_bias: Optional[bool] = None  # None: the family's default (Qwen2: True, Qwen3 and Llama: False)
-    qk_layernorm: Optional[bool] = None  # None: the family's default (Qwen3: True, others: False)
+    qkv_bias: Optional[bool] = None  # None: the family's default (Qwen2(-MoE): True, Qwen3(-MoE), Llama: False)
+    qk_layernorm: Optional[bool] = None  # None: the family's default (Qwen3(-MoE): True, others: False)
     rope_scaling: Optional[dict] = None  # Llama-3.x {"rope_type": "llama3", "factor": ...}
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
@@ -63,9 +63,9 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.qkv_bias is None:
-            self.qkv_bias = self.family == "qwen2"
+            self.qkv_bias = self.family in ("qwen2", "qwen2_moe")
         if self.qk_layernorm is None:
-            self.qk_layernorm = self.family == "qwen3"
+            self.qk_layernorm = self.family in ("qwen3", "qwen3_moe")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
 
