@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Dict, Sequence
 import torch
 
 from megatron_zcpo.megatron.batch import MicroBatch, RolloutSample
+from megatron_zcpo.megatron.expert_batches import is_padding
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.pipeline import PolicyWithReference, output_weight, run_schedule
 from megatron_zcpo.utils.devices import compute_device
@@ -59,6 +60,8 @@ def run_experience(trainer: "PolicyTrainer", samples: Sequence[RolloutSample],
         output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **trainer.forward_kwargs)
 
         def loss_func(hidden_pair):
+            if is_padding(mb):  # expert parallelism's filler: it only takes part in the all-to-alls
+                return torch.zeros((), device=hidden_pair.device), {}
             positions = mb.response_positions
             flat = hidden_pair.reshape(-1, 2 * hidden_size).index_select(0, positions)
             hidden, ref_hidden = flat.split(hidden_size, dim=-1)

@@ -190,14 +190,15 @@ def transformer_config(
     recompute: Optional[str] = None,
     expert_parallel: int = 1,
     expert_tensor_parallel: Optional[int] = None,
-    moe: Optional["MoETraining"] = None,
+    moe=None,
     **overrides: Any,
 ):
     """The megatron-core ``TransformerConfig`` for ``model`` at the given parallelism.
 
     For a mixture-of-experts ``model`` also its MoE fields (:func:`moe_transformer_fields`) at
     ``expert_parallel`` x ``expert_tensor_parallel`` (None: as ``tensor_parallel``), with the
-    router's auxiliary losses of ``moe`` (default :class:`MoETraining`).
+    router's auxiliary losses of ``moe`` (a :class:`~megatron_zcpo.megatron.train_config.MoETraining`;
+    None: its defaults).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -241,6 +242,8 @@ def transformer_config(
         moe_token_dispatcher_type="alltoall",  # the default 'allgather' refuses variable lengths
     )
     if model.is_moe:
+        from megatron_zcpo.megatron.train_config import MoETraining
+
         kwargs.update(moe_transformer_fields(model, moe or MoETraining(), expert_parallel,
                                              tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel))
     elif expert_parallel != 1:
@@ -253,32 +256,9 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-@dataclass
-class MoETraining:
-    """``train.moe``: the router's auxiliary losses during RL (megatron-core's coefficients).
-
-    ``aux_loss_coeff``: the load-balancing loss (``--moe-aux-loss-coeff``; megatron-core averages
-    each micro-batch's loss over the micro-batches). Default 0, as slime runs Qwen3-MoE RL
-    (``--moe-aux-loss-coeff 0``, scripts/models in THUDM/slime): the pretrained router is balanced
-    already, and a balancing gradient that ignores the reward moves the router between the
-    rollout and the update, which is exactly the train/rollout routing mismatch RL must avoid.
-    ``z_loss_coeff``: ST-MoE's router z-loss (None: off, as the peers run it).
-    """
-
-    aux_loss_coeff: float = 0.0
-    z_loss_coeff: Optional[float] = None
-
-    def validate(self, prefix: str = "train.moe") -> None:
-        """Raise ``ValueError`` naming the key on a negative coefficient."""
-        if self.aux_loss_coeff < 0:
-            raise ValueError(f"{prefix}.aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
-        if self.z_loss_coeff is not None and self.z_loss_coeff < 0:
-            raise ValueError(f"{prefix}.z_loss_coeff must be >= 0 (or null), got {self.z_loss_coeff}")
-
-
-def moe_transformer_fields(model: ModelConfig, moe: MoETraining, expert_parallel: int,
+def moe_transformer_fields(model: ModelConfig, moe, expert_parallel: int,
                            expert_tensor_parallel: int) -> dict:
-    """megatron-core ``TransformerConfig`` fields of a mixture-of-experts ``model``.
+    """megatron-core ``TransformerConfig`` fields of a mixture-of-experts ``model`` (``moe``: a MoETraining).
 
     Hugging Face's Qwen-MoE router (softmax over all experts, top-k, renormalised when
     ``norm_topk_prob``) is megatron's softmax router with top-k on the logits and a softmax over

@@ -35,13 +35,20 @@ from megatron_zcpo.megatron.batch import (
     split_minibatches,
     units_of,
 )
+from megatron_zcpo.megatron.expert_batches import pad_to_expert_parallel_count
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.model import ModelConfig, build_gpt_model, transformer_config
 from megatron_zcpo.megatron.offload import HostOffload
 from megatron_zcpo.megatron.pipeline import install_hidden_state_head
 from megatron_zcpo.utils.devices import compute_device, has_cuda
 from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats, RolloutStep
-from megatron_zcpo.megatron.train_config import ParallelConfig, TrainConfig, check_context_parallel
+from megatron_zcpo.megatron.train_config import (
+    ParallelConfig,
+    TrainConfig,
+    check_context_parallel,
+    check_experts,
+    check_resume_expert_parallel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +90,12 @@ class PolicyTrainer:
         self._step_micro_batches: Optional[tuple] = None
         self.diagnostics = diagnostics
         self.reference_is_initial_policy = reference_weights is None
+        check_experts(model_config, parallel, diagnostics is not None)
         self.config = transformer_config(
             model_config, tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
             context_parallel=parallel.context, sequence_parallel=parallel.sequence_parallel,
             params_dtype=torch.bfloat16 if train.bf16 else torch.float32, recompute=train.recompute,
+            expert_parallel=parallel.expert, expert_tensor_parallel=parallel.expert_tensor, moe=train.moe,
         )
         self._build_models(initial_weights, reference_weights)
         self._build_optimizer()
@@ -287,11 +296,13 @@ class PolicyTrainer:
         sp_size = self.parallel.tensor if self.parallel.sequence_parallel else 1
         if self.train_config.packing == "padded":
             lengths = [s.sequence_length for s in samples]
-            return [collate(samples, chunk, sp_size=sp_size).to(device)
-                    for chunk in pack_micro_batches(units, lengths, budget)]
-        lengths = [packed_length(s.sequence_length, self.cp_size, sp_size) for s in samples]
-        return [collate_packed(samples, chunk, self.cp_rank, self.cp_size, sp_size=sp_size).to(device)
-                for chunk in pack_micro_batches(units, lengths, budget, padded=False)]
+            collated = [collate(samples, chunk, sp_size=sp_size).to(device)
+                        for chunk in pack_micro_batches(units, lengths, budget)]
+        else:
+            lengths = [packed_length(s.sequence_length, self.cp_size, sp_size) for s in samples]
+            collated = [collate_packed(samples, chunk, self.cp_rank, self.cp_size, sp_size=sp_size).to(device)
+                        for chunk in pack_micro_batches(units, lengths, budget, padded=False)]
+        return pad_to_expert_parallel_count(collated, self.train_config.packing, self.cp_rank, self.cp_size, sp_size)
 
     def place_reference(self, on_device: bool) -> None:
         """Move the reference to the GPU (``on_device``) or back to host memory, when it is offloaded."""
@@ -362,16 +373,24 @@ class PolicyTrainer:
         """
         from megatron_zcpo.megatron.checkpoint import save_checkpoint
 
-        state = {"trainer_step": self.step, "scheduler": self.scheduler.state_dict(), **(extra_state or {})}
+        state = {"trainer_step": self.step, "scheduler": self.scheduler.state_dict(),
+                 "expert_parallel": self.parallel.expert, **(extra_state or {})}
         return save_checkpoint(root, self.step, self.policy, self.optimizer, state, keep_last=keep_last)
 
     def load(self, path) -> Dict[str, Any]:
         """Resume from a checkpoint written by :meth:`save` (any TP/PP/DP layout); returns its state.
 
-        A checkpoint of another model architecture is refused with the differing fields named.
+        A checkpoint of another model architecture is refused with the differing fields named, one
+        whose optimizer megatron-core cannot reshard to this expert parallelism (see
+        :func:`~megatron_zcpo.megatron.train_config.check_resume_expert_parallel`) naming ``parallel.expert``.
         """
-        from megatron_zcpo.megatron.checkpoint import load_checkpoint
+        from pathlib import Path
 
+        from megatron_zcpo.megatron.checkpoint import TRAINER_STATE, load_checkpoint, read_plain_state
+
+        if (Path(path) / TRAINER_STATE).is_file():
+            check_resume_expert_parallel(read_plain_state(Path(path) / TRAINER_STATE).get("expert_parallel", 1),
+                                         self.parallel.expert, path)
         state = load_checkpoint(path, self.policy, self.optimizer)
         self.step = int(state["trainer_step"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -16,6 +16,7 @@ import torch
 
 from megatron_zcpo.megatron.batch import MicroBatch
 from megatron_zcpo.megatron.experience import token_stats_on_shard
+from megatron_zcpo.megatron.expert_batches import is_padding
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.pipeline import PolicyWithReference, output_weight, run_schedule
 from megatron_zcpo.utils.devices import compute_device
@@ -145,6 +146,8 @@ def forward_backward(trainer: "PolicyTrainer", step: RolloutStep, indices, norma
         output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **trainer.forward_kwargs)
 
         def loss_func(hidden_out):
+            if is_padding(mb):  # expert parallelism's filler: a zero loss whose backward runs the all-to-alls
+                return hidden_out.sum() * 0.0, {"loss": (0.0, 0.0, True)}
             loss, report = loss_fn(loss_inputs(trainer, mb, hidden_out, step, normalizer, use_reference))
             return loss * scale, report
 

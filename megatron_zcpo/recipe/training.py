@@ -44,7 +44,8 @@ class RLRecipe:
 
         config = self.config
         setup_megatron(tensor_parallel=config.parallel.tensor, pipeline_parallel=config.parallel.pipeline,
-                       context_parallel=config.parallel.context, seed=config.train.seed)
+                       context_parallel=config.parallel.context, seed=config.train.seed,
+                       expert_parallel=config.parallel.expert, expert_tensor_parallel=config.parallel.expert_tensor)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.run_dir = Path(config.logging.run_dir)
