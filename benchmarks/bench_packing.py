@@ -48,6 +48,7 @@ def make_rollout(samples: int, max_response: int, vocab: int, seed: int = 0):
 def case(rank, world, packing, samples, max_response, budget, hidden, layers):
     """(experience seconds, MiB), (update seconds, MiB), padding share, micro-batch count."""
     from megatron_zcpo.algorithms import AlgorithmConfig
+    from megatron_zcpo.megatron.batch import collate_micro_batches
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import ModelConfig
     from megatron_zcpo.megatron.metrics import MetricAccumulator
@@ -65,7 +66,7 @@ def case(rank, world, packing, samples, max_response, budget, hidden, layers):
                             ParallelConfig())
     rollout = make_rollout(samples, max_response, model.vocab_size)
     plan = trainer.assign_minibatches(rollout)
-    micro_batches = trainer.micro_batches(rollout, plan.my_indices)
+    micro_batches = collate_micro_batches(rollout, plan.my_indices, trainer.micro_batch_layout)
     fed = sum(mb.tokens.numel() for mb in micro_batches)
     real = sum(s.sequence_length for s in rollout)
     experience = {}

@@ -9,6 +9,8 @@ from torch import Tensor
 
 from megatron_zcpo.algorithms.advantages import active_groups
 from megatron_zcpo.diagnostics.branches import restrict
+from megatron_zcpo.megatron.rollout_step import RolloutStep
+from megatron_zcpo.megatron.update import PolicyUpdate, gradient_dot, gradient_vector, minibatch_normalizer
 
 Selector = Callable[[object], Tensor]  # LossInputs -> [b, T] bool
 
@@ -16,14 +18,15 @@ Selector = Callable[[object], Tensor]  # LossInputs -> [b, T] bool
 class GradientProbe:
     """Parameter gradients of custom losses over chosen samples and tokens of one rollout (collective).
 
-    Wraps PolicyTrainer.gradient_vector: every call is a forward-backward on every rank (gradients
-    DP-reduced, never applied). A data-parallel rank that holds none of the chosen samples still
+    Wraps :func:`megatron_zcpo.megatron.update.gradient_vector`: every call is a forward-backward on
+    every rank (gradients DP-reduced, never applied). A data-parallel rank that holds none of the chosen samples still
     runs one of its own samples of the same mini-batch with a zero loss, so the collectives match.
     """
 
-    def __init__(self, trainer, step):
-        """trainer: the PolicyTrainer; step: the RolloutStep whose samples the passes run over."""
-        self.trainer = trainer
+    def __init__(self, update: PolicyUpdate, step: RolloutStep):
+        """update: what the passes run with (models, optimizer, algorithm); step: the RolloutStep
+        whose samples the passes run over."""
+        self.update = update
         self.step = step
         self.samples = step.samples
         assignment = step.assignment
@@ -56,12 +59,13 @@ class GradientProbe:
             selection = (inputs.mask != 0) if select is None else select(inputs)
             return loss(restrict(inputs, selection)) + anchor
 
-        normalizer = self.trainer.normalizer(self.samples, self.minibatches[minibatch])
-        return self.trainer.gradient_vector(self.step, mine, normalizer, loss_fn, use_reference=use_reference)
+        unit = self.update.algorithm.normalizer_unit
+        normalizer = minibatch_normalizer(self.samples, self.minibatches[minibatch], unit)
+        return gradient_vector(self.update, self.step, mine, normalizer, loss_fn, use_reference=use_reference)
 
     def norm(self, vector: Tensor) -> float:
         """Full-model norm of a gradient vector (collective)."""
-        return max(self.trainer.gradient_dot(vector, vector), 0.0) ** 0.5
+        return max(gradient_dot(vector, vector), 0.0) ** 0.5
 
     def token_norm(self, sample_index: int, position: int, loss: Callable) -> float:
         """||u_t||: the norm of one token's share of ``loss``'s gradient (a single-token pass; collective)."""

@@ -3,7 +3,9 @@
 Every family is defined for the vanilla path (dapo / grpo with an independent KL loss k1 / k2 / k3
 / full, or KL in the reward) and for ZCPO through the reward / KL branch split of
 :mod:`megatron_zcpo.diagnostics.branches`. "Pass" below is one extra forward-backward through
-PolicyTrainer.gradient_vector over the named samples (gradients never reach the optimizer).
+:func:`megatron_zcpo.megatron.update.gradient_vector` over the named samples (gradients never
+reach the optimizer). The hook runs on the trainer's PolicyUpdate (models, optimizer, algorithm
+and its loss, this rank's place) and the step's RolloutStep, never on the trainer itself.
 A single-token pass costs one sequence's forward-backward on every data-parallel rank; the group
 and mini-batch passes hold two flat fp32 gradient vectors of the rank's parameters at a time.
 Metric names are ``diag/<name>``; undefined values (0 / 0) are NaN.
@@ -69,12 +71,13 @@ from megatron_zcpo.algorithms.advantages import active_groups
 from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.algorithms.groups import Groups
 from megatron_zcpo.algorithms.kl import kl_penalty
-from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.algorithms.zcpo import sequence_drift
 from megatron_zcpo.diagnostics.branches import BranchSplit, has_kl_branch
 from megatron_zcpo.diagnostics.config import BRANCH_ALGORITHMS, DiagnosticsConfig
 from megatron_zcpo.diagnostics.drift import drift_dispersion, gvpo_noise_rms, head_variance_share, k1_drift_rmse
 from megatron_zcpo.diagnostics.probes import GradientProbe, sample_groups, trainable_tokens, uniform_tokens
+from megatron_zcpo.megatron.rollout_step import RolloutStep
+from megatron_zcpo.megatron.update import PolicyUpdate, gradient_dot
 from megatron_zcpo.diagnostics.statistics import (
     BranchGeometry,
     branch_geometry,
@@ -84,6 +87,7 @@ from megatron_zcpo.diagnostics.statistics import (
     position_profile,
     top_shares,
 )
+from megatron_zcpo.utils.devices import compute_device
 
 Metrics = Dict[str, Union[float, Tensor]]  # 0-dim tensors or floats; floats once shared
 
@@ -91,22 +95,22 @@ Metrics = Dict[str, Union[float, Tensor]]  # 0-dim tensors or floats; floats onc
 class _Rollout:
     """One diagnosed rollout step: the hook's arguments plus the derived split, probe and reductions."""
 
-    def __init__(self, config: DiagnosticsConfig, trainer, step):
-        self.trainer, self.samples = trainer, step.samples
+    def __init__(self, config: DiagnosticsConfig, update: PolicyUpdate, step: RolloutStep):
+        self.update, self.samples = update, step.samples
         self.experience, self.stats = step.experience, step.stats
         stats = step.stats
-        self.algorithm = trainer.algorithm.config
+        self.algorithm = update.algorithm.config
         config.check_algorithm(self.algorithm)
         # stats exist on the last pipeline stage only; the losses below run only there
-        self.split = BranchSplit(trainer.algorithm, stats) \
+        self.split = BranchSplit(update.algorithm, stats) \
             if stats is not None and self.algorithm.name in BRANCH_ALGORITHMS else None
-        self.probe = GradientProbe(trainer, step)
+        self.probe = GradientProbe(update, step)
         # one replica of each value: TP ranks and non-last stages add nothing
-        self.contributes = trainer.reports_metrics
-        self.primary = trainer.reports_metrics and trainer.dp_rank == 0
-        self.generator = torch.Generator().manual_seed(hash((config.seed, trainer.step)) % (2 ** 63))
+        self.contributes = update.reports_metrics
+        self.primary = update.reports_metrics and update.dp_rank == 0
+        self.generator = torch.Generator().manual_seed(hash((config.seed, step.index)) % (2 ** 63))
         self.has_kl = has_kl_branch(self.algorithm)
-        self.kl_uses_reference = trainer.algorithm.needs_current_kl
+        self.kl_uses_reference = update.algorithm.needs_current_kl
 
     def reduce(self, tensor: Tensor) -> Tensor:
         """Sum of ``tensor`` over the contributing ranks, on every rank (collective, float64)."""
@@ -126,7 +130,7 @@ class _Rollout:
         return self.split.kl_loss(inputs)
 
     def direct_loss(self, inputs) -> Tensor:
-        return self.trainer.algorithm_loss(inputs).loss
+        return self.update.loss(inputs).loss
 
     def branches(self, indices: List[int]) -> BranchGeometry:
         """BranchGeometry of g_R and g_K over samples ``indices`` (2 passes, 1 without a KL branch).
@@ -136,8 +140,7 @@ class _Rollout:
         reward = self.probe.gradient(indices, self.reward_loss)
         kl = self.probe.gradient(indices, self.kl_loss, use_reference=self.kl_uses_reference) \
             if self.has_kl else torch.zeros_like(reward)
-        dot = self.trainer.gradient_dot
-        return branch_geometry(dot(reward, reward), dot(kl, kl), dot(reward, kl))
+        return branch_geometry(gradient_dot(reward, reward), gradient_dot(kl, kl), gradient_dot(reward, kl))
 
     def cancellation(self, indices: List[int], reward_norm: Tensor, count: int) -> Tensor:
         """c_R over the trainable tokens of ``indices`` from ``count`` sampled single-token passes."""
@@ -165,13 +168,14 @@ class KLDiagnostics:
         """Whether diagnostics run at trainer step ``step`` (0-based: step % every == 0)."""
         return self.config.enabled and step % self.config.every == 0
 
-    def run(self, trainer, step) -> Dict[str, float]:
+    def run(self, update: PolicyUpdate, step: RolloutStep) -> Dict[str, float]:
         """Every enabled family but F1, between calibration and the update (see module doc).
 
-        trainer: the PolicyTrainer; step: the RolloutStep as PolicyTrainer.train_step has it
-        (experience, coefficients and stats on the last pipeline stage only). Collective.
+        update: what the trainer's update runs with (PolicyTrainer.policy_update()); step: the
+        RolloutStep as PolicyTrainer.train_step has it (experience, coefficients and stats on the
+        last pipeline stage only). Collective.
         """
-        rollout = _Rollout(self.config, trainer, step)
+        rollout = _Rollout(self.config, update, step)
         families = self.families
         metrics: Metrics = {}
         first = step.assignment.minibatches[0]
@@ -194,7 +198,7 @@ class KLDiagnostics:
             metrics.update(_sampling_noise(rollout))
         return _shared(metrics, rollout.primary)
 
-    def before_minibatch(self, trainer, step, index: int) -> Dict[str, float]:
+    def before_minibatch(self, update: PolicyUpdate, step: RolloutStep, index: int) -> Dict[str, float]:
         """F1 on mini-batch ``index`` under the current parameters, when it is the rollout's last one.
 
         Meant to be called by the trainer on a due step just before the backward of each
@@ -205,7 +209,7 @@ class KLDiagnostics:
         minibatches = step.assignment.minibatches
         if "f1" not in self.families or index != len(minibatches) - 1:
             return {}
-        rollout = _Rollout(self.config, trainer, step)
+        rollout = _Rollout(self.config, update, step)
         return _shared(_clipped_tokens(rollout, minibatches[index]), rollout.primary)
 
 

@@ -1,13 +1,20 @@
-"""Rollout batches: mini-batches that keep groups whole, data-parallel shares, padded or packed (THD) micro-batches."""
+"""Rollout batches: mini-batches that keep groups whole, data-parallel shares, padded or packed (THD) micro-batches.
+
+A rollout step collates each share of its samples once (:class:`StepMicroBatches`), under this
+rank's :class:`MicroBatchLayout`; the experience pass, the update and the gradient probes all
+take their micro-batches from there.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from megatron_zcpo.utils.devices import compute_device
 
 
 @dataclass
@@ -305,3 +312,105 @@ def collate_packed(samples: Sequence[RolloutSample], indices: Sequence[int], cp_
             cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(full), max_seqlen_kv=max(full),
         ),
     )
+
+
+@dataclass(frozen=True)
+class MicroBatchLayout:
+    """How this rank cuts samples into micro-batches.
+
+    ``token_budget``: tokens per micro-batch before the context-parallel split
+    (``train.micro_batch_tokens``); ``packing``: "thd" (padding-free packed rows) or "padded";
+    ``whole_groups``: the algorithm needs every group inside one micro-batch; ``cp_rank`` /
+    ``cp_size``: this rank's context-parallel place; ``sp_size``: the sequence-length multiple
+    sequence parallelism needs (the TP size, else 1); ``equal_count``: every data-parallel rank gets
+    as many micro-batches as the one with the most (:func:`pad_to_equal_count`; expert parallelism).
+    """
+
+    token_budget: int
+    packing: str = "thd"
+    whole_groups: bool = False
+    cp_rank: int = 0
+    cp_size: int = 1
+    sp_size: int = 1
+    equal_count: bool = False  # pad to the data-parallel group's largest count (expert parallelism)
+
+
+def collate_micro_batches(samples: Sequence[RolloutSample], indices: Sequence[int],
+                          layout: MicroBatchLayout) -> List[MicroBatch]:
+    """This rank's micro-batches of ``samples[i] for i in indices`` under ``layout``, on the compute device.
+
+    Deterministic in (samples, indices, layout): every pass that collates the same share sees the
+    same micro-batches, so per-token statistics line up (on a CP rank: its chunks of each response).
+    """
+    units = units_of(indices, [s.group_id for s in samples], layout.whole_groups)
+    device = compute_device()
+    if layout.packing == "padded":
+        lengths = [s.sequence_length for s in samples]
+        collated = [collate(samples, chunk, sp_size=layout.sp_size).to(device)
+                    for chunk in pack_micro_batches(units, lengths, layout.token_budget)]
+    else:
+        lengths = [packed_length(s.sequence_length, layout.cp_size, layout.sp_size) for s in samples]
+        collated = [collate_packed(samples, chunk, layout.cp_rank, layout.cp_size, sp_size=layout.sp_size).to(device)
+                    for chunk in pack_micro_batches(units, lengths, layout.token_budget, padded=False)]
+    return pad_to_equal_count(collated, layout) if layout.equal_count else collated
+
+
+# Expert parallelism: the EP group spans data-parallel ranks, and every MoE layer's token dispatch is
+# an all-to-all in which each EP rank takes part once per micro-batch, forward and backward. Ranks
+# pack their own samples into as many micro-batches as the token budget needs, which may differ; a
+# rank with fewer would leave the others waiting in an all-to-all. So each rank pads its list to the
+# group's largest count with padding micro-batches (one padding token, no sample, no response
+# position): they run through the model and its all-to-alls and reach no loss or statistic (the
+# passes skip their loss, :func:`is_padding`; the update backpropagates a zero).
+
+
+def is_padding(micro_batch: MicroBatch) -> bool:
+    """Whether ``micro_batch`` is a padding micro-batch (it holds no sample)."""
+    return not micro_batch.sample_indices
+
+
+def padding_micro_batch(layout: MicroBatchLayout) -> MicroBatch:
+    """A micro-batch of one padding token (id 0; padded for CP/SP like any sequence) with no sample
+    and no response position, in ``layout``'s packing."""
+    filler = [RolloutSample([0], [0], group_id=-1, reward=0.0)]
+    if layout.packing == "padded":
+        micro_batch = collate(filler, [0], sp_size=layout.sp_size)
+    else:
+        micro_batch = collate_packed(filler, [0], layout.cp_rank, layout.cp_size, sp_size=layout.sp_size)
+    empty = torch.zeros(0, dtype=torch.long)
+    return dataclasses.replace(micro_batch, response_positions=empty, response_token_index=empty,
+                               response_lengths=[], sample_indices=[], rollout_logprobs=None)
+
+
+def pad_to_equal_count(micro_batches: List[MicroBatch], layout: MicroBatchLayout) -> List[MicroBatch]:
+    """``micro_batches`` followed by padding micro-batches up to the largest count in the
+    data-parallel x context-parallel group. Collective over that group: every rank calls it for
+    the same pass."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    count = torch.tensor([len(micro_batches)], dtype=torch.long, device=compute_device())
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+    missing = int(count) - len(micro_batches)
+    return micro_batches + [padding_micro_batch(layout).to(compute_device())] * missing
+
+
+class StepMicroBatches:
+    """One rollout step's micro-batches on this rank: ``step_micro_batches(indices)`` collates each share once.
+
+    The experience pass (all of this rank's samples), the update (each mini-batch's share; the same
+    list with one mini-batch) and repeated gradient probes of a share get the same list back:
+    nothing writes into a micro-batch. Lives as long as the step's :class:`RolloutStep`.
+    """
+
+    def __init__(self, samples: Sequence[RolloutSample], layout: MicroBatchLayout):
+        self.samples = samples
+        self.layout = layout
+        self._collated: Dict[Tuple[int, ...], List[MicroBatch]] = {}
+
+    def __call__(self, indices: Sequence[int]) -> List[MicroBatch]:
+        """:func:`collate_micro_batches` of ``indices``, collated on the first call for them."""
+        key = tuple(indices)
+        if key not in self._collated:
+            self._collated[key] = collate_micro_batches(self.samples, indices, self.layout)
+        return self._collated[key]

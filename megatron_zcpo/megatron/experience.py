@@ -4,33 +4,41 @@ With the policy at pi_old = pi_theta, one pipeline pass of the policy and the fr
 together (:class:`PolicyWithReference`) gives per response token the old log-prob, the reference
 log-prob, the entropy and the exact full-vocabulary conditional KL (the fused vocab-parallel op).
 Calibration all-gathers per-response sums (never tokens) over data-parallel ranks and turns them
-into the algorithm's frozen coefficients.
+into the algorithm's frozen coefficients. Both are functions of explicit inputs: the model chunks,
+the step's micro-batches, the token-statistics options, the algorithm.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
 
 import torch
 
-from megatron_zcpo.megatron.batch import MicroBatch, RolloutSample
-from megatron_zcpo.megatron.expert_batches import is_padding
+from megatron_zcpo.megatron.batch import MicroBatch, RolloutSample, is_padding
 from megatron_zcpo.megatron.metrics import MetricAccumulator
-from megatron_zcpo.megatron.pipeline import PolicyWithReference, output_weight, run_schedule
+from megatron_zcpo.megatron.pipeline import ModelChunks, output_weight, run_schedule
+from megatron_zcpo.megatron.rollout_step import ResponseTokenStats
 from megatron_zcpo.utils.devices import compute_device
-from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats
-
-if TYPE_CHECKING:
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
 
 
-def token_stats_on_shard(hidden, weight, targets, ref_hidden=None, ref_weight=None, *, vocab_size, chunk_size,
-                         temperature):
+@dataclass(frozen=True)
+class TokenStatsOptions:
+    """How the fused op scores response tokens: the true ``vocab_size`` (the model's, before
+    megatron's padding), ``chunk_size`` (``train.kl_chunk_size``) and the rollout's sampling
+    ``temperature``."""
+
+    vocab_size: int
+    chunk_size: int
+    temperature: float
+
+
+def token_stats_on_shard(hidden, weight, targets, ref_hidden=None, ref_weight=None, *, options: TokenStatsOptions):
     """Fused vocab-parallel statistics over this rank's vocabulary shard (see megatron_zcpo.ops).
 
     hidden / ref_hidden: [R, H] response positions' final hidden states; weight / ref_weight:
     [V_local, H] output layers; targets: [R] token ids. Log-probs and entropy at the sampling
-    ``temperature`` (the distribution the rollout drew from); the conditional KL between the
+    temperature (the distribution the rollout drew from); the conditional KL between the
     models themselves (temperature 1). Returns the op's TokenStats, each field [R].
     """
     from megatron.core import parallel_state as ps
@@ -40,24 +48,27 @@ def token_stats_on_shard(hidden, weight, targets, ref_hidden=None, ref_weight=No
     return fused_token_stats(
         hidden, weight, targets, ref_hidden, ref_weight,
         group=ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None,
-        vocab_size=vocab_size, chunk_size=chunk_size, temperature=temperature, kl_temperature=1.0,
+        vocab_size=options.vocab_size, chunk_size=options.chunk_size, temperature=options.temperature,
+        kl_temperature=1.0,
     )
 
 
 @torch.no_grad()
-def run_experience(trainer: "PolicyTrainer", samples: Sequence[RolloutSample],
-                   assignment: MinibatchAssignment) -> Dict[int, ResponseTokenStats]:
-    """Per-token statistics at the sampling snapshot for this rank's samples.
+def run_experience(models: ModelChunks, micro_batches: List[MicroBatch],
+                   options: TokenStatsOptions) -> Dict[int, ResponseTokenStats]:
+    """Per-token statistics at the sampling snapshot of the samples in ``micro_batches`` (this rank's).
 
-    Returns {sample index: ResponseTokenStats} on the last pipeline stage, {} elsewhere.
+    One forward of the policy and the reference side by side per micro-batch (no grad; the
+    reference is brought to the device for the pass when offloaded). Returns {sample index:
+    ResponseTokenStats} on the last pipeline stage, {} elsewhere.
     """
-    trainer.place_reference(on_device=True)
-    model = PolicyWithReference(trainer.policy, trainer.reference)
-    hidden_size = trainer.config.hidden_size
+    models.place_reference(on_device=True)
+    model = models.with_reference()
+    hidden_size = models.hidden_size
     results: Dict[int, ResponseTokenStats] = {}
 
     def forward_step(mb: MicroBatch, m):
-        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **trainer.forward_kwargs)
+        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **models.forward_kwargs)
 
         def loss_func(hidden_pair):
             if is_padding(mb):  # expert parallelism's filler: it only takes part in the all-to-alls
@@ -66,9 +77,8 @@ def run_experience(trainer: "PolicyTrainer", samples: Sequence[RolloutSample],
             flat = hidden_pair.reshape(-1, 2 * hidden_size).index_select(0, positions)
             hidden, ref_hidden = flat.split(hidden_size, dim=-1)
             targets = mb.targets.reshape(-1).index_select(0, positions)
-            stats = token_stats_on_shard(hidden, output_weight(trainer.policy), targets, ref_hidden,
-                                         output_weight(trainer.reference), vocab_size=trainer.model_config.vocab_size,
-                                         chunk_size=trainer.train_config.kl_chunk_size, temperature=trainer.temperature)
+            stats = token_stats_on_shard(hidden, output_weight(models.policy), targets, ref_hidden,
+                                         output_weight(models.reference), options=options)
             offset = 0
             for index, length in zip(mb.sample_indices, mb.response_lengths):
                 span = slice(offset, offset + length)
@@ -83,28 +93,27 @@ def run_experience(trainer: "PolicyTrainer", samples: Sequence[RolloutSample],
         return output, loss_func
 
     model.eval()
-    run_schedule(model, trainer.micro_batches(samples, assignment.my_indices), forward_step, forward_only=True)
+    run_schedule(model, micro_batches, forward_step, forward_only=True)
     model.train()
-    trainer.reference.eval()
-    trainer.place_reference(on_device=False)
+    models.reference.eval()
+    models.place_reference(on_device=False)
     return results
 
 
-def calibrate(trainer: "PolicyTrainer", samples: Sequence[RolloutSample], experience: Dict[int, ResponseTokenStats]):
-    """Per-response coefficients for the whole rollout, frozen until the next rollout.
+def calibrate(samples: Sequence[RolloutSample], experience: Dict[int, ResponseTokenStats], algorithm):
+    """Per-response coefficients for the whole rollout, frozen until the next rollout (last pipeline stage).
 
     The per-response sums (conditional KL, k1) of every DP rank's samples are all-gathered
     over the data-parallel group (and summed over context-parallel ranks, which each hold a
-    piece of every sequence); rewards, groups and lengths are known everywhere. Returns
-    (coefficients [N] float32 on the last stage or None elsewhere, ResponseStats or None).
+    piece of every sequence); rewards, groups and lengths are known everywhere. ``algorithm``:
+    the registry's Algorithm, whose ``coefficients`` turns them into C_i. Returns
+    (coefficients [N] float32, ResponseStats). Collective over the DP x CP group.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_zcpo.algorithms import ResponseStats
 
-    if not trainer.is_last_stage:
-        return None, None
     n = len(samples)
     sums = torch.zeros(n, 2, dtype=torch.float64)
     for index, stats in experience.items():
@@ -121,7 +130,7 @@ def calibrate(trainer: "PolicyTrainer", samples: Sequence[RolloutSample], experi
         kl_sum=sums[:, 0],
         k1_sum=sums[:, 1],
     )
-    return trainer.algorithm.coefficients(stats).float(), stats
+    return algorithm.coefficients(stats).float(), stats
 
 
 def selfcheck(experience: Dict[int, ResponseTokenStats], tolerance: float) -> Dict[str, float]:

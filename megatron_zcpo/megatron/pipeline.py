@@ -9,16 +9,20 @@ per micro-batch for the whole rollout), :class:`PolicyWithReference` runs both m
 ONE pipeline model: stage outputs are concatenated along the hidden dimension, so every p2p
 message carries both activations and the last stage receives both at once. Memory stays at one
 micro-batch in flight per stage; the cost is twice the p2p volume, which is small next to the
-forward compute of two models.
+forward compute of two models. :class:`ModelChunks` is what a pass runs: this rank's policy and
+reference chunks and how to call them.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Callable, List
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from megatron_zcpo.megatron.offload import HostOffload
+from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.utils.runtime import unwrap
 
 
@@ -116,6 +120,39 @@ class PolicyWithReference(torch.nn.Module):
         with torch.no_grad():
             reference_out = self.reference(input_ids, position_ids, attention_mask, **kwargs)
         return torch.cat([policy_out, reference_out.detach()], dim=-1)
+
+
+@dataclass
+class ModelChunks:
+    """This rank's model chunks a pass runs: the trained policy and the frozen reference.
+
+    ``policy``: megatron-core's DDP around this pipeline stage's GPTModel (in a Float16Module under
+    bf16), with the hidden-state head installed; ``reference``: the frozen reference's stage;
+    ``forward_kwargs``: extra keywords of every forward call ({"fp32_output": False} under bf16);
+    ``reference_offload``: the reference's host copy when it lives off the GPU between uses, else None.
+    """
+
+    policy: Any
+    reference: Any
+    forward_kwargs: Dict[str, Any] = field(default_factory=dict)
+    reference_offload: Optional[HostOffload] = None
+
+    @property
+    def hidden_size(self) -> int:
+        return unwrap(self.policy).config.hidden_size
+
+    def with_reference(self) -> PolicyWithReference:
+        """Both models' stages as one pipeline model (see :class:`PolicyWithReference`)."""
+        return PolicyWithReference(self.policy, self.reference)
+
+    def place_reference(self, on_device: bool) -> None:
+        """Move the reference to the compute device (``on_device``) or back to host memory, when offloaded."""
+        if self.reference_offload is None:
+            return
+        if on_device:
+            self.reference_offload.to_device(compute_device())
+        else:
+            self.reference_offload.to_host()
 
 
 def run_schedule(

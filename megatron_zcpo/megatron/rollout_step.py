@@ -1,14 +1,14 @@
-"""One rollout step's values as the trainer, the diagnostics and the gradient probes share them."""
+"""One rollout step as its passes share it: samples, assignment, micro-batches, experience, coefficients."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from megatron_zcpo.algorithms.response_stats import ResponseStats
-from megatron_zcpo.megatron.batch import RolloutSample
+from megatron_zcpo.megatron.batch import RolloutSample, StepMicroBatches
 
 
 @dataclass
@@ -38,16 +38,21 @@ class ResponseTokenStats:
 
 @dataclass
 class RolloutStep:
-    """Everything one rollout step computed before its updates, frozen for the step.
+    """One rollout step, created once per rollout by PolicyTrainer.train_step and filled pass by pass.
 
     samples: the whole rollout (every rank); assignment: the mini-batches and this rank's share;
-    experience: {sample index: ResponseTokenStats} of this rank's samples (last stage, {} elsewhere);
-    coefficients: [N] frozen per-response coefficients (last stage, None elsewhere); stats: the
-    ResponseStats they were calibrated from (last stage, None elsewhere).
+    experience: {sample index: ResponseTokenStats} of this rank's samples (the experience pass;
+    last stage, {} elsewhere); coefficients: [N] frozen per-response coefficients and stats: the
+    ResponseStats they were calibrated from (calibration; last stage, None elsewhere);
+    micro_batches: this rank's micro-batches, each share collated once (None for a step put
+    together by hand: every use collates afresh); index: the trainer step (0-based). After
+    calibration nothing changes until the next rollout: diagnostics and the update only read it.
     """
 
     samples: Sequence[RolloutSample]
     assignment: MinibatchAssignment
-    experience: Dict[int, ResponseTokenStats]
-    coefficients: Optional[torch.Tensor]
-    stats: Optional[ResponseStats]
+    experience: Dict[int, ResponseTokenStats] = field(default_factory=dict)
+    coefficients: Optional[torch.Tensor] = None
+    stats: Optional[ResponseStats] = None
+    micro_batches: Optional[StepMicroBatches] = None
+    index: int = 0

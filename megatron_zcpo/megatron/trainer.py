@@ -1,20 +1,28 @@
 """The policy trainer on megatron-core: one rollout step, identical on a laptop CPU and a 1,000-GPU cluster.
 
-1. assign (:meth:`PolicyTrainer.assign_minibatches`): the rollout's samples are split into
-   mini-batches that keep groups whole, and each mini-batch is dealt to data-parallel ranks
-   (groups may be split across ranks). Every rank holds the whole rollout's metadata, so global
-   normalisers need no communication.
-2. experience (:mod:`megatron_zcpo.megatron.experience`, no grad, the sampling snapshot
-   pi_old = pi_theta): per-token old log-prob, reference log-prob, entropy and exact conditional KL.
-3. calibrate (same module): per-response sums are all-gathered over data-parallel ranks (never
-   tokens) and the registered algorithm turns them into per-response coefficients, frozen for
-   the rollout. The five values travel on as one :class:`RolloutStep`.
-4. update (:mod:`megatron_zcpo.megatron.update`): per mini-batch, megatron-core's
+:meth:`PolicyTrainer.train_step` conducts one rollout step; every pass is a function of explicit
+inputs that knows nothing of the trainer, and what the passes share travels in one
+:class:`RolloutStep` created per rollout.
+
+1. assign (:meth:`PolicyTrainer.start_step`): the rollout's samples are split into mini-batches
+   that keep groups whole, and each mini-batch is dealt to data-parallel ranks (groups may be
+   split across ranks); the step's micro-batches are collated once per share
+   (:class:`~megatron_zcpo.megatron.batch.StepMicroBatches`). Every rank holds the whole
+   rollout's metadata, so global normalisers need no communication.
+2. experience (:func:`megatron_zcpo.megatron.experience.run_experience`, no grad, the sampling
+   snapshot pi_old = pi_theta): per-token old log-prob, reference log-prob, entropy and exact
+   conditional KL.
+3. calibrate (:func:`megatron_zcpo.megatron.experience.calibrate`): per-response sums are
+   all-gathered over data-parallel ranks (never tokens) and the registered algorithm turns them
+   into per-response coefficients, frozen for the rollout. The diagnostics hook runs here when due.
+4. update (:func:`megatron_zcpo.megatron.update.run_update`): per mini-batch, megatron-core's
    forward_backward_func with the algorithm's loss, gradient clipping and one optimizer step.
+5. metrics: one all-reduce of everything the passes added (:class:`MetricAccumulator`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -22,25 +30,26 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from megatron_zcpo.megatron import experience as experience_pass
-from megatron_zcpo.megatron import update as update_pass
 from megatron_zcpo.megatron.batch import (
-    MicroBatch,
+    MicroBatchLayout,
     RolloutSample,
+    StepMicroBatches,
     assign_data_parallel,
-    collate,
-    collate_packed,
-    pack_micro_batches,
-    packed_length,
+    collate_micro_batches,
     split_minibatches,
     units_of,
 )
-from megatron_zcpo.megatron.expert_batches import pad_to_expert_parallel_count
+from megatron_zcpo.megatron.experience import (
+    TokenStatsOptions,
+    calibrate,
+    experience_metrics,
+    run_experience,
+    selfcheck,
+)
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.model import ModelConfig, build_gpt_model, transformer_config
 from megatron_zcpo.megatron.offload import HostOffload
-from megatron_zcpo.megatron.pipeline import install_hidden_state_head
-from megatron_zcpo.utils.devices import compute_device, has_cuda
+from megatron_zcpo.megatron.pipeline import ModelChunks, install_hidden_state_head
 from megatron_zcpo.megatron.rollout_step import MinibatchAssignment, ResponseTokenStats, RolloutStep
 from megatron_zcpo.megatron.train_config import (
     ParallelConfig,
@@ -49,10 +58,29 @@ from megatron_zcpo.megatron.train_config import (
     check_experts,
     check_resume_expert_parallel,
 )
+from megatron_zcpo.megatron.update import (
+    LossInputs,
+    PolicyUpdate,
+    SkippedSteps,
+    algorithm_loss,
+    gradient_dot,
+    gradient_vector,
+    minibatch_normalizer,
+    run_update,
+)
+from megatron_zcpo.utils.devices import has_cuda
 
 logger = logging.getLogger(__name__)
 
 Weights = Union[Dict[str, torch.Tensor], str, os.PathLike, None]
+
+
+@contextlib.contextmanager
+def _timed(timings: Dict[str, float], name: str):
+    """Add the seconds the block takes to ``timings[name]``."""
+    started = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - started
 
 
 class PolicyTrainer:
@@ -64,9 +92,9 @@ class PolicyTrainer:
     ``reference_weights`` is given; without either, both start from the same seeded random
     initialisation. ``temperature`` is the rollout's sampling temperature: log-probs are those of
     the distribution the engine sampled from. ``diagnostics`` (see megatron_zcpo.diagnostics) has
-    ``due(step) -> bool``, ``run(trainer, rollout_step) -> dict`` and
-    ``before_minibatch(trainer, rollout_step, index) -> dict``; when due, ``run`` runs between
-    calibration and the update, on every rank.
+    ``due(step) -> bool``, ``run(policy_update, rollout_step) -> dict`` and
+    ``before_minibatch(policy_update, rollout_step, index) -> dict`` (a :class:`PolicyUpdate` and
+    the :class:`RolloutStep`); when due, ``run`` runs between calibration and the update, on every rank.
     """
 
     def __init__(self, model_config: ModelConfig, algorithm_config, train: TrainConfig, parallel: ParallelConfig, *,
@@ -83,11 +111,8 @@ class PolicyTrainer:
         self.parallel = parallel
         self.temperature = float(temperature)
         self.step = 0
-        self.skipped_in_a_row = 0  # consecutive optimizer steps skipped for non-finite values
-        self.skipped: List[str] = []  # this rollout step's skipped optimizer steps, one message each
+        self.skips = SkippedSteps()  # optimizer steps skipped for non-finite values
         self.last_coefficients: Optional[torch.Tensor] = None
-        # During train_step: (its samples, {indices: micro-batches}), see micro_batches.
-        self._step_micro_batches: Optional[tuple] = None
         self.diagnostics = diagnostics
         self.reference_is_initial_policy = reference_weights is None
         check_experts(model_config, parallel, diagnostics is not None)
@@ -110,7 +135,7 @@ class PolicyTrainer:
         self.counts_once = self.dp_rank == 0 and self.cp_rank == 0
 
     def _build_models(self, initial_weights: Weights, reference_weights: Weights) -> None:
-        """``self.policy`` (DDP-wrapped) and the frozen ``self.reference``, loaded and headless."""
+        """``self.models``: the policy (DDP-wrapped) and the frozen reference, loaded and headless."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from megatron_zcpo.megatron.checkpoint import load_model_checkpoint
@@ -136,19 +161,28 @@ class PolicyTrainer:
             from megatron.core.transformer.module import Float16Module
 
             policy, reference = Float16Module(self.config, policy), Float16Module(self.config, reference)
-        self.forward_kwargs = {"fp32_output": False} if self.train_config.bf16 else {}
         reference.eval()
         for param in reference.parameters():
             param.requires_grad_(False)
-        self.reference = reference
-        # Offloaded between uses through reused pinned host buffers (asynchronous copies).
-        self.reference_offloader = HostOffload(reference, pin=has_cuda())
-        self.policy = DistributedDataParallel(
+        policy = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                           use_distributed_optimizer=self.parallel.distributed_optimizer),
             policy,
         )
+        # Offloaded between uses through reused pinned host buffers (asynchronous copies).
+        offload = HostOffload(reference, pin=True) if self.train_config.reference_offload and has_cuda() else None
+        self.models = ModelChunks(policy, reference, {"fp32_output": False} if self.train_config.bf16 else {}, offload)
+
+    @property
+    def policy(self):
+        """This rank's chunk of the policy (megatron-core's DDP)."""
+        return self.models.policy
+
+    @property
+    def reference(self):
+        """This rank's chunk of the frozen reference."""
+        return self.models.reference
 
     def _build_optimizer(self) -> None:
         """megatron-core's AdamW over the policy (``self.optimizer``) and its LR ``self.scheduler``."""
@@ -180,80 +214,104 @@ class PolicyTrainer:
 
     # ----------------------------------------------------------------------------- one step
     def train_step(self, samples: Sequence[RolloutSample]) -> Dict[str, float]:
-        """Experience -> calibration -> updates on one rollout; returns global metrics (every rank).
+        """Assign -> experience -> calibrate -> (diagnostics) -> update -> metrics on one rollout.
 
-        The rollout's frozen coefficients stay available as ``last_coefficients`` ([N] on the last
-        pipeline stage, None elsewhere).
+        Returns the step's global metrics (every rank). The rollout's frozen coefficients stay
+        available as ``last_coefficients`` ([N] on the last pipeline stage, None elsewhere).
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
-        self._step_micro_batches = (samples, {})
-        try:
-            return self._train_step(samples)
-        finally:
-            self._step_micro_batches = None
-
-    def _train_step(self, samples: Sequence[RolloutSample]) -> Dict[str, float]:
-        """:meth:`train_step`'s body."""
         metrics, timings = MetricAccumulator(), {}
-        started = time.perf_counter()
-        assignment = self.assign_minibatches(samples)
-        experience = self.experience(samples, assignment)
-        timings["time/experience"] = time.perf_counter() - started
-        selfcheck = {}
+        with _timed(timings, "time/experience"):
+            step = self.start_step(samples)  # assign: mini-batches, this rank's share, its micro-batches
+            step.experience = run_experience(self.models, step.micro_batches(step.assignment.my_indices),
+                                             self.token_stats)
+        checked = {}
         if self.step == 0 and self.reference_is_initial_policy:
-            selfcheck = experience_pass.selfcheck(experience, self.train_config.selfcheck_tolerance)
+            checked = selfcheck(step.experience, self.train_config.selfcheck_tolerance)
+        with _timed(timings, "time/calibrate"):
+            if self.is_last_stage:
+                step.coefficients, step.stats = calibrate(step.samples, step.experience, self.algorithm)
+                self._add_experience_metrics(step, metrics)
+            self.last_coefficients = step.coefficients
+        update = self.policy_update()
+        diagnostics, before_minibatch = self._diagnose(update, step, timings)
+        with _timed(timings, "time/update"):
+            self._update(update, step, metrics, before_minibatch)
+        return self._step_metrics(step, metrics, checked, diagnostics, timings)
 
-        started = time.perf_counter()
-        coefficients, stats = self.calibrate(samples, experience)
-        step = RolloutStep(samples, assignment, experience, coefficients, stats)
-        self.last_coefficients = coefficients
-        self._add_experience_metrics(step, metrics)
-        timings["time/calibrate"] = time.perf_counter() - started
+    def start_step(self, samples: Sequence[RolloutSample]) -> RolloutStep:
+        """The rollout's :class:`RolloutStep`: its assignment and this rank's micro-batches (collated on use)."""
+        return RolloutStep(samples, self.assign_minibatches(samples),
+                           micro_batches=StepMicroBatches(samples, self.micro_batch_layout), index=self.step)
 
-        diagnostics, before_minibatch = {}, None
-        if self.diagnostics is not None and self.diagnostics.due(self.step):
-            started = time.perf_counter()
-            diagnostics = self.diagnostics.run(self, step)
-            timings["time/diagnostics"] = time.perf_counter() - started
-            before_minibatch = self._diagnostics_hook(step, diagnostics)
+    def policy_update(self) -> PolicyUpdate:
+        """What the update, the gradient probes and the diagnostics run with now (see :class:`PolicyUpdate`)."""
+        return PolicyUpdate(
+            models=self.models, optimizer=self.optimizer, algorithm=self.algorithm, loss=self.algorithm_loss,
+            layout=self.micro_batch_layout, token_stats=self.token_stats,
+            importance_sampling=self.train_config.importance_sampling, dp_size=self.dp_size, dp_rank=self.dp_rank,
+            reports_metrics=self.reports_metrics, counts_once=self.counts_once,
+            max_skipped_steps=self.train_config.max_skipped_steps,
+        )
 
-        started = time.perf_counter()
-        self.skipped = []
-        self.update(step, metrics, before_minibatch=before_minibatch)
-        timings["time/update"] = time.perf_counter() - started
-        out = metrics.reduce(contribute=self.reports_metrics)
-        out["update/skipped_steps"] = float(len(self.skipped))
-        import torch.distributed as dist
+    @property
+    def micro_batch_layout(self) -> MicroBatchLayout:
+        """How this rank collates micro-batches (``train.packing``, ``train.micro_batch_tokens``, CP, SP)."""
+        return MicroBatchLayout(
+            token_budget=self.train_config.micro_batch_tokens, packing=self.train_config.packing,
+            whole_groups=self.algorithm.needs_whole_groups, cp_rank=self.cp_rank, cp_size=self.cp_size,
+            # Sequence parallelism scatters the sequence dimension over the TP ranks: pad to a multiple.
+            sp_size=self.parallel.tensor if self.parallel.sequence_parallel else 1,
+            # Expert parallelism's all-to-alls need the same micro-batch count on every DP rank.
+            equal_count=self.parallel.expert > 1,
+        )
 
-        for message in self.skipped if dist.get_rank() == 0 else []:
-            logger.warning("%s", message)
-        out.update(selfcheck)
-        out.update(diagnostics)
-        out.update(timings)
-        out["train/lr"] = self.last_lr
-        out["train/step"] = self.step
-        trained_tokens = sum(len(s.response_ids) + len(s.prompt_ids) for s in samples)
-        out["train/tokens_per_s"] = trained_tokens / max(timings["time/experience"] + timings["time/update"], 1e-9)
-        return out
+    @property
+    def token_stats(self) -> TokenStatsOptions:
+        """How the fused op scores tokens: the true vocabulary, ``train.kl_chunk_size``, the sampling temperature."""
+        return TokenStatsOptions(vocab_size=self.model_config.vocab_size, chunk_size=self.train_config.kl_chunk_size,
+                                 temperature=self.temperature)
 
-    def _diagnostics_hook(self, step: RolloutStep, out: Dict[str, float]):
-        """A per-mini-batch callback running the diagnostics that need moved ratios (F1) into ``out``."""
+    def _diagnose(self, update: PolicyUpdate, step: RolloutStep, timings: Dict[str, float]):
+        """(metrics, before_minibatch) of the diagnostics hook when due, else ({}, None): ``run`` now, and a
+        per-mini-batch callback adding the families that need moved ratios (F1) to the same metrics."""
+        if self.diagnostics is None or not self.diagnostics.due(self.step):
+            return {}, None
+        with _timed(timings, "time/diagnostics"):
+            out = self.diagnostics.run(update, step)
+
         def before_minibatch(index: int) -> None:
-            out.update(self.diagnostics.before_minibatch(self, step, index))
-        return before_minibatch
+            out.update(self.diagnostics.before_minibatch(update, step, index))
+        return out, before_minibatch
 
     def _add_experience_metrics(self, step: RolloutStep, metrics: MetricAccumulator) -> None:
-        """The experience pass's token metrics (one replica) and the coefficients' (counted once)."""
-        if not self.is_last_stage:
-            return
+        """The experience pass's token metrics (one replica) and the coefficients' (counted once); last stage."""
         if self.reports_metrics:
-            experience_pass.experience_metrics(step.samples, step.experience, metrics)
+            experience_metrics(step.samples, step.experience, metrics)
         if self.counts_once:  # coefficients are identical on every DP and CP rank: count once
             for name, value in self.algorithm.coefficient_metrics(step.stats, step.coefficients).items():
                 metrics.add(f"coef/{name}", value, 1.0)
 
-    # ----------------------------------------------------------------------------- the step's parts
+    def _step_metrics(self, step: RolloutStep, metrics: MetricAccumulator, checked: Dict[str, float],
+                      diagnostics: Dict[str, float], timings: Dict[str, float]) -> Dict[str, float]:
+        """The step's global metrics: the passes' (one all-reduce), skips, self-check, diagnostics, timings."""
+        import torch.distributed as dist
+
+        out = metrics.reduce(contribute=self.reports_metrics)
+        out["update/skipped_steps"] = float(len(self.skipped))
+        for message in self.skipped if dist.get_rank() == 0 else []:
+            logger.warning("%s", message)
+        out.update(checked)
+        out.update(diagnostics)
+        out.update(timings)
+        out["train/lr"] = self.last_lr
+        out["train/step"] = self.step
+        trained_tokens = sum(len(s.response_ids) + len(s.prompt_ids) for s in step.samples)
+        out["train/tokens_per_s"] = trained_tokens / max(timings["time/experience"] + timings["time/update"], 1e-9)
+        return out
+
+    # ----------------------------------------------------------------------------- the step's parts, one by one
     def assign_minibatches(self, samples: Sequence[RolloutSample]) -> MinibatchAssignment:
         """Split the rollout into group-whole mini-batches and deal them to DP ranks."""
         lengths = [s.sequence_length for s in samples]
@@ -268,76 +326,27 @@ class PolicyTrainer:
                 for mb in minibatches]
         return MinibatchAssignment(minibatches=minibatches, mine=mine)
 
-    def micro_batches(self, samples: Sequence[RolloutSample], indices) -> List[MicroBatch]:
-        """This rank's micro-batches of ``indices`` under the token budget, on the model's device.
-
-        Deterministic in (samples, indices): the experience pass and every update see the same
-        micro-batches, so per-token statistics line up (on a CP rank: its chunks of each response).
-        Within :meth:`train_step` each list is collated once and handed out again for the same
-        samples and indices (the experience pass and the update with one mini-batch, repeated
-        diagnostics probes): nothing writes into a micro-batch, and the step ends the reuse.
-        """
-        cache = self._step_micro_batches
-        cache = cache[1] if cache is not None and cache[0] is samples else None
-        key = tuple(indices)
-        if cache is not None and key in cache:
-            return cache[key]
-        collated = self._collate(samples, indices)
-        if cache is not None:
-            cache[key] = collated
-        return collated
-
-    def _collate(self, samples: Sequence[RolloutSample], indices) -> List[MicroBatch]:
-        """:meth:`micro_batches`, collated afresh."""
-        units = units_of(indices, [s.group_id for s in samples], self.algorithm.needs_whole_groups)
-        budget = self.train_config.micro_batch_tokens
-        device = compute_device()
-        # Sequence parallelism scatters the sequence dimension over the TP ranks: pad to a multiple.
-        sp_size = self.parallel.tensor if self.parallel.sequence_parallel else 1
-        if self.train_config.packing == "padded":
-            lengths = [s.sequence_length for s in samples]
-            collated = [collate(samples, chunk, sp_size=sp_size).to(device)
-                        for chunk in pack_micro_batches(units, lengths, budget)]
-        else:
-            lengths = [packed_length(s.sequence_length, self.cp_size, sp_size) for s in samples]
-            collated = [collate_packed(samples, chunk, self.cp_rank, self.cp_size, sp_size=sp_size).to(device)
-                        for chunk in pack_micro_batches(units, lengths, budget, padded=False)]
-        return pad_to_expert_parallel_count(collated, self.train_config.packing, self.cp_rank, self.cp_size, sp_size)
-
-    def place_reference(self, on_device: bool) -> None:
-        """Move the reference to the GPU (``on_device``) or back to host memory, when it is offloaded."""
-        if self.train_config.reference_offload and has_cuda():
-            if on_device:
-                self.reference_offloader.to_device(compute_device())
-            else:
-                self.reference_offloader.to_host()
-
     def experience(self, samples: Sequence[RolloutSample], assignment: MinibatchAssignment
                    ) -> Dict[int, ResponseTokenStats]:
         """{sample index: ResponseTokenStats} of this rank's samples (last stage; {} elsewhere); see
         :func:`megatron_zcpo.megatron.experience.run_experience`."""
-        return experience_pass.run_experience(self, samples, assignment)
+        micro_batches = collate_micro_batches(samples, assignment.my_indices, self.micro_batch_layout)
+        return run_experience(self.models, micro_batches, self.token_stats)
 
     def calibrate(self, samples: Sequence[RolloutSample], experience: Dict[int, ResponseTokenStats]):
         """(coefficients [N], ResponseStats) on the last stage, (None, None) elsewhere; see
         :func:`megatron_zcpo.megatron.experience.calibrate`."""
-        return experience_pass.calibrate(self, samples, experience)
+        if not self.is_last_stage:
+            return None, None
+        return calibrate(samples, experience, self.algorithm)
 
     def normalizer(self, samples: Sequence[RolloutSample], indices) -> float:
         """Global denominator of the loss aggregation over one mini-batch (all DP ranks)."""
-        counted = [len(samples[i].response_ids) for i in indices if samples[i].trainable]
-        if self.algorithm.normalizer_unit == "tokens":
-            return float(sum(counted))
-        return float(sum(1 for c in counted if c > 0))  # seq-mean modes: sequences with a token
+        return minibatch_normalizer(samples, indices, self.algorithm.normalizer_unit)
 
-    def algorithm_loss(self, inputs: update_pass.LossInputs):
+    def algorithm_loss(self, inputs: LossInputs):
         """The registered algorithm's loss on one micro-batch's inputs (AlgorithmLoss)."""
-        return self.algorithm.loss(
-            inputs.logprob, inputs.old_logprob, inputs.mask, inputs.coefficients,
-            normalizer=inputs.normalizer, ref_logprob=inputs.ref_logprob, current_kl=inputs.current_kl,
-            token_weight=inputs.token_weight,
-            group_ids=inputs.group_ids if self.algorithm.needs_whole_groups else None,
-        )
+        return algorithm_loss(self.algorithm, inputs)
 
     def update(self, step: RolloutStep, metrics: MetricAccumulator, before_minibatch=None) -> List[float]:
         """The LR schedule's step, then one optimizer step per mini-batch; returns the gradient norms.
@@ -345,19 +354,30 @@ class PolicyTrainer:
         Rollout k trains at the schedule's step k+1 (``last_lr``). See
         :func:`megatron_zcpo.megatron.update.run_update`.
         """
+        return self._update(self.policy_update(), step, metrics, before_minibatch)
+
+    def _update(self, update: PolicyUpdate, step: RolloutStep, metrics: MetricAccumulator,
+                before_minibatch=None) -> List[float]:
+        """:meth:`update` with ``update`` (the one the step's diagnostics saw)."""
         self.scheduler.step(1)
         self.last_lr = float(self.optimizer.param_groups[0]["lr"])
-        grad_norms = update_pass.run_update(self, step, metrics, before_minibatch)
+        self.skips.messages = []
+        grad_norms = run_update(update, step, metrics, self.skips, before_minibatch)
         self.step += 1
         return grad_norms
+
+    @property
+    def skipped(self) -> List[str]:
+        """The last update's skipped optimizer steps, one message each (see :class:`SkippedSteps`)."""
+        return self.skips.messages
 
     def gradient_vector(self, step: RolloutStep, indices, normalizer: float, loss_fn, *,
                         use_reference: bool = False) -> torch.Tensor:
         """This rank's flat fp32 gradient of ``loss_fn`` over ``indices`` (a probe: no optimizer step);
         see :func:`megatron_zcpo.megatron.update.gradient_vector`."""
-        return update_pass.gradient_vector(self, step, indices, normalizer, loss_fn, use_reference=use_reference)
+        return gradient_vector(self.policy_update(), step, indices, normalizer, loss_fn, use_reference=use_reference)
 
-    gradient_dot = staticmethod(update_pass.gradient_dot)
+    gradient_dot = staticmethod(gradient_dot)
 
     # ----------------------------------------------------------------------------- weights & state
     def global_state_dict(self) -> Dict[str, torch.Tensor]:

@@ -4,27 +4,25 @@ Per mini-batch, megatron-core's forward_backward_func runs over packed micro-bat
 algorithm's loss on the step's frozen coefficients, exact token-mean normalisation across
 micro-batches and DP ranks, then gradient clipping and one optimizer step. The gradient probes
 (diagnostics) run the same forward-backward with a custom loss and never reach the optimizer.
+Every function here runs on explicit inputs: the :class:`PolicyUpdate` (models, optimizer,
+algorithm and its loss) and the :class:`~megatron_zcpo.megatron.rollout_step.RolloutStep`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from megatron_zcpo.megatron.batch import MicroBatch
-from megatron_zcpo.megatron.experience import token_stats_on_shard
-from megatron_zcpo.megatron.expert_batches import is_padding
+from megatron_zcpo.megatron.batch import MicroBatch, MicroBatchLayout, RolloutSample, collate_micro_batches, is_padding
+from megatron_zcpo.megatron.experience import TokenStatsOptions, token_stats_on_shard
 from megatron_zcpo.megatron.metrics import MetricAccumulator
-from megatron_zcpo.megatron.pipeline import PolicyWithReference, output_weight, run_schedule
-from megatron_zcpo.utils.devices import compute_device
+from megatron_zcpo.megatron.pipeline import ModelChunks, output_weight, run_schedule
 from megatron_zcpo.megatron.rollout_step import RolloutStep
 from megatron_zcpo.megatron.train_config import ImportanceSamplingConfig
-
-if TYPE_CHECKING:
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
+from megatron_zcpo.utils.devices import compute_device
 
 
 @dataclass
@@ -48,6 +46,73 @@ class LossInputs:
     current_kl: Optional[torch.Tensor]
     token_weight: Optional[torch.Tensor]
     group_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """What the update, the gradient probes and the diagnostics run with besides the rollout step.
+
+    ``models``: this rank's model chunks; ``optimizer``: megatron-core's optimizer over the policy;
+    ``algorithm``: the registry's Algorithm (its needs: current KL, whole groups, token weights,
+    the normaliser's unit); ``loss``: LossInputs -> AlgorithmLoss (see :func:`algorithm_loss`);
+    ``layout``: how this rank collates micro-batches (for a step without its own);
+    ``token_stats``, ``importance_sampling``: how log-probs and weights are computed;
+    ``dp_size`` / ``dp_rank``; ``reports_metrics``: this rank reports its replica's metrics;
+    ``counts_once``: values every rank of a (DP x CP) replica knows whole are counted here;
+    ``max_skipped_steps``: consecutive skipped optimizer steps that stop the run.
+    """
+
+    models: ModelChunks
+    optimizer: Any
+    algorithm: Any
+    loss: Callable
+    layout: MicroBatchLayout
+    token_stats: TokenStatsOptions
+    importance_sampling: ImportanceSamplingConfig
+    dp_size: int = 1
+    dp_rank: int = 0
+    reports_metrics: bool = True
+    counts_once: bool = True
+    max_skipped_steps: int = 8
+
+
+@dataclass
+class SkippedSteps:
+    """Optimizer steps skipped for non-finite values: how many in a row (across rollouts) and the
+    current rollout's messages, one per skipped mini-batch."""
+
+    in_a_row: int = 0
+    messages: List[str] = field(default_factory=list)
+
+
+def algorithm_loss(algorithm, inputs: LossInputs):
+    """``algorithm``'s loss (the registry's Algorithm) on one micro-batch's inputs; its AlgorithmLoss."""
+    return algorithm.loss(
+        inputs.logprob, inputs.old_logprob, inputs.mask, inputs.coefficients,
+        normalizer=inputs.normalizer, ref_logprob=inputs.ref_logprob, current_kl=inputs.current_kl,
+        token_weight=inputs.token_weight,
+        group_ids=inputs.group_ids if algorithm.needs_whole_groups else None,
+    )
+
+
+def minibatch_normalizer(samples: Sequence[RolloutSample], indices, unit: str) -> float:
+    """Global denominator of the loss aggregation over the mini-batch ``indices`` (all DP ranks).
+
+    ``unit``: the algorithm's ``normalizer_unit``, "tokens" (trainable response tokens) or
+    sequences (trainable responses with a token).
+    """
+    counted = [len(samples[i].response_ids) for i in indices if samples[i].trainable]
+    if unit == "tokens":
+        return float(sum(counted))
+    return float(sum(1 for c in counted if c > 0))
+
+
+def step_micro_batches(update: PolicyUpdate, step: RolloutStep, indices) -> List[MicroBatch]:
+    """This rank's micro-batches of ``indices``: the step's own (each share collated once), or
+    collated afresh for a step put together by hand (``step.micro_batches`` None)."""
+    if step.micro_batches is not None:
+        return step.micro_batches(indices)
+    return collate_micro_batches(step.samples, indices, update.layout)
 
 
 def importance_weights(old_logprob, rollout_logprob, mask, config: ImportanceSamplingConfig, any_rank=None):
@@ -88,24 +153,24 @@ def _rows(flat: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(list(flat.split(list(lengths))), batch_first=True)
 
 
-def loss_inputs(trainer: "PolicyTrainer", mb: MicroBatch, hidden_out, step: RolloutStep, normalizer: float,
+def loss_inputs(update: PolicyUpdate, mb: MicroBatch, hidden_out, step: RolloutStep, normalizer: float,
                 use_reference: bool) -> LossInputs:
     """The loss inputs of one micro-batch from the last stage's hidden states (policy, or both side by side)."""
-    hidden_size = trainer.config.hidden_size
-    options = dict(vocab_size=trainer.model_config.vocab_size, chunk_size=trainer.train_config.kl_chunk_size,
-                   temperature=trainer.temperature)
+    models, options = update.models, update.token_stats
+    hidden_size = models.hidden_size
     positions = mb.response_positions
     flat = hidden_out.reshape(-1, 2 * hidden_size if use_reference else hidden_size).index_select(0, positions)
     targets = mb.targets.reshape(-1).index_select(0, positions)
-    weight = output_weight(trainer.policy)
+    weight = output_weight(models.policy)
     lengths = mb.response_lengths
     current_kl = None
     if use_reference:
         hidden, ref_hidden = flat.split(hidden_size, dim=-1)
-        current = token_stats_on_shard(hidden, weight, targets, ref_hidden, output_weight(trainer.reference), **options)
+        current = token_stats_on_shard(hidden, weight, targets, ref_hidden, output_weight(models.reference),
+                                       options=options)
         current_kl = _rows(current.kl, lengths)
     else:
-        current = token_stats_on_shard(flat, weight, targets, **options)
+        current = token_stats_on_shard(flat, weight, targets, options=options)
     samples = step.samples
     stats = [step.experience[i] for i in mb.sample_indices]
     device = flat.device  # the experience pass's statistics are kept on the CPU between passes
@@ -113,8 +178,8 @@ def loss_inputs(trainer: "PolicyTrainer", mb: MicroBatch, hidden_out, step: Roll
     mask = _rows(torch.cat([torch.full((n,), float(samples[i].trainable))
                             for i, n in zip(mb.sample_indices, lengths)]), lengths).to(device)
     token_weight = None
-    is_config = trainer.train_config.importance_sampling
-    if is_config.enabled and mb.rollout_logprobs is not None and trainer.algorithm.supports_token_weight:
+    is_config = update.importance_sampling
+    if is_config.enabled and mb.rollout_logprobs is not None and update.algorithm.supports_token_weight:
         rollout = _rows(mb.rollout_logprobs, lengths).to(device)
         token_weight = importance_weights(old, rollout, mask, is_config, any_over_context_parallel)
     return LossInputs(
@@ -131,37 +196,38 @@ def loss_inputs(trainer: "PolicyTrainer", mb: MicroBatch, hidden_out, step: Roll
     )
 
 
-def forward_backward(trainer: "PolicyTrainer", step: RolloutStep, indices, normalizer: float, loss_fn: Callable,
+def forward_backward(update: PolicyUpdate, step: RolloutStep, indices, normalizer: float, loss_fn: Callable,
                      *, use_reference: bool):
     """Forward-backward of ``loss_fn(LossInputs) -> (loss, report)`` over this rank's ``indices``.
 
     Gradients end up in the DDP grad buffers, reduced over data-parallel ranks, as for an
     update; returns the loss-func reports (last pipeline stage).
     """
-    model = PolicyWithReference(trainer.policy, trainer.reference) if use_reference else trainer.policy
-    micro_batches = trainer.micro_batches(step.samples, indices)
-    scale = len(micro_batches) * trainer.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
+    models = update.models
+    model = models.with_reference() if use_reference else models.policy
+    micro_batches = step_micro_batches(update, step, indices)
+    scale = len(micro_batches) * update.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
 
     def forward_step(mb: MicroBatch, m):
-        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **trainer.forward_kwargs)
+        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **models.forward_kwargs)
 
         def loss_func(hidden_out):
             if is_padding(mb):  # expert parallelism's filler: a zero loss whose backward runs the all-to-alls
                 return hidden_out.sum() * 0.0, {"loss": (0.0, 0.0, True)}
-            loss, report = loss_fn(loss_inputs(trainer, mb, hidden_out, step, normalizer, use_reference))
+            loss, report = loss_fn(loss_inputs(update, mb, hidden_out, step, normalizer, use_reference))
             return loss * scale, report
 
         return output, loss_func
 
-    trainer.policy.zero_grad_buffer()
-    trainer.optimizer.zero_grad()
+    models.policy.zero_grad_buffer()
+    update.optimizer.zero_grad()
     return run_schedule(model, micro_batches, forward_step, forward_only=False)
 
 
-def _algorithm_loss_with_report(trainer: "PolicyTrainer"):
-    """``loss_fn`` of the update: the algorithm's loss and its metrics as {name: (total, count, summed)}."""
+def _loss_with_report(loss: Callable):
+    """``loss_fn`` of the update: ``loss``'s value and its metrics as {name: (total, count, summed)}."""
     def loss_fn(inputs: LossInputs):
-        result = trainer.algorithm_loss(inputs)
+        result = loss(inputs)
         # Summed metrics are partial sums that add up (over micro-batches and DP ranks) to the
         # mini-batch's value; the others are per-token fractions, weighted by this batch's tokens.
         tokens = float(inputs.mask.sum())
@@ -174,36 +240,38 @@ def _algorithm_loss_with_report(trainer: "PolicyTrainer"):
     return loss_fn
 
 
-def run_update(trainer: "PolicyTrainer", step: RolloutStep, metrics: MetricAccumulator,
-               before_minibatch=None) -> List[float]:
+def run_update(update: PolicyUpdate, step: RolloutStep, metrics: MetricAccumulator, skips: SkippedSteps,
+               before_minibatch: Optional[Callable[[int], None]] = None) -> List[float]:
     """One optimizer step per mini-batch with the step's frozen coefficients; fills ``metrics``.
 
     ``before_minibatch(index)``, when given, runs before each mini-batch's backward (the
-    diagnostics that need the ratios moved by earlier updates of this rollout). Returns the
-    gradient norms, one per mini-batch.
+    diagnostics that need the ratios moved by earlier updates of this rollout). A mini-batch
+    with non-finite values is skipped on every rank and recorded in ``skips`` (see
+    :func:`skip_if_not_finite`). Returns the gradient norms, one per applied mini-batch.
     """
-    use_reference = trainer.algorithm.needs_current_kl
+    use_reference = update.algorithm.needs_current_kl
     grad_norms = []
     if use_reference:
-        trainer.place_reference(on_device=True)
-    loss_fn = _algorithm_loss_with_report(trainer)
-    assignment = step.assignment
+        update.models.place_reference(on_device=True)
+    loss_fn = _loss_with_report(update.loss)
+    samples, assignment = step.samples, step.assignment
+    unit = update.algorithm.normalizer_unit
     for index, (minibatch, my_share) in enumerate(zip(assignment.minibatches, assignment.mine)):
         if before_minibatch is not None:
             before_minibatch(index)
-        reports = forward_backward(trainer, step, my_share, trainer.normalizer(step.samples, minibatch), loss_fn,
+        reports = forward_backward(update, step, my_share, minibatch_normalizer(samples, minibatch, unit), loss_fn,
                                    use_reference=use_reference)
-        if skip_if_not_finite(trainer, reports, index):
+        if skip_if_not_finite(update, step, skips, reports, index):
             continue
-        _, grad_norm, _ = trainer.optimizer.step()
+        _, grad_norm, _ = update.optimizer.step()
         grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         for report in reports:
             for name, (total, count, summed) in report.items():
                 metrics.add(f"update/{name}", total, count)
-                if summed and trainer.counts_once:
+                if summed and update.counts_once:
                     metrics.add(f"update/{name}", 0.0, 1.0 / len(reports))  # mean over mini-batches
     if use_reference:
-        trainer.place_reference(on_device=False)
+        update.models.place_reference(on_device=False)
     for norm in grad_norms:
         metrics.add_max("update/grad_norm_max", norm)
     metrics.add("update/grad_norm", sum(grad_norms), len(grad_norms))
@@ -214,7 +282,7 @@ class NonFiniteUpdateError(RuntimeError):
     """``train.max_skipped_steps`` consecutive optimizer steps had a non-finite loss or gradient."""
 
 
-def skip_if_not_finite(trainer: "PolicyTrainer", reports, minibatch: int) -> bool:
+def skip_if_not_finite(update: PolicyUpdate, step: RolloutStep, skips: SkippedSteps, reports, minibatch: int) -> bool:
     """Collective: whether this mini-batch's optimizer step is skipped on every rank.
 
     megatron-core's optimizers check for inf/NaN only with an fp16 loss scaler; with fp32 or
@@ -222,33 +290,33 @@ def skip_if_not_finite(trainer: "PolicyTrainer", reports, minibatch: int) -> boo
     rank checks its loss reports and its whole local gradient buffers (non-finite values
     survive the data-parallel reduction), and one all-reduce makes the decision common. A skip
     leaves weights and optimizer state untouched (the next backward zeroes the gradients), is
-    recorded in ``trainer.skipped`` naming the step, mini-batch, ranks and micro-batches, and
-    ``train.max_skipped_steps`` in a row raise :class:`NonFiniteUpdateError`.
+    recorded in ``skips`` naming the step, mini-batch, ranks and micro-batches, and
+    ``update.max_skipped_steps`` in a row raise :class:`NonFiniteUpdateError`.
     """
     import torch.distributed as dist
 
     bad_micro_batch = next((i for i, report in enumerate(reports) if not math.isfinite(report["loss"][0])), -1)
-    finite_grads = all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in trainer.policy.buffers)
+    finite_grads = all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in update.models.policy.buffers)
     flag = torch.tensor([float(bad_micro_batch >= 0 or not finite_grads)], device=compute_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0:
-        trainer.skipped_in_a_row = 0
+        skips.in_a_row = 0
         return False
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, (bad_micro_batch, finite_grads))
     where = "; ".join(f"rank {rank}: " + (f"non-finite loss in micro-batch {micro}" if micro >= 0 else
                                           "non-finite gradient")
                       for rank, (micro, finite) in enumerate(seen) if micro >= 0 or not finite)
-    trainer.skipped.append(f"step {trainer.step}, mini-batch {minibatch}: optimizer step skipped on every rank ({where})")
-    trainer.skipped_in_a_row += 1
-    if trainer.skipped_in_a_row >= trainer.train_config.max_skipped_steps:
-        raise NonFiniteUpdateError(f"{trainer.skipped_in_a_row} consecutive optimizer steps skipped for non-finite "
-                                   f"values (train.max_skipped_steps = {trainer.train_config.max_skipped_steps}); "
-                                   f"last: {trainer.skipped[-1]}")
+    skips.messages.append(f"step {step.index}, mini-batch {minibatch}: optimizer step skipped on every rank ({where})")
+    skips.in_a_row += 1
+    if skips.in_a_row >= update.max_skipped_steps:
+        raise NonFiniteUpdateError(f"{skips.in_a_row} consecutive optimizer steps skipped for non-finite "
+                                   f"values (train.max_skipped_steps = {update.max_skipped_steps}); "
+                                   f"last: {skips.messages[-1]}")
     return True
 
 
-def gradient_vector(trainer: "PolicyTrainer", step: RolloutStep, indices, normalizer: float, loss_fn: Callable,
+def gradient_vector(update: PolicyUpdate, step: RolloutStep, indices, normalizer: float, loss_fn: Callable,
                     *, use_reference: bool = False) -> torch.Tensor:
     """This rank's share of the parameter gradient of a custom loss, as one flat fp32 vector.
 
@@ -263,11 +331,12 @@ def gradient_vector(trainer: "PolicyTrainer", step: RolloutStep, indices, normal
 
     from megatron_zcpo.utils.runtime import unwrap
 
-    forward_backward(trainer, step, indices, normalizer, lambda inputs: (loss_fn(inputs), {}),
+    policy = update.models.policy
+    forward_backward(update, step, indices, normalizer, lambda inputs: (loss_fn(inputs), {}),
                      use_reference=use_reference)
-    trainer.policy.finish_grad_sync()
+    policy.finish_grad_sync()
     pieces = []
-    gpt = unwrap(trainer.policy)
+    gpt = unwrap(policy)
     tied_copy = gpt.share_embeddings_and_output_weights and not gpt.pre_process
     for name, param in gpt.named_parameters():
         if not tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
@@ -276,8 +345,8 @@ def gradient_vector(trainer: "PolicyTrainer", step: RolloutStep, indices, normal
             continue
         grad = getattr(param, "main_grad", None)
         pieces.append((grad if grad is not None else torch.zeros_like(param)).detach().float().reshape(-1).clone())
-    trainer.policy.zero_grad_buffer()
-    trainer.optimizer.zero_grad()
+    policy.zero_grad_buffer()
+    update.optimizer.zero_grad()
     return torch.cat(pieces) if pieces else torch.zeros(0)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -189,13 +188,6 @@ class Rollout:
         if samples:
             metrics.update(rollout_metrics(samples))
         return samples, metrics
-
-    def evaluate(self, records, step: int, run_dir: Path) -> Dict[str, float]:
-        """Held-out avg@k / pass@k at trainer step ``step``; per-sample results under ``run_dir/eval``."""
-        from megatron_zcpo.recipe.evaluation import run_evaluation
-
-        return run_evaluation(self.config, self.engine, records, self.score, self.stop,
-                              run_dir / "eval" / f"step_{step:06d}.json")
 
     def close(self) -> None:
         """Stop the reward workers and the engine."""

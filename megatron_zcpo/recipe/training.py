@@ -206,10 +206,14 @@ class RLRecipe:
         Collective with ``rollout.overlap`` (the engine first gets the current weights)."""
         if self.overlap is not None:
             self.overlap.settle()
+        from megatron_zcpo.recipe.evaluation import run_evaluation
+
         if self.rank != 0 or not self.held_out:
             return {}
         k = self.config.eval.k
-        metrics = self.rollout.evaluate(self.held_out, step, self.run_dir)
+        rollout = self.rollout  # held-out avg@k / pass@k; per-sample results under run_dir/eval
+        metrics = run_evaluation(self.config, rollout.engine, self.held_out, rollout.score, rollout.stop,
+                                 self.run_dir / "eval" / f"step_{step:06d}.json")
         self.logger.log(step, metrics, advance=False)
         self.logger.print(f"eval @ step {step}: avg@{k} = {metrics.get(f'eval/avg@{k}', math.nan):.3f}"
                           f" on {int(metrics.get('eval/num_problems', 0))} problems x {k} samples")

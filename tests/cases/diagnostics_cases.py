@@ -22,7 +22,8 @@ def diagnosed(trainer, samples, **overrides):
     plan = trainer.assign_minibatches(samples)
     experience = trainer.experience(samples, plan)
     coefficients, stats = trainer.calibrate(samples, experience)
-    metrics = diagnostics(**overrides).run(trainer, RolloutStep(samples, plan, experience, coefficients, stats))
+    step = RolloutStep(samples, plan, experience, coefficients, stats)
+    metrics = diagnostics(**overrides).run(trainer.policy_update(), step)
     return metrics, plan, experience, coefficients, stats
 
 
@@ -105,8 +106,8 @@ def clipped_last_minibatch(policy, reference):
             shifted[index] = dataclasses.replace(token, old_logprob=token.old_logprob - sign * math.log(2.0))
         hook = diagnostics(families=["f1"])
         step = RolloutStep(samples, plan, shifted, coefficients, stats)
-        out[name] = {"metrics": hook.before_minibatch(trainer, step, last),
-                     "first": hook.before_minibatch(trainer, step, 0),
+        out[name] = {"metrics": hook.before_minibatch(trainer.policy_update(), step, last),
+                     "first": hook.before_minibatch(trainer.policy_update(), step, 0),
                      "closed_tokens": sum(len(samples[i].response_ids) for i in closed),
                      "trainable_tokens": sum(len(samples[i].response_ids) for i in trainable)}
     return out

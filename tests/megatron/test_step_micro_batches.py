@@ -8,19 +8,33 @@ from tests.cases import trainer_cases
 
 def _step_counting_collations(rank, world, policy, reference, mini_batches, reuse):
     """(collations, metrics without timings, updated weights, whether the step left its micro-batches behind)."""
+    import gc
+    import weakref
+
+    from megatron_zcpo.megatron import batch
+
     trainer = trainer_cases.make_trainer(1, 1, policy, reference, mini_batches=mini_batches)
-    collate, calls = trainer._collate, []
+    collate, calls, steps = batch.collate_micro_batches, [], []
 
-    def counting(samples, indices):
+    def counting(samples, indices, layout):
         calls.append(list(indices))
-        return collate(samples, indices)
+        return collate(samples, indices, layout)
 
-    trainer._collate = counting
-    if not reuse:  # every call collates afresh, as before the reuse
-        trainer.micro_batches = counting
+    batch.collate_micro_batches = counting
+    if not reuse:  # every use collates afresh, as before the reuse
+        batch.StepMicroBatches.__call__ = lambda self, indices: counting(self.samples, indices, self.layout)
+    start_step = trainer.start_step
+
+    def tracked_start_step(samples):
+        step = start_step(samples)
+        steps.append(weakref.ref(step.micro_batches))
+        return step
+
+    trainer.start_step = tracked_start_step
     metrics = trainer.train_step(trainer_cases.rollout())
     metrics = {k: v for k, v in metrics.items() if not k.startswith("time/") and k != "train/tokens_per_s"}
-    return len(calls), metrics, trainer.global_state_dict(), trainer._step_micro_batches is not None
+    gc.collect()
+    return len(calls), metrics, trainer.global_state_dict(), steps[0]() is not None
 
 
 def test_experience_and_single_minibatch_update_share_their_micro_batches(weights):
