@@ -36,6 +36,9 @@ class RolloutSample:
     trainable: bool = True
     rollout_logprobs: Union[List[float], torch.Tensor, None] = None
     info: Dict = field(default_factory=dict)
+    # Mixture-of-experts models: the engine's experts of every input token (prompt and response but
+    # the last), int [sequence_length, layers * top-k] as SGLang returns them (routing replay R3).
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def sequence_length(self) -> int:

@@ -68,7 +68,7 @@ def run_experience(models: ModelChunks, micro_batches: List[MicroBatch],
     results: Dict[int, ResponseTokenStats] = {}
 
     def forward_step(mb: MicroBatch, m):
-        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **models.forward_kwargs)
+        output = models.forward(m, mb, "experience")
 
         def loss_func(hidden_pair):
             if is_padding(mb):  # expert parallelism's filler: it only takes part in the all-to-alls

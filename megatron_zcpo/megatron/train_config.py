@@ -171,14 +171,18 @@ def check_context_parallel(parallel: ParallelConfig, train: TrainConfig, algorit
                          "with parallel.context > 1")
 
 
-def check_experts(model, parallel: ParallelConfig, diagnostics: bool) -> None:
-    """Refuse expert-parallel settings the model or the trainer cannot use (``model``: a ModelConfig).
+def check_experts(model, parallel: ParallelConfig, train: TrainConfig, diagnostics: bool) -> None:
+    """Refuse expert-parallel and routing settings the model or the trainer cannot use (``model``: a ModelConfig).
 
-    Raises ValueError naming the key: ``parallel.expert`` > 1 on a dense model; megatron's MoE layer
-    trains under TP only with sequence parallelism; the diagnostics' gradient probes sum a gradient
-    over the model-parallel group, which with expert parallelism holds only some experts.
+    Raises ValueError naming the key: ``parallel.expert`` > 1 or ``train.routing_replay`` on a dense
+    model; megatron's MoE layer trains under TP only with sequence parallelism; routing replay
+    with full recompute; the diagnostics' gradient probes sum a gradient over the model-parallel
+    group, which with expert parallelism holds only some experts.
     """
     if not model.is_moe:
+        if train.routing_replay != "none":
+            raise ValueError(f"train.routing_replay={train.routing_replay!r} needs a mixture-of-experts model "
+                             f"(the {model.family} model has no routers)")
         if parallel.expert != 1 or parallel.expert_tensor not in (None, parallel.tensor):
             raise ValueError(f"parallel.expert={parallel.expert}, parallel.expert_tensor={parallel.expert_tensor}: "
                              f"the {model.family} model has no experts")
@@ -186,6 +190,9 @@ def check_experts(model, parallel: ParallelConfig, diagnostics: bool) -> None:
     if parallel.tensor > 1 and not parallel.sequence_parallel:
         raise ValueError(f"parallel.tensor={parallel.tensor} with a mixture-of-experts model needs "
                          f"parallel.sequence_parallel=true (megatron-core's MoE layer refuses TP without it)")
+    if train.routing_replay != "none" and train.recompute == "full":
+        raise ValueError(f"train.routing_replay={train.routing_replay!r} with train.recompute='full' is not supported "
+                         f"(the recomputed forward in the backward would route anew): use recompute null or 'selective'")
     if diagnostics and parallel.expert > 1:
         raise ValueError("diagnostics (their gradient probes) do not support parallel.expert > 1: "
                          "set diagnostics.enabled = false or parallel.expert = 1")

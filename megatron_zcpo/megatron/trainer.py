@@ -115,7 +115,7 @@ class PolicyTrainer:
         self.last_coefficients: Optional[torch.Tensor] = None
         self.diagnostics = diagnostics
         self.reference_is_initial_policy = reference_weights is None
-        check_experts(model_config, parallel, diagnostics is not None)
+        check_experts(model_config, parallel, train, diagnostics is not None)
         self.config = transformer_config(
             model_config, tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
             context_parallel=parallel.context, sequence_parallel=parallel.sequence_parallel,
@@ -173,6 +173,17 @@ class PolicyTrainer:
         # Offloaded between uses through reused pinned host buffers (asynchronous copies).
         offload = HostOffload(reference, pin=True) if self.train_config.reference_offload and has_cuda() else None
         self.models = ModelChunks(policy, reference, {"fp32_output": False} if self.train_config.bf16 else {}, offload)
+        self.routing = None  # MoE models: routing record / replay / comparison on the policy's routers
+        if self.model_config.is_moe:
+            from megatron.core import parallel_state as ps
+
+            from megatron_zcpo.megatron.routing_replay import RoutingReplay
+
+            sequence_parallel = self.parallel.sequence_parallel
+            self.routing = RoutingReplay(policy, self.train_config.routing_replay, self.model_config.num_experts_per_tok,
+                                         sp_size=self.parallel.tensor if sequence_parallel else 1,
+                                         sp_rank=ps.get_tensor_model_parallel_rank() if sequence_parallel else 0)
+            self.models.around_forward = self.routing.micro_batch
 
     @property
     def policy(self):
@@ -224,6 +235,8 @@ class PolicyTrainer:
         metrics, timings = MetricAccumulator(), {}
         with _timed(timings, "time/experience"):
             step = self.start_step(samples)  # assign: mini-batches, this rank's share, its micro-batches
+            if self.routing is not None:  # MoE: the engine's experts to replay or compare with
+                step.routing = self.routing.begin(samples, step.assignment.my_indices)
             step.experience = run_experience(self.models, step.micro_batches(step.assignment.my_indices),
                                              self.token_stats)
         checked = {}
@@ -302,6 +315,8 @@ class PolicyTrainer:
         out["update/skipped_steps"] = float(len(self.skipped))
         for message in self.skipped if dist.get_rank() == 0 else []:
             logger.warning("%s", message)
+        if self.routing is not None:
+            out.update(self.routing.metrics(step.assignment.my_indices))
         out.update(checked)
         out.update(diagnostics)
         out.update(timings)

@@ -209,7 +209,7 @@ def forward_backward(update: PolicyUpdate, step: RolloutStep, indices, normalize
     scale = len(micro_batches) * update.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
 
     def forward_step(mb: MicroBatch, m):
-        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **models.forward_kwargs)
+        output = models.forward(m, mb, "update")
 
         def loss_func(hidden_out):
             if is_padding(mb):  # expert parallelism's filler: a zero loss whose backward runs the all-to-alls

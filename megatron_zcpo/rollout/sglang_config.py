@@ -28,6 +28,8 @@ class SGLangEngineConfig:
     ``sampling_seeds``: forward ``SamplingParams.seed`` as SGLang's per-request ``sampling_seed``
     (SGLang honours it only with ``--sampling-backend pytorch``; its default flashinfer sampler
     rejects it), else seeds are not sent and SGLang sampling is not reproducible.
+    ``return_routed_experts``: ask each /generate for the experts every token was routed to
+    (mixture-of-experts routing replay; SGLang >= 0.5.7 launched with ``--enable-return-routed-experts``).
     Server loss: a server whose request fails its retries leaves the rotation (see
     :class:`~megatron_zcpo.rollout.server_pool.ServerPool`) and its requests go to the others; with
     a router, a failed request has the servers health-checked instead. Below ``min_healthy``
@@ -67,6 +69,7 @@ class SGLangEngineConfig:
     flattened_buckets: bool = False
     vocab_size: Optional[int] = None
     max_rejected_fraction: float = 0.05
+    return_routed_experts: bool = False
 
     def validate(self, prefix: str = "rollout.sglang") -> None:
         """Raise ``ValueError`` naming the offending key."""

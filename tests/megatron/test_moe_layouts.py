@@ -60,13 +60,18 @@ def test_moe_run_resumes_exactly(tmp_path, moe_weights):
 
 
 def test_moe_settings_are_checked_at_start_up():
-    from megatron_zcpo.megatron.train_config import MoETraining, ParallelConfig, check_experts
+    from megatron_zcpo.megatron.train_config import MoETraining, ParallelConfig, TrainConfig, check_experts
 
+    train = TrainConfig()
     with pytest.raises(ValueError, match="parallel.sequence_parallel"):
-        check_experts(MOE, ParallelConfig(tensor=2, expert=2), diagnostics=False)
+        check_experts(MOE, ParallelConfig(tensor=2, expert=2), train, diagnostics=False)
     with pytest.raises(ValueError, match="diagnostics"):
-        check_experts(MOE, ParallelConfig(expert=2), diagnostics=True)
+        check_experts(MOE, ParallelConfig(expert=2), train, diagnostics=True)
     with pytest.raises(ValueError, match="has no experts"):
-        check_experts(trainer_cases.MODEL, ParallelConfig(expert=2), diagnostics=False)
+        check_experts(trainer_cases.MODEL, ParallelConfig(expert=2), train, diagnostics=False)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        check_experts(trainer_cases.MODEL, ParallelConfig(), TrainConfig(routing_replay="experience"), diagnostics=False)
+    with pytest.raises(ValueError, match="train.recompute='full'"):
+        check_experts(MOE, ParallelConfig(), TrainConfig(routing_replay="rollout", recompute="full"), diagnostics=False)
     with pytest.raises(ValueError, match="train.moe.aux_loss_coeff"):
         MoETraining(aux_loss_coeff=-1.0).validate()
