@@ -60,7 +60,7 @@ class RLRecipe:
         if self.logger and checkpoint is not None:
             self.logger.print(f"resumed from {checkpoint} at step {self.start_step}")
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
-        self.stages = stage_weight_push(config, self.engine)
+        self.stages = stage_weight_push(config, self.engine, self.trainer.policy)
         push_weights(self.trainer, self.engine, self.start_step, self.stages)
         self.overlap = overlapped_rollouts(config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state)
 

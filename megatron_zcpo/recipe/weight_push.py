@@ -1,9 +1,11 @@
 """The recipe's weight push: the policy's weights, converted to Hugging Face names, into the rollout engine.
 
-Two ways, chosen at start-up by :func:`stage_weight_push`: one sender (no pipeline parallelism, or
-the embedded engine, which lives in global rank 0's process: every stage streams to rank 0), or per
-stage (SGLang under pipeline parallelism: each stage's lead pushes its own share through its own
-weight-update group, all stages at once, and nothing funnels through rank 0). The engine's
+Two ways, chosen at start-up by :func:`stage_weight_push`: one sender (no pipeline or expert
+parallelism, or the embedded engine, which lives in global rank 0's process: every stage, and every
+expert-parallel rank's experts, stream to rank 0), or per share (SGLang under pipeline or expert
+parallelism: each stage's lead pushes its stage's dense tensors, and each expert-parallel rank's
+lead its own experts of the stage, through a weight-update group of its own, all at once: no rank
+gathers another's experts, and nothing funnels through rank 0). The engine's
 transport (NCCL broadcast or disk, see :mod:`megatron_zcpo.rollout.update_weight`) only sees
 streams of (HF name, tensor).
 """
@@ -11,57 +13,94 @@ streams of (HF name, tensor).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 
 @dataclass
 class StageWeightPush:
-    """Per-stage weight push, present on every rank; ``engine``: this rank's SGLang client for
-    its stage's share (stage leads), None on the other ranks (they take part in TP gathers)."""
+    """Per-share weight push, present on every rank; ``engine``: this rank's SGLang client for the
+    share it sends (stage and expert-shard leads), None on the other ranks (they take part in the
+    TP / expert-TP gathers)."""
 
     engine: Any = None
 
 
-def stage_weight_push(config, engine) -> Optional[StageWeightPush]:
-    """This rank's per-stage weight push (``config``: the RunConfig; ``engine``: rank 0's, None
-    elsewhere), or None when one sender does (no PP, or the embedded engine). Collective.
-
-    Under pipeline parallelism with SGLang every stage's lead (TP, CP and DP rank 0) pushes its
-    share through a weight-update group of its own (``<group_name>-pp<stage>``) concurrently with
-    the other stages; the servers' addresses come from rank 0's engine.
-    """
-    import torch.distributed as dist
+def share_name(model) -> str:
+    """The name of the share this rank sends (``pp<stage>``, ``pp<stage>-ep<rank>`` for an
+    expert-parallel rank's experts), or "" when it sends none (:func:`sends_share`)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.megatron.weights import is_stage_lead
+    from megatron_zcpo.megatron.weights import is_expert_shard_lead, is_stage_lead
 
-    if config.rollout.engine != "sglang" or config.parallel.pipeline == 1:
+    stage = f"pp{ps.get_pipeline_model_parallel_rank()}"
+    if is_stage_lead():
+        return stage  # the stage's dense tensors, and EP rank 0's experts (the same rank leads both)
+    if model is not None and is_expert_shard_lead(model):
+        return f"{stage}-ep{ps.get_expert_model_parallel_rank()}"
+    return ""
+
+
+def stage_weight_push(config, engine, model=None) -> Optional[StageWeightPush]:
+    """This rank's per-share weight push (``config``: the RunConfig; ``engine``: rank 0's, None
+    elsewhere; ``model``: this rank's policy stage), or None when one sender does (no PP and no
+    EP, or the embedded engine). Collective.
+
+    Under pipeline or expert parallelism with SGLang every share's lead (:func:`share_name`) pushes
+    it through a weight-update group of its own (``<group_name>-<share>``) concurrently with the
+    others; the servers' addresses come from rank 0's engine.
+    """
+    import torch.distributed as dist
+
+    if config.rollout.engine != "sglang" or (config.parallel.pipeline == 1 and config.parallel.expert == 1):
         return None
     urls = [list(engine.config.server_urls) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(urls, src=0)
-    if not is_stage_lead():
+    share = share_name(model)
+    if not share:
         return StageWeightPush()
     from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 
     client = dict(config.rollout.sglang.client, quantization=config.rollout.quantization)
-    client["group_name"] = f"{client.get('group_name', SGLangEngineConfig.group_name)}-pp{ps.get_pipeline_model_parallel_rank()}"
+    client["group_name"] = f"{client.get('group_name', SGLangEngineConfig.group_name)}-{share}"
     client.update(master_address=None, master_port=None)  # each lead offers its own host's address
     return StageWeightPush(SGLangEngine(SGLangEngineConfig(server_urls=urls[0], **client)))
+
+
+def _my_share(model) -> Iterator[Tuple[str, Any]]:
+    """This rank's part of its stage's walks: the dense walk (first replica's ranks), then the
+    expert walk (first expert replica's ranks); yields what it sends (its share), drains the rest."""
+    from megatron_zcpo.megatron.weights import (
+        is_expert_shard_lead,
+        is_stage_lead,
+        iter_stage_tensors,
+        walks_dense_part,
+        walks_expert_part,
+    )
+
+    walks = [("dense", walks_dense_part(), is_stage_lead()),
+             ("experts", walks_expert_part(model), is_expert_shard_lead(model))]
+    for part, walks_it, sends_it in walks:
+        stream = iter_stage_tensors(model, part) if walks_it else iter(())
+        if sends_it:
+            yield from stream
+        else:
+            for _ in stream:  # this rank's part of the share's gathers
+                pass
 
 
 def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush] = None) -> None:
     """Send ``trainer``'s policy weights to ``engine`` (rank 0's; None elsewhere) as ``version``.
 
-    Collective over all ranks. With ``stages`` (see :func:`stage_weight_push`) each pipeline
-    stage's lead converts its stage's TP-gathered tensors to Hugging Face names on the fly (the
-    checkpoint converter's mapping) and pushes them itself; rank 0 then has the servers serve
-    ``version``. Without it every stage streams its tensors to global rank 0, which converts them
-    and feeds the engine. No rank holds more than one full tensor (plus a bucket).
+    Collective over all ranks. With ``stages`` (see :func:`stage_weight_push`) each share's lead
+    converts its share's gathered tensors to Hugging Face names on the fly (the checkpoint
+    converter's mapping) and pushes them itself; rank 0 then has the servers serve ``version``.
+    Without it every share streams to global rank 0, which converts it and feeds the engine. No
+    rank holds more than one full tensor (plus a bucket).
     """
     import torch.distributed as dist
 
     from megatron_zcpo.convert.mapping import megatron_to_hf_stream
-    from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0, iter_stage_tensors
+    from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0
 
     rank = dist.get_rank()
     if stages is None:
@@ -73,17 +112,13 @@ def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush
                 pass
         dist.barrier()
         return
-    from megatron.core import parallel_state as ps
-
     weight_map = None
-    if ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
-        stream = megatron_to_hf_stream(iter_stage_tensors(trainer.policy), trainer.model_config)
-        if stages.engine is not None:
-            prefix = f"model-pp{ps.get_pipeline_model_parallel_rank()}"
-            weight_map = stages.engine.push_part(stream, version, file_prefix=prefix)
-        else:
-            for _ in stream:  # this TP rank's part of the stage's gathers
-                pass
+    stream = megatron_to_hf_stream(_my_share(trainer.policy), trainer.model_config)
+    if stages.engine is not None:
+        weight_map = stages.engine.push_part(stream, version, file_prefix=f"model-{share_name(trainer.policy)}")
+    else:
+        for _ in stream:
+            pass
     weight_maps = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(weight_map, weight_maps, dst=0)
     if rank == 0:
