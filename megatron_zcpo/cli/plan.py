@@ -58,7 +58,8 @@ def plan_inputs(config: RunConfig, gpus: int):
                     context_parallel=parallel.context, data_parallel=gpus // model_parallel,
                     sequence_parallel=parallel.sequence_parallel,
                     distributed_optimizer=parallel.distributed_optimizer,
-                    recompute=config.train.recompute or "none")
+                    recompute=config.train.recompute or "none",
+                    expert_parallel=parallel.expert, expert_tensor_parallel=parallel.expert_tensor)
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     # The trainer gives a sequence longer than the token budget a micro-batch of its own.
     workload = Workload(micro_batch_tokens=max(config.train.micro_batch_tokens, longest),
@@ -92,7 +93,8 @@ def add_parser(subparsers) -> None:
                         help="GiB per GPU, training and rollout (default: H100 80GB)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-config", default=None, help="the model's Hugging Face config.json (or its directory)")
-    source.add_argument("--preset", default=None, help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B")
+    source.add_argument("--preset", default=None,
+                        help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B, Qwen3-30B-A3B, Qwen3-235B-A22B")
     timing = parser.add_argument_group("step time (see megatron_zcpo/megatron/step_time.py)")
     timing.add_argument("--rollout-gpus", type=int, default=None, help="GPUs of the SGLang servers (default: --gpus)")
     timing.add_argument("--decode-tokens-per-s", type=float, default=None,
@@ -152,7 +154,7 @@ def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
     cluster = Cluster(train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus,
                       decode_tokens_per_s_per_gpu=rate, mfu=args.mfu)
     timing = predict_step_time(model, load, cluster, pipeline_parallel=layout.pipeline_parallel,
-                               recompute=layout.recompute)
+                               recompute=layout.recompute, expert_parallel=layout.expert_parallel)
     return timing, rate, source
 
 
@@ -179,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
                           "step_time": timing.to_dict(), "decode_tokens_per_s_per_gpu": decode_rate,
                           "decode_source": decode_source}, indent=2))
         return 0 if plan.fits else 1
-    print(f"{model.num_parameters / 1e6:,.1f}M parameters, {layout.describe()}, "
+    active = (f" ({model.num_active_parameters / 1e6:,.1f}M active: {model.num_experts} experts, "
+              f"{model.num_experts_per_tok} per token)" if model.is_moe else "")
+    print(f"{model.num_parameters / 1e6:,.1f}M parameters{active}, {layout.describe()}, "
           f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
     print(render_plan(plan))
     if args.gpus:
@@ -192,5 +196,7 @@ def run(args: argparse.Namespace) -> int:
           f"(rollout {timing.rollout_s:,.0f} s, training {timing.train_s:,.0f} s, weight push "
           f"{timing.push_per_stage_s:,.1f} s per stage vs {timing.push_funnel_s:,.1f} s through rank 0); "
           f"{other}: {timing.step_s(not overlap):,.0f} s")
+    if model.is_moe:
+        print(f"expert all-to-all: {timing.all_to_all_s:,.0f} s of the training time at EP{layout.expert_parallel}")
     print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
     return 0 if plan.fits else 1

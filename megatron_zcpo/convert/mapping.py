@@ -159,6 +159,10 @@ def _check_supported_features(config: dict, family: HFFamily) -> None:
         # Llama's and Qwen3's attention_bias also put a bias on o_proj, which the Megatron model lacks.
         raise ValueError(f"config.json attention_bias=True: {family.architecture} then has a bias on o_proj, "
                          f"which is not supported")
+    experts = [key for key in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(key)]
+    if experts and not family.family.endswith("_moe"):
+        raise ValueError(f"config.json {experts[0]}={config[experts[0]]}: mixture-of-experts fields in a dense "
+                         f"{family.model_type} config (mixture-of-experts models convert as qwen3_moe / qwen2_moe)")
     if family.qkv_bias is True and config.get("qkv_bias", True) is False:
         raise ValueError(f"config.json qkv_bias=False: {family.architecture} is converted with its q/k/v biases")
     if config.get("use_sliding_window"):

@@ -1,5 +1,5 @@
 """Architectures of the models we ship examples for, as their public ``config.json`` fields, so
-``zcpo plan`` can plan a 32B/70B run before anything is downloaded."""
+``zcpo plan`` can plan a 32B/70B (or 30B/235B mixture-of-experts) run before anything is downloaded."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ from megatron_zcpo.megatron.model import ModelConfig
 _QWEN25 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
            "vocab_size": 152064, "rope_theta": 1000000.0, "tie_word_embeddings": False,
            "use_sliding_window": False, "initializer_range": 0.02}
+
+# Qwen3 mixture-of-experts: 128 experts, 8 per token, renormalised; every layer sparse.
+_QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_act": "silu",
+              "vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 4, "num_experts": 128,
+              "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "attention_bias": False, "tie_word_embeddings": False, "use_sliding_window": False,
+              "initializer_range": 0.02}
 
 # The architecture fields of each model's config.json on the Hugging Face hub (weights-free).
 HF_CONFIGS: Dict[str, dict] = {
@@ -31,6 +39,10 @@ HF_CONFIGS: Dict[str, dict] = {
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                       "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
                       "initializer_range": 0.02},
+    "Qwen3-30B-A3B": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32),
+    "Qwen3-235B-A22B": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64),
 }
 
 
