@@ -19,20 +19,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json, *.safetensors)")
     parser.add_argument("--out", required=True, help="output Megatron checkpoint directory")
+    add_layout_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tp/--pp/--ep/--etp (the layout to check and verify at) and the --verify options, shared
+    with tools/convert_megatron_to_hf.py."""
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism to check and verify at")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism to check and verify at")
-    add_expert_arguments(parser)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism to check and verify at (MoE models)")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor parallelism (MoE models; default: --tp)")
     parser.add_argument("--sequence-parallel", action="store_true", help="verify with sequence parallelism (TP > 1)")
     parser.add_argument("--verify", action="store_true", help="compare logits with transformers after converting")
     parser.add_argument("--tolerance", type=float, default=1e-3, help="max abs logit difference --verify accepts")
     parser.add_argument("--seq-length", type=int, default=32, help="tokens per sample sequence for --verify")
-    return parser.parse_args(argv)
-
-
-def add_expert_arguments(parser: argparse.ArgumentParser) -> None:
-    """--ep/--etp, shared with tools/convert_megatron_to_hf.py."""
-    parser.add_argument("--ep", type=int, default=1, help="expert parallelism to check and verify at (MoE models)")
-    parser.add_argument("--etp", type=int, default=None, help="expert tensor parallelism (MoE models; default: --tp)")
 
 
 def verify_layout(args, ckpt_dir, hf_dir, model) -> int:

@@ -13,7 +13,7 @@ directory (the max abs difference is printed last; exit 1 above --tolerance).
 import argparse
 import sys
 
-from convert_hf_to_megatron import add_expert_arguments, describe, verify_layout  # tools/ is the script's directory
+from convert_hf_to_megatron import add_layout_arguments, describe, verify_layout  # tools/ is the script's directory
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -24,13 +24,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="output Hugging Face model directory")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights (default: as stored)")
     parser.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (GiB)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism to verify at")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline parallelism to verify at")
-    add_expert_arguments(parser)
-    parser.add_argument("--sequence-parallel", action="store_true", help="verify with sequence parallelism (TP > 1)")
-    parser.add_argument("--verify", action="store_true", help="compare logits with transformers after converting")
-    parser.add_argument("--tolerance", type=float, default=1e-3, help="max abs logit difference --verify accepts")
-    parser.add_argument("--seq-length", type=int, default=32, help="tokens per sample sequence for --verify")
+    add_layout_arguments(parser)
     return parser.parse_args(argv)
 
 

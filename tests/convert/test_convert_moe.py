@@ -69,21 +69,11 @@ def _tokens(vocab_size: int) -> torch.Tensor:
 
 def _convert_round_trip_and_logits(rank, world, root, names):
     """One process: HF -> Megatron -> HF for every case and the Megatron logits at EP1."""
-    from megatron_zcpo.convert.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
-    from megatron_zcpo.convert.verify import megatron_logits
-    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint
     from megatron_zcpo.megatron.initialize import setup_megatron
-    from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
+    from tests.convert.test_convert import round_trips_and_logits
 
     setup_megatron()
-    root, logits = Path(root), {}
-    for name in names:
-        model = convert_hf_to_megatron(root / name / "hf", root / name / "megatron")
-        convert_megatron_to_hf(root / name / "megatron", root / name / "hf_back", max_shard_bytes=40_000)
-        gpt = build_gpt_model(model, transformer_config(model))
-        load_model_checkpoint(gpt, root / name / "megatron")
-        logits[name] = megatron_logits(gpt, _tokens(model.vocab_size))
-    return logits
+    return round_trips_and_logits(Path(root), names, _tokens)
 
 
 def _expert_parallel_logits(rank, world, root, names, resave):
