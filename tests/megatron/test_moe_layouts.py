@@ -59,6 +59,23 @@ def test_moe_run_resumes_exactly(tmp_path, moe_weights):
         run_distributed(run_steps, 1, 1, 1, moe_weights, (1,), resume_from=str(tmp_path), model=MOE)
 
 
+def _router_after_one_update(rank, world, weights, aux_loss_coeff):
+    from megatron_zcpo.megatron.train_config import MoETraining
+
+    trainer = trainer_cases.make_trainer(1, 1, *weights, model=MOE,
+                                         train_overrides={"moe": MoETraining(aux_loss_coeff=aux_loss_coeff)})
+    trainer.train_step(trainer_cases.rollout())
+    return trainer.global_state_dict()["decoder.layers.0.mlp.router.weight"]
+
+
+def test_load_balancing_loss_reaches_the_router_only_when_asked(moe_weights, single):
+    """train.moe.aux_loss_coeff > 0 adds megatron's load-balancing gradient to the router (the
+    default 0, ``single``'s, trains it by the policy loss alone)."""
+    name = "decoder.layers.0.mlp.router.weight"
+    balanced = run_distributed(_router_after_one_update, 1, moe_weights, 0.5)[0]
+    assert (balanced - single["params"][name]).abs().max() > 1e-6
+
+
 def test_moe_settings_are_checked_at_start_up():
     from megatron_zcpo.megatron.train_config import MoETraining, ParallelConfig, TrainConfig, check_experts
 
