@@ -96,3 +96,25 @@ def _routing_of_samples(rank, world, weights, samples, engine):
     for index, routing in engine.items():
         samples[index].routed_experts = routing
     return trainer.train_step(samples)
+
+
+@pytest.mark.parametrize("packing,cp,sp", [("thd", 1, 1), ("padded", 1, 1), ("thd", 2, 1), ("thd", 1, 2), ("padded", 1, 2)])
+def test_router_token_map_names_every_token_once(packing, cp, sp):
+    """Over the context- and sequence-parallel ranks of a micro-batch, every (sample, position) of
+    the samples' inputs appears exactly once in router order, and nothing else but padding."""
+    from megatron_zcpo.megatron.batch import collate, collate_packed
+    from megatron_zcpo.megatron.routing_replay import router_token_map
+
+    samples = trainer_cases.rollout()
+    indices = [0, 3, 4, 9]
+    lengths = [s.sequence_length for s in samples]
+    seen = []
+    for cp_rank in range(cp):
+        mb = (collate(samples, indices, sp_size=sp) if packing == "padded"
+              else collate_packed(samples, indices, cp_rank, cp, sp_size=sp))
+        for sp_rank in range(sp):
+            owner, position = router_token_map(mb, lengths, sp_rank, sp)
+            assert owner.numel() == mb.tokens.numel() // sp
+            seen += [(o, p) for o, p in zip(owner.tolist(), position.tolist()) if o >= 0]
+    expected = [(i, p) for i in indices for p in range(lengths[i])]
+    assert sorted(seen) == sorted(expected)
