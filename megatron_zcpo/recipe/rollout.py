@@ -64,7 +64,8 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     of those two CPU tensors: no Python object per token (at 8,192 x 22.5k tokens about 0.7 GB of
     int32 per rank instead of ~6 GB of Python ints), identical float32 values on every rank.
     Mixture-of-experts routing (``routed_experts``, when the engine returned it) travels as a third
-    flat int16 tensor (expert ids < 32,768), each sample's a [sequence, layers * top-k] view of it.
+    flat tensor, uint8 when every expert id fits (up to 256 experts, Qwen3-MoE's 128) else int32,
+    each sample's a [sequence, layers * top-k] view of it.
     """
     import torch.distributed as dist
 
@@ -72,27 +73,30 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     device = compute_device()
     header = [None]
     if rank == src:
-        header[0] = [(len(s.prompt_ids), len(s.response_ids), s.group_id, s.reward, s.trainable,
-                      s.rollout_logprobs is not None, s.info,
-                      None if s.routed_experts is None else tuple(s.routed_experts.shape)) for s in samples]
+        routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+        narrow = all(int(r.max()) < 256 for r in routed if r.numel())
+        header[0] = ([(len(s.prompt_ids), len(s.response_ids), s.group_id, s.reward, s.trainable,
+                       s.rollout_logprobs is not None, s.info,
+                       None if s.routed_experts is None else tuple(s.routed_experts.shape)) for s in samples],
+                     torch.uint8 if narrow else torch.int32)
     dist.broadcast_object_list(header, src=src)
+    header, routing_dtype = header[0]
     if rank == src:
         tokens = _flat([ids for s in samples for ids in (s.prompt_ids, s.response_ids)], torch.int32).to(device)
         logprobs = _flat([s.rollout_logprobs for s in samples if s.rollout_logprobs is not None], torch.float32).to(device)
-        routing = _flat([s.routed_experts.reshape(-1) for s in samples if s.routed_experts is not None],
-                        torch.int16).to(device)
+        routing = _flat([r.reshape(-1) for r in routed], routing_dtype).to(device)
     else:
-        tokens = torch.empty(sum(p + r for p, r, *_ in header[0]), dtype=torch.int32, device=device)
-        logprobs = torch.empty(sum(r for _, r, _, _, _, has, *_ in header[0] if has), dtype=torch.float32, device=device)
-        routing = torch.empty(sum(shape[0] * shape[1] for *_, shape in header[0] if shape), dtype=torch.int16,
+        tokens = torch.empty(sum(p + r for p, r, *_ in header), dtype=torch.int32, device=device)
+        logprobs = torch.empty(sum(r for _, r, _, _, _, has, *_ in header if has), dtype=torch.float32, device=device)
+        routing = torch.empty(sum(shape[0] * shape[1] for *_, shape in header if shape), dtype=routing_dtype,
                               device=device)
     dist.broadcast(tokens, src=src)
     dist.broadcast(logprobs, src=src)
-    if routing.numel() or any(shape for *_, shape in header[0]):
+    if routing.numel():
         dist.broadcast(routing, src=src)
     tokens, logprobs, routing = tokens.cpu(), logprobs.cpu(), routing.cpu()
     token_offset, logprob_offset, routing_offset, out = 0, 0, 0, []
-    for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info, routing_shape in header[0]:
+    for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info, routing_shape in header:
         prompt = tokens[token_offset:token_offset + prompt_len]
         response = tokens[token_offset + prompt_len:token_offset + prompt_len + response_len]
         token_offset += prompt_len + response_len
