@@ -66,7 +66,8 @@ def add_parser(subparsers) -> None:
                         help="GiB per GPU, training and rollout (default: H100 80GB)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-config", default=None, help="the model's Hugging Face config.json (or its directory)")
-    source.add_argument("--preset", default=None, help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B")
+    source.add_argument("--preset", default=None,
+                        help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B, Qwen3-30B-A3B, Qwen3-235B-A22B")
     timing = parser.add_argument_group("step time (see megatron_zcpo/megatron/step_time.py)")
     timing.add_argument("--rollout-gpus", type=int, default=None, help="GPUs of the SGLang servers (default: --gpus)")
     timing.add_argument("--decode-tokens-per-s", type=float, default=None,
@@ -126,7 +127,7 @@ def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
     cluster = Cluster(train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus,
                       decode_tokens_per_s_per_gpu=rate, mfu=args.mfu)
     timing = predict_step_time(model, load, cluster, pipeline_parallel=layout.pipeline_parallel,
-                               recompute=layout.recompute)
+                               recompute=layout.recompute, expert_parallel=layout.expert_parallel)
     return timing, rate, source
 
 
@@ -197,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
                           "decode_source": decode_source,
                           "timeouts": [{**vars(check), "ok": check.ok} for check in timeouts]}, indent=2))
         return 0 if plan.fits and all(check.ok for check in timeouts) else 1
-    print(f"{count(model.num_parameters)} parameters, {layout.describe()}, "
+    active = (f" ({count(model.num_active_parameters)} active: {model.num_experts} experts, "
+              f"{model.num_experts_per_tok} per token)" if model.is_moe else "")
+    print(f"{count(model.num_parameters)} parameters{active}, {layout.describe()}, "
           f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
     if data_parallel and data_parallel > 1:
         print(f"(no --gpus: planned on {gpus} GPUs, the fewest on which this layout fits: DP{data_parallel})")
@@ -213,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
           f"(rollout {duration(timing.rollout_s)}, training {duration(timing.train_s)}, weight push "
           f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "
           f"{other}: {duration(timing.step_s(not overlap))}")
+    if model.is_moe:
+        print(f"expert all-to-all: {duration(timing.all_to_all_s)} of the training time at EP{layout.expert_parallel}")
     print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
     from megatron_zcpo.recipe.timeouts import render_timeout_checks
 
