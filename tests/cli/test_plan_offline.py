@@ -135,3 +135,14 @@ def test_plan_checks_every_timeout_against_the_predicted_durations(capsys):
     failed = [check for check in json.loads(capsys.readouterr().out)["timeouts"] if not check["ok"]]
     assert {check["key"] for check in failed} == {"rollout.sglang.client.rollout_timeout_s"}
     assert any("first round" in check["bounds"] and 9900 < check["predicted_s"] < 10100 for check in failed)
+
+
+def test_without_the_cluster_size_short_timeouts_are_reported_not_fatal(capsys):
+    """Planned on the fewest GPUs that fit (a guess at the cluster), the 32B example's rollout is
+    slower than on its 32 GPUs: a short timeout is shown, and the plan still succeeds."""
+    assert main(["plan", QWEN_EXAMPLE, "--preset", "Qwen2.5-32B", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["cluster_given"] is False and answer["timeouts_checked_for_rollout_gpus"] < 32
+    assert main(["plan", QWEN_EXAMPLE, "--preset", "Qwen2.5-32B"]) == 0
+    assert "a guess: give --gpus N" in capsys.readouterr().out
+    assert main(["plan", QWEN_EXAMPLE, "--preset", "Qwen2.5-32B", "--gpus", "32", "--rollout-gpus", "8"]) == 1  # a given cluster: fatal
