@@ -155,18 +155,31 @@ def format_seconds(value: float) -> str:
 MAX_SEARCHED_DATA_PARALLEL = 256
 
 
+def smallest_world(config: RunConfig) -> int:
+    """The fewest GPUs of one replica of the config's layout: TP*PP*CP, times the data-parallel size
+    that lets expert parallelism (EP*ETP) divide a stage's TP*CP*DP ranks (1 without experts)."""
+    import math
+
+    parallel = config.parallel
+    stage = parallel.tensor * parallel.context
+    experts = parallel.expert * (parallel.expert_tensor or parallel.tensor)
+    return parallel.tensor * parallel.pipeline * parallel.context * (experts // math.gcd(experts, stage))
+
+
 def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
-    """(GPUs, data-parallel size) of the fewest replicas of the config's layout that fit; (TP*PP*CP, 1)
-    when none up to :data:`MAX_SEARCHED_DATA_PARALLEL` does (the distributed optimizer is what
-    shards with DP)."""
+    """(GPUs, data-parallel size) of the fewest replicas of the config's layout that fit; the smallest
+    world (:func:`smallest_world`) when none up to :data:`MAX_SEARCHED_DATA_PARALLEL` does (the
+    distributed optimizer is what shards with DP)."""
     from megatron_zcpo.megatron.planner import plan_memory
 
     parallel = config.parallel
     replica = parallel.tensor * parallel.pipeline * parallel.context
-    for data_parallel in range(1, MAX_SEARCHED_DATA_PARALLEL + 1 if parallel.distributed_optimizer else 2):
+    step = smallest_world(config) // replica
+    largest = MAX_SEARCHED_DATA_PARALLEL if parallel.distributed_optimizer else step
+    for data_parallel in range(step, largest + 1, step):
         if plan_memory(model, *plan_inputs(config, replica * data_parallel), hardware).fits:
             return replica * data_parallel, data_parallel
-    return replica, 1
+    return replica * step, step
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,8 +191,7 @@ def run(args: argparse.Namespace) -> int:
         model = model_config_of(config, args.model_config, args.preset)
         parallel = config.parallel
         hardware = Hardware() if args.gpu_memory is None else Hardware(gpu_memory_gib=args.gpu_memory)
-        replica = parallel.tensor * parallel.pipeline * parallel.context
-        problems = layout_problems(config, model, args.gpus or replica, world_source="GPUs (--gpus)")
+        problems = layout_problems(config, model, args.gpus or smallest_world(config), world_source="GPUs (--gpus)")
         if problems:
             raise ValueError("the layout would be refused:\n  " + "\n  ".join(problems))
         gpus, data_parallel = (args.gpus, None) if args.gpus else fewest_gpus(config, model, hardware)
