@@ -53,6 +53,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--router-port", type=int, default=29000)
     parser.add_argument("--log-dir", default="sglang_logs")
     parser.add_argument("--quantization", default=None, help="e.g. modelopt_fp8 (with rollout.quantization=fp8)")
+    parser.add_argument("--ep-size", type=int, default=1, help="MoE models: experts split over a server's TP ranks")
+    parser.add_argument("--return-routed-experts", action="store_true",
+                        help="MoE routing replay: --enable-return-routed-experts (SGLang >= 0.5.7)")
     parser.add_argument("--extra-args", default="", help="appended to every server command line (one string)")
     parser.add_argument("--print", dest="show", action="store_true",
                         help="print the plan's server URLs (a JSON list) and router URL on two lines, and exit")
@@ -66,7 +69,8 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
         model_path=args.model_path, tp_size=args.tp_size, gpus_per_node=args.gpus_per_node,
         nodes=[node for node in args.nodes.split(",") if node], base_port=args.base_port,
         mem_fraction_static=args.mem_fraction_static, context_length=args.context_length,
-        quantization=args.quantization, extra_args=args.extra_args.split(), router=True,
+        quantization=args.quantization, ep_size=args.ep_size, return_routed_experts=args.return_routed_experts,
+        extra_args=args.extra_args.split(), router=True,
         router_port=args.router_port, log_dir=args.log_dir, python=args.python,
     )
     if not args.run_config:

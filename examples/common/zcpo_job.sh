@@ -18,7 +18,7 @@
 #
 # The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
 # TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, TRAIN_TP, TRAIN_PP,
-# TRAIN_CP (default 1), ROLLOUT_TP. Runtime, also from the environment:
+# TRAIN_CP (default 1), TRAIN_EP (expert parallelism of MoE models, default 1), ROLLOUT_TP. Runtime, also from the environment:
 #   CONTAINER_IMAGE   enroot/pyxis image (e.g. a .sqsh of the repository's Dockerfile); empty: use VENV
 #   CONTAINER_MOUNTS  extra pyxis mounts (the file systems holding models, data and RUN_DIR)
 #   VENV              virtual environment with this package installed (default: $REPO_DIR/.venv)
@@ -108,7 +108,7 @@ zcpo_job_main() {
         srun "${runtime[@]}" --nodes=1 --ntasks=1 --nodelist="${train_hosts[0]}" --gpus-per-node="${gpus_per_node}" \
             --cpus-per-task="${cpus_per_node}" \
             python tools/convert_hf_to_megatron.py --hf-dir "${HF_MODEL}" --out "${MEGATRON_CKPT}.partial" \
-            --tp "${TRAIN_TP}" --pp "${TRAIN_PP}"
+            --tp "${TRAIN_TP}" --pp "${TRAIN_PP}" --ep "${TRAIN_EP:-1}"
         mv "${MEGATRON_CKPT}.partial" "${MEGATRON_CKPT}"  # a complete checkpoint or none
     fi
 

@@ -66,7 +66,8 @@ def add_parser(subparsers) -> None:
                         help="GiB per GPU, training and rollout (default: H100 80GB)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-config", default=None, help="the model's Hugging Face config.json (or its directory)")
-    source.add_argument("--preset", default=None, help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B")
+    source.add_argument("--preset", default=None,
+                        help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B, Qwen3-30B-A3B, Qwen3-235B-A22B")
     timing = parser.add_argument_group("step time (see megatron_zcpo/megatron/step_time.py)")
     timing.add_argument("--rollout-gpus", type=int, default=None, help="GPUs of the SGLang servers (default: --gpus)")
     timing.add_argument("--decode-tokens-per-s", type=float, default=None,
@@ -126,7 +127,7 @@ def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
     cluster = Cluster(train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus,
                       decode_tokens_per_s_per_gpu=rate, mfu=args.mfu)
     timing = predict_step_time(model, load, cluster, pipeline_parallel=layout.pipeline_parallel,
-                               recompute=layout.recompute)
+                               recompute=layout.recompute, expert_parallel=layout.expert_parallel)
     return timing, rate, source
 
 
@@ -154,18 +155,31 @@ def format_seconds(value: float) -> str:
 MAX_SEARCHED_DATA_PARALLEL = 256
 
 
+def smallest_world(config: RunConfig) -> int:
+    """The fewest GPUs of one replica of the config's layout: TP*PP*CP, times the data-parallel size
+    that lets expert parallelism (EP*ETP) divide a stage's TP*CP*DP ranks (1 without experts)."""
+    import math
+
+    parallel = config.parallel
+    stage = parallel.tensor * parallel.context
+    experts = parallel.expert * (parallel.expert_tensor or parallel.tensor)
+    return parallel.tensor * parallel.pipeline * parallel.context * (experts // math.gcd(experts, stage))
+
+
 def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
-    """(GPUs, data-parallel size) of the fewest replicas of the config's layout that fit; (TP*PP*CP, 1)
-    when none up to :data:`MAX_SEARCHED_DATA_PARALLEL` does (the distributed optimizer is what
-    shards with DP)."""
+    """(GPUs, data-parallel size) of the fewest replicas of the config's layout that fit; the smallest
+    world (:func:`smallest_world`) when none up to :data:`MAX_SEARCHED_DATA_PARALLEL` does (the
+    distributed optimizer is what shards with DP)."""
     from megatron_zcpo.megatron.planner import plan_memory
 
     parallel = config.parallel
     replica = parallel.tensor * parallel.pipeline * parallel.context
-    for data_parallel in range(1, MAX_SEARCHED_DATA_PARALLEL + 1 if parallel.distributed_optimizer else 2):
+    step = smallest_world(config) // replica
+    largest = MAX_SEARCHED_DATA_PARALLEL if parallel.distributed_optimizer else step
+    for data_parallel in range(step, largest + 1, step):
         if plan_memory(model, *plan_inputs(config, replica * data_parallel), hardware).fits:
             return replica * data_parallel, data_parallel
-    return replica, 1
+    return replica * step, step
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,8 +191,7 @@ def run(args: argparse.Namespace) -> int:
         model = model_config_of(config, args.model_config, args.preset)
         parallel = config.parallel
         hardware = Hardware() if args.gpu_memory is None else Hardware(gpu_memory_gib=args.gpu_memory)
-        replica = parallel.tensor * parallel.pipeline * parallel.context
-        problems = layout_problems(config, model, args.gpus or replica, world_source="GPUs (--gpus)")
+        problems = layout_problems(config, model, args.gpus or smallest_world(config), world_source="GPUs (--gpus)")
         if problems:
             raise ValueError("the layout would be refused:\n  " + "\n  ".join(problems))
         gpus, data_parallel = (args.gpus, None) if args.gpus else fewest_gpus(config, model, hardware)
@@ -203,7 +216,9 @@ def run(args: argparse.Namespace) -> int:
                           "timeouts_checked_for_rollout_gpus": args.rollout_gpus or gpus,
                           "cluster_given": cluster_given}, indent=2))
         return 0 if plan.fits and timeouts_ok else 1
-    print(f"{count(model.num_parameters)} parameters, {layout.describe()}, "
+    active = (f" ({count(model.num_active_parameters)} active: {model.num_experts} experts, "
+              f"{model.num_experts_per_tok} per token)" if model.is_moe else "")
+    print(f"{count(model.num_parameters)} parameters{active}, {layout.describe()}, "
           f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
     if data_parallel and data_parallel > 1:
         print(f"(no --gpus: planned on {gpus} GPUs, the fewest on which this layout fits: DP{data_parallel})")
@@ -219,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
           f"(rollout {duration(timing.rollout_s)}, training {duration(timing.train_s)}, weight push "
           f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "
           f"{other}: {duration(timing.step_s(not overlap))}")
+    if model.is_moe:
+        print(f"expert all-to-all: {duration(timing.all_to_all_s)} of the training time at EP{layout.expert_parallel}")
     print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
     from megatron_zcpo.recipe.timeouts import render_timeout_checks
 

@@ -349,10 +349,23 @@ def convert_megatron_to_hf(
     return model
 
 
-def check_parallel_layout(model: ModelConfig, tensor_parallel: int, pipeline_parallel: int) -> None:
-    """Raise ``ValueError`` naming the field when ``model`` cannot be split ``tensor_parallel`` x ``pipeline_parallel``."""
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+def check_parallel_layout(model: ModelConfig, tensor_parallel: int, pipeline_parallel: int,
+                          expert_parallel: int = 1, expert_tensor_parallel: Optional[int] = None) -> None:
+    """Raise ``ValueError`` naming the field when ``model`` cannot be split ``tensor_parallel`` x
+    ``pipeline_parallel`` (and its experts ``expert_parallel`` x ``expert_tensor_parallel``, None: as TP)."""
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, field) % tensor_parallel:
             raise ValueError(f"{field}={getattr(model, field)} is not divisible by tensor parallelism {tensor_parallel}")
     if model.num_layers % pipeline_parallel:
         raise ValueError(f"num_layers={model.num_layers} is not divisible by pipeline parallelism {pipeline_parallel}")
+    expert_tensor_parallel = expert_tensor_parallel or tensor_parallel
+    if not model.is_moe:
+        if expert_parallel != 1:
+            raise ValueError(f"expert parallelism {expert_parallel}: the {model.family} model has no experts")
+        return
+    if model.num_experts % expert_parallel:
+        raise ValueError(f"num_experts={model.num_experts} is not divisible by expert parallelism {expert_parallel}: "
+                         f"each expert-parallel rank must hold the same number of whole experts")
+    if model.moe_intermediate_size % expert_tensor_parallel:
+        raise ValueError(f"moe_intermediate_size={model.moe_intermediate_size} is not divisible by expert tensor "
+                         f"parallelism {expert_tensor_parallel}")

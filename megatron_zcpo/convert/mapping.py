@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron tensor names, layouts and model configs (Qwen2/Qwen2.5, Qwen3 dense, Llama).
+"""Hugging Face <-> Megatron tensor names, layouts and model configs (Qwen2/Qwen2.5, Qwen3, Llama, Qwen2/3-MoE).
 
 Megatron tensors here are *global* ones, as :mod:`megatron_zcpo.megatron.weights` defines them:
 local-spec names with global layer indices, TP=1 shapes, and the true (unpadded) vocabulary.
@@ -9,7 +9,10 @@ Three layouts differ from Hugging Face's:
 - ``linear_fc1`` stacks SwiGLU's ``[gate_proj; up_proj]`` along the output dimension;
 - tied embeddings have no ``lm_head.weight``: the output layer is the embedding.
 Everything else is a rename (Qwen3's per-head ``q_norm`` / ``k_norm`` are megatron-core's
-``q_layernorm`` / ``k_layernorm``). All functions take and return tensors one at a time, so a whole
+``q_layernorm`` / ``k_layernorm``). Mixture-of-experts layers: the router ``mlp.gate`` is
+``mlp.router``; expert e (global index, whatever expert-parallel rank holds it) is
+``mlp.experts.local_experts.{e}`` with the same SwiGLU layout as a dense MLP; Qwen2-MoE's
+``mlp.shared_expert`` / ``mlp.shared_expert_gate`` are ``mlp.shared_experts`` and its ``gate_weight``. All functions take and return tensors one at a time, so a whole
 model streams through them (the checkpoint tools, the rollout weight push); they work on meta
 tensors too, which checks a whole checkpoint's names and shapes without reading any data.
 """
@@ -41,7 +44,12 @@ class HFFamily:
     # config.json fields this family needs beyond _REQUIRED_FIELDS (Qwen3's head_dim defaults to
     # 128 in transformers, not hidden/heads, so it must be stated)
     required: Tuple[str, ...] = ()
+    shared_expert: bool = False  # Qwen2-MoE's sigmoid-gated shared expert
 
+
+# config.json fields of a mixture-of-experts family (the expert count is "num_experts" on the hub and
+# "num_local_experts" as transformers>=5 writes it: see _num_experts).
+_MOE_REQUIRED = ("num_experts_per_tok", "moe_intermediate_size")
 
 FAMILIES: Dict[str, HFFamily] = {
     family.family: family
@@ -51,6 +59,10 @@ FAMILIES: Dict[str, HFFamily] = {
         HFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True,
                  required=("head_dim",)),
         HFFamily("llama", "llama", "LlamaForCausalLM", qkv_bias=None),
+        HFFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_layernorm=True,
+                 required=("head_dim",) + _MOE_REQUIRED),
+        HFFamily("qwen2_moe", "qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True,
+                 required=_MOE_REQUIRED + ("shared_expert_intermediate_size",), shared_expert=True),
     )
 }
 
@@ -58,7 +70,7 @@ FAMILIES: Dict[str, HFFamily] = {
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "max_position_embeddings")
 
-# Per layer: Megatron suffix -> (Hugging Face suffixes, layout).
+# Per layer: Megatron suffix -> (Hugging Face suffixes, layout). Attention and norms in every layer:
 _LAYER_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "input_layernorm.weight": (("input_layernorm.weight",), "copy"),
     "self_attention.linear_qkv.weight": (
@@ -69,8 +81,24 @@ _LAYER_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "copy"),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "copy"),
     "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "copy"),
+}
+# ... a dense MLP in dense layers:
+_DENSE_MLP_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "copy"),
+}
+# ... or the router, one SwiGLU MLP per expert ({e}: the global expert index) and a shared expert:
+_ROUTER = {"mlp.router.weight": (("mlp.gate.weight",), "copy")}
+_EXPERT_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
+    "mlp.experts.local_experts.{e}.linear_fc1.weight": (
+        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "gate_up"),
+    "mlp.experts.local_experts.{e}.linear_fc2.weight": (("mlp.experts.{e}.down_proj.weight",), "copy"),
+}
+_SHARED_EXPERT_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
+    "mlp.shared_experts.linear_fc1.weight": (
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "gate_up"),
+    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_expert.down_proj.weight",), "copy"),
+    "mlp.shared_experts.gate_weight": (("mlp.shared_expert_gate.weight",), "copy"),
 }
 _MODEL_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     EMBEDDING: (("model.embed_tokens.weight",), "copy"),
@@ -79,9 +107,7 @@ _MODEL_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
 }
 _MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-# config.json fields that mean mixture-of-experts layers (dense models only convert).
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+_MEGATRON_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 # Hugging Face tensors that carry no weights Megatron needs (old Llama checkpoints store the
 # rotary inverse frequencies, which both sides recompute from rope_theta).
@@ -95,10 +121,6 @@ def _family_of(config: dict) -> HFFamily:
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
     supported = {f.model_type: f for f in FAMILIES.values()}
-    moe = [key for key in _MOE_FIELDS if config.get(key)]
-    if moe or str(model_type).endswith("_moe") or any("Moe" in a for a in architectures):
-        raise ValueError(f"config.json model_type={model_type!r} (architectures={architectures}, fields {moe}): "
-                         f"mixture-of-experts models are not supported; only dense models convert")
     if model_type is None:
         raise KeyError(f"config.json has no 'model_type' (architectures={architectures}); "
                        f"supported: {sorted(supported)}")
@@ -137,6 +159,12 @@ def _check_supported_features(config: dict, family: HFFamily) -> None:
         # Llama's and Qwen3's attention_bias also put a bias on o_proj, which the Megatron model lacks.
         raise ValueError(f"config.json attention_bias=True: {family.architecture} then has a bias on o_proj, "
                          f"which is not supported")
+    experts = [key for key in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(key)]
+    if experts and not family.family.endswith("_moe"):
+        raise ValueError(f"config.json {experts[0]}={config[experts[0]]}: mixture-of-experts fields in a dense "
+                         f"{family.model_type} config (mixture-of-experts models convert as qwen3_moe / qwen2_moe)")
+    if family.qkv_bias is True and config.get("qkv_bias", True) is False:
+        raise ValueError(f"config.json qkv_bias=False: {family.architecture} is converted with its q/k/v biases")
     if config.get("use_sliding_window"):
         raise ValueError("config.json use_sliding_window=True: sliding-window attention is not supported")
     layer_types = set(config.get("layer_types") or ["full_attention"])
@@ -158,6 +186,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     _check_supported_features(config, family)
     theta, scaling = _rope_from_hf(config)
     heads = int(config["num_attention_heads"])
+    experts = _moe_fields_from_hf(config, family)
     model = ModelConfig(
         family=family.family,
         vocab_size=int(config["vocab_size"]),
@@ -175,9 +204,33 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         qk_layernorm=family.qk_layernorm,
         rope_scaling=scaling,
         init_method_std=float(config.get("initializer_range", 0.02)),
+        **experts,
     )
     model.validate(prefix="config.json")
     return model
+
+
+def _num_experts(config: dict) -> Optional[int]:
+    """The routed-expert count: "num_experts" (the hub's configs) or "num_local_experts" (transformers>=5)."""
+    value = config.get("num_experts", config.get("num_local_experts"))
+    return None if value is None else int(value)
+
+
+def _moe_fields_from_hf(config: dict, family: HFFamily) -> dict:
+    """The :class:`ModelConfig` mixture-of-experts fields of a config.json ({} for a dense family)."""
+    if not family.family.endswith("_moe"):
+        return {}
+    if not _num_experts(config):
+        raise KeyError(f"config.json ({family.model_type}) lacks required field 'num_experts' (or 'num_local_experts')")
+    return dict(
+        num_experts=_num_experts(config),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),  # transformers' default for both families
+        decoder_sparse_step=int(config.get("decoder_sparse_step") or 1),
+        mlp_only_layers=[int(i) for i in config.get("mlp_only_layers") or []],
+        shared_expert_intermediate_size=int(config["shared_expert_intermediate_size"]) if family.shared_expert else 0,
+    )
 
 
 def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None) -> dict:
@@ -217,6 +270,13 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
     if bool(model.qk_layernorm) != family.qk_layernorm:
         raise ValueError(f"model.qk_layernorm={model.qk_layernorm}: {family.architecture} always has "
                          f"qk_layernorm={family.qk_layernorm}")
+    if model.is_moe:
+        expert_key = "num_local_experts" if "num_local_experts" in config and "num_experts" not in config else "num_experts"
+        config.update({expert_key: model.num_experts}, num_experts_per_tok=model.num_experts_per_tok,
+                      moe_intermediate_size=model.moe_intermediate_size, norm_topk_prob=model.norm_topk_prob,
+                      decoder_sparse_step=model.decoder_sparse_step, mlp_only_layers=list(model.mlp_only_layers))
+        if family.shared_expert:
+            config["shared_expert_intermediate_size"] = model.shared_expert_intermediate_size
     scaling = dict(model.rope_scaling) if model.rope_scaling else None
     if "rope_parameters" in config:
         config["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": model.rope_theta}
@@ -230,21 +290,29 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
 # ----------------------------------------------------------------------------- tensor names
 
 
-def _has_layer_tensor(suffix: str, model: ModelConfig) -> bool:
-    """Whether a layer of ``model`` has the Megatron tensor ``suffix`` (biases, q/k norms are optional)."""
-    if suffix.endswith(".bias"):
-        return bool(model.qkv_bias)
-    if suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")):
-        return bool(model.qk_layernorm)
-    return True
+def _layer_tensors(layer: int, model: ModelConfig) -> Dict[str, Tuple[Tuple[str, ...], str]]:
+    """Megatron suffix -> (Hugging Face suffixes, layout) of every tensor layer ``layer`` of ``model`` has,
+    in model order (biases and q/k norms only where the model has them; a dense MLP or the experts)."""
+    tensors = {suffix: spec for suffix, spec in _LAYER_TENSORS.items()
+               if not (suffix.endswith(".bias") and not model.qkv_bias)
+               and not (suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not model.qk_layernorm)}
+    if not model.moe_layer_pattern[layer]:
+        tensors.update(_DENSE_MLP_TENSORS)
+        return tensors
+    tensors.update(_ROUTER)
+    for expert in range(model.num_experts):
+        for suffix, (hf_suffixes, layout) in _EXPERT_TENSORS.items():
+            tensors[suffix.format(e=expert)] = (tuple(hf.format(e=expert) for hf in hf_suffixes), layout)
+    if model.shared_expert_intermediate_size:
+        tensors.update(_SHARED_EXPERT_TENSORS)
+    return tensors
 
 
 def megatron_tensor_names(model: ModelConfig) -> List[str]:
     """Global Megatron tensor names of ``model`` in model order (no output layer when tied)."""
     names = [EMBEDDING]
     for layer in range(model.num_layers):
-        names.extend(f"decoder.layers.{layer}.{suffix}" for suffix in _LAYER_TENSORS
-                     if _has_layer_tensor(suffix, model))
+        names.extend(f"decoder.layers.{layer}.{suffix}" for suffix in _layer_tensors(layer, model))
     names.append(FINAL_NORM)
     if not model.tie_word_embeddings:
         names.append(OUTPUT_LAYER)
@@ -259,12 +327,17 @@ def _hf_names_and_layout(name: str, model: ModelConfig) -> Tuple[Tuple[str, ...]
             return (), layout  # the output layer is the embedding
         return hf_names, layout
     match = _MEGATRON_LAYER.match(name)
-    if match and match.group(2) in _LAYER_TENSORS and int(match.group(1)) < model.num_layers:
-        if not _has_layer_tensor(match.group(2), model):
-            raise KeyError(f"Megatron tensor {name!r}: the model has no such tensor "
-                           f"(qkv_bias={model.qkv_bias}, qk_layernorm={model.qk_layernorm})")
-        hf_suffixes, layout = _LAYER_TENSORS[match.group(2)]
-        return tuple(f"model.layers.{match.group(1)}.{suffix}" for suffix in hf_suffixes), layout
+    if match and int(match.group(1)) < model.num_layers:
+        layer, suffix = int(match.group(1)), match.group(2)
+        tensors = _layer_tensors(layer, model)
+        if suffix in tensors:
+            hf_suffixes, layout = tensors[suffix]
+            return tuple(f"model.layers.{layer}.{hf}" for hf in hf_suffixes), layout
+        if suffix in _LAYER_TENSORS or suffix in _DENSE_MLP_TENSORS or suffix in _ROUTER or _MEGATRON_EXPERT.match(suffix):
+            raise KeyError(f"Megatron tensor {name!r}: the model has no such tensor (qkv_bias={model.qkv_bias}, "
+                           f"qk_layernorm={model.qk_layernorm}, layer {layer} "
+                           f"{'mixture-of-experts' if model.moe_layer_pattern[layer] else 'dense'}, "
+                           f"num_experts={model.num_experts})")
     raise KeyError(f"Megatron tensor {name!r} has no Hugging Face counterpart in a "
                    f"{model.num_layers}-layer {model.family} model")
 
@@ -297,17 +370,25 @@ def hf_tensor_shape(hf_name: str, model: ModelConfig) -> Tuple[int, ...]:
     if hf_name in shapes:
         return shapes[hf_name]
     match = _HF_LAYER.match(hf_name)
-    layer_shapes = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h), "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-        "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
-    }
-    if match and match.group(2) in layer_shapes and int(match.group(1)) < model.num_layers:
-        return layer_shapes[match.group(2)]
+    if match and int(match.group(1)) < model.num_layers:
+        layer, suffix = int(match.group(1)), match.group(2)
+        if any(suffix in hf for hf, _ in _layer_tensors(layer, model).values()):
+            suffix = re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{e}.", suffix)
+            fm, fs = model.moe_intermediate_size, model.shared_expert_intermediate_size
+            return {
+                "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                "self_attn.v_proj.weight": (kv, h), "self_attn.q_proj.bias": (q,),
+                "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+                "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
+                "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+                "mlp.gate.weight": (model.num_experts, h),
+                "mlp.experts.{e}.gate_proj.weight": (fm, h), "mlp.experts.{e}.up_proj.weight": (fm, h),
+                "mlp.experts.{e}.down_proj.weight": (h, fm),
+                "mlp.shared_expert.gate_proj.weight": (fs, h), "mlp.shared_expert.up_proj.weight": (fs, h),
+                "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h),
+            }[suffix]
     raise KeyError(f"Hugging Face tensor {hf_name!r} is not part of a {model.num_layers}-layer "
                    f"{model.family} model")
 

@@ -1,5 +1,5 @@
 """Architectures of the models we ship examples for, as their public ``config.json`` fields, so
-``zcpo plan`` can plan a 32B/70B run before anything is downloaded."""
+``zcpo plan`` can plan a 32B/70B (or 30B/235B mixture-of-experts) run before anything is downloaded."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ _QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_
           "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
           "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
           "attention_bias": False, "use_sliding_window": False, "initializer_range": 0.02}
+
+# Qwen3 mixture-of-experts: 128 experts, 8 per token, renormalised; every layer sparse.
+_QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_act": "silu",
+              "vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 4, "num_experts": 128,
+              "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "attention_bias": False, "tie_word_embeddings": False, "use_sliding_window": False,
+              "initializer_range": 0.02}
 
 # The architecture fields of each model's config.json on the Hugging Face hub (weights-free).
 HF_CONFIGS: Dict[str, dict] = {
@@ -38,6 +46,10 @@ HF_CONFIGS: Dict[str, dict] = {
     "Qwen3-4B": dict(_QWEN3, max_position_embeddings=40960, rope_theta=1000000.0),
     # the long-context example's model (examples/qwen3-4b-long-context-zcpo): the same layers, longer RoPE
     "Qwen3-4B-Thinking-2507": dict(_QWEN3, max_position_embeddings=262144, rope_theta=5000000.0),
+    "Qwen3-30B-A3B": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32),
+    "Qwen3-235B-A22B": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -60,6 +61,8 @@ def megatron_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
 
     device = next(model.parameters()).device
     tokens = tokens.to(device)
+    was_training = model.training
+    model.eval()  # megatron's MoE layer refuses TP without SP in training mode only
     batch, seq_length = tokens.shape
     positions = torch.arange(seq_length, device=device).unsqueeze(0).expand(batch, -1)
 
@@ -70,6 +73,7 @@ def megatron_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
         seq_length=seq_length, micro_batch_size=batch, forward_only=True,
     )
+    model.train(was_training)
     if not ps.is_pipeline_last_stage():
         return None
     logits = gather_from_tensor_model_parallel_region(outputs[0])
@@ -77,44 +81,58 @@ def megatron_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _checkpoint_logits_on_rank(rank, world_size, ckpt_dir, tensor_parallel, pipeline_parallel, sequence_parallel,
-                               tokens):
+                               tokens, expert_parallel=1, expert_tensor_parallel=None):
     from megatron.core import parallel_state as ps
 
     from megatron_zcpo.megatron.checkpoint import load_model_checkpoint, read_model_config
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
 
-    setup_megatron(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+    setup_megatron(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                   expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel)
     model_config = read_model_config(ckpt_dir)
     model = build_gpt_model(model_config, transformer_config(
         model_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-        sequence_parallel=sequence_parallel))
+        sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+        expert_tensor_parallel=expert_tensor_parallel))
     load_model_checkpoint(model, ckpt_dir)
     logits = megatron_logits(model, tokens)
-    return logits if ps.get_tensor_model_parallel_rank() == 0 else None
+    first_replica = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    return logits if first_replica else None
+
+
+def layout_world_size(tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
+                      expert_tensor_parallel: Optional[int] = None) -> int:
+    """Processes a model needs at this layout: PP x lcm(TP, ETP x EP) (data parallelism fills the
+    expert grid: EP x ETP ranks split the TP x DP ranks of a stage)."""
+    return pipeline_parallel * math.lcm(tensor_parallel, (expert_tensor_parallel or tensor_parallel) * expert_parallel)
 
 
 def checkpoint_logits(ckpt_dir: str | os.PathLike, tokens: torch.Tensor, tensor_parallel: int = 1,
-                      pipeline_parallel: int = 1, sequence_parallel: bool = False) -> torch.Tensor:
-    """Logits ``[B, T, V]`` (fp32) of a converted checkpoint loaded in Megatron at the given TP/PP
-    (and sequence parallelism: T must then be a multiple of TP).
+                      pipeline_parallel: int = 1, sequence_parallel: bool = False, expert_parallel: int = 1,
+                      expert_tensor_parallel: Optional[int] = None) -> torch.Tensor:
+    """Logits ``[B, T, V]`` (fp32) of a converted checkpoint loaded in Megatron at the given
+    TP/PP/EP/ETP (and sequence parallelism: T must then be a multiple of TP).
 
-    Runs ``tensor_parallel * pipeline_parallel`` local processes (gloo on CPU, NCCL on GPUs).
+    Runs :func:`layout_world_size` local processes (gloo on CPU, NCCL on GPUs).
     """
     from megatron_zcpo.utils.spawn import run_distributed
 
     if sequence_parallel and tokens.shape[1] % tensor_parallel:
         raise ValueError(f"sequence parallelism needs a sequence length that is a multiple of TP={tensor_parallel}, "
                          f"got {tokens.shape[1]}")
-    results = run_distributed(_checkpoint_logits_on_rank, tensor_parallel * pipeline_parallel, str(ckpt_dir),
-                              tensor_parallel, pipeline_parallel, sequence_parallel, tokens, timeout=3600)
+    world = layout_world_size(tensor_parallel, pipeline_parallel, expert_parallel, expert_tensor_parallel)
+    results = run_distributed(_checkpoint_logits_on_rank, world, str(ckpt_dir), tensor_parallel, pipeline_parallel,
+                              sequence_parallel, tokens, expert_parallel, expert_tensor_parallel, timeout=3600)
     return next(logits for logits in results if logits is not None)
 
 
 def max_logit_difference(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike, tokens: torch.Tensor,
-                         tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False) -> float:
+                         tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False,
+                         expert_parallel: int = 1, expert_tensor_parallel: Optional[int] = None) -> float:
     """Max abs difference between the checkpoint's Megatron logits and the Hugging Face model's for ``tokens``."""
-    megatron = checkpoint_logits(ckpt_dir, tokens, tensor_parallel, pipeline_parallel, sequence_parallel)
+    megatron = checkpoint_logits(ckpt_dir, tokens, tensor_parallel, pipeline_parallel, sequence_parallel,
+                                 expert_parallel, expert_tensor_parallel)
     return (megatron - hf_logits(hf_dir, tokens)).abs().max().item()
 
 

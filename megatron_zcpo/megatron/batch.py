@@ -36,6 +36,9 @@ class RolloutSample:
     trainable: bool = True
     rollout_logprobs: Union[List[float], torch.Tensor, None] = None
     info: Dict = field(default_factory=dict)
+    # Mixture-of-experts models: the engine's experts of every input token (prompt and response but
+    # the last), int [sequence_length, layers * top-k] as SGLang returns them (routing replay R3).
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def sequence_length(self) -> int:
@@ -322,7 +325,8 @@ class MicroBatchLayout:
     (``train.micro_batch_tokens``); ``packing``: "thd" (padding-free packed rows) or "padded";
     ``whole_groups``: the algorithm needs every group inside one micro-batch; ``cp_rank`` /
     ``cp_size``: this rank's context-parallel place; ``sp_size``: the sequence-length multiple
-    sequence parallelism needs (the TP size, else 1).
+    sequence parallelism needs (the TP size, else 1); ``equal_count``: every data-parallel rank gets
+    as many micro-batches as the one with the most (:func:`pad_to_equal_count`; expert parallelism).
     """
 
     token_budget: int
@@ -331,6 +335,7 @@ class MicroBatchLayout:
     cp_rank: int = 0
     cp_size: int = 1
     sp_size: int = 1
+    equal_count: bool = False  # pad to the data-parallel group's largest count (expert parallelism)
 
 
 def collate_micro_batches(samples: Sequence[RolloutSample], indices: Sequence[int],
@@ -344,11 +349,53 @@ def collate_micro_batches(samples: Sequence[RolloutSample], indices: Sequence[in
     device = compute_device()
     if layout.packing == "padded":
         lengths = [s.sequence_length for s in samples]
-        return [collate(samples, chunk, sp_size=layout.sp_size).to(device)
-                for chunk in pack_micro_batches(units, lengths, layout.token_budget)]
-    lengths = [packed_length(s.sequence_length, layout.cp_size, layout.sp_size) for s in samples]
-    return [collate_packed(samples, chunk, layout.cp_rank, layout.cp_size, sp_size=layout.sp_size).to(device)
-            for chunk in pack_micro_batches(units, lengths, layout.token_budget, padded=False)]
+        collated = [collate(samples, chunk, sp_size=layout.sp_size).to(device)
+                    for chunk in pack_micro_batches(units, lengths, layout.token_budget)]
+    else:
+        lengths = [packed_length(s.sequence_length, layout.cp_size, layout.sp_size) for s in samples]
+        collated = [collate_packed(samples, chunk, layout.cp_rank, layout.cp_size, sp_size=layout.sp_size).to(device)
+                    for chunk in pack_micro_batches(units, lengths, layout.token_budget, padded=False)]
+    return pad_to_equal_count(collated, layout) if layout.equal_count else collated
+
+
+# Expert parallelism: the EP group spans data-parallel ranks, and every MoE layer's token dispatch is
+# an all-to-all in which each EP rank takes part once per micro-batch, forward and backward. Ranks
+# pack their own samples into as many micro-batches as the token budget needs, which may differ; a
+# rank with fewer would leave the others waiting in an all-to-all. So each rank pads its list to the
+# group's largest count with padding micro-batches (one padding token, no sample, no response
+# position): they run through the model and its all-to-alls and reach no loss or statistic (the
+# passes skip their loss, :func:`is_padding`; the update backpropagates a zero).
+
+
+def is_padding(micro_batch: MicroBatch) -> bool:
+    """Whether ``micro_batch`` is a padding micro-batch (it holds no sample)."""
+    return not micro_batch.sample_indices
+
+
+def padding_micro_batch(layout: MicroBatchLayout) -> MicroBatch:
+    """A micro-batch of one padding token (id 0; padded for CP/SP like any sequence) with no sample
+    and no response position, in ``layout``'s packing."""
+    filler = [RolloutSample([0], [0], group_id=-1, reward=0.0)]
+    if layout.packing == "padded":
+        micro_batch = collate(filler, [0], sp_size=layout.sp_size)
+    else:
+        micro_batch = collate_packed(filler, [0], layout.cp_rank, layout.cp_size, sp_size=layout.sp_size)
+    empty = torch.zeros(0, dtype=torch.long)
+    return dataclasses.replace(micro_batch, response_positions=empty, response_token_index=empty,
+                               response_lengths=[], sample_indices=[], rollout_logprobs=None)
+
+
+def pad_to_equal_count(micro_batches: List[MicroBatch], layout: MicroBatchLayout) -> List[MicroBatch]:
+    """``micro_batches`` followed by padding micro-batches up to the largest count in the
+    data-parallel x context-parallel group. Collective over that group: every rank calls it for
+    the same pass."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    count = torch.tensor([len(micro_batches)], dtype=torch.long, device=compute_device())
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+    missing = int(count) - len(micro_batches)
+    return micro_batches + [padding_micro_batch(layout).to(compute_device())] * missing
 
 
 class StepMicroBatches:

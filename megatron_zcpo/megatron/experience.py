@@ -15,7 +15,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from megatron_zcpo.megatron.batch import MicroBatch, RolloutSample
+from megatron_zcpo.megatron.batch import MicroBatch, RolloutSample, is_padding
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.pipeline import ModelChunks, output_weight, run_schedule
 from megatron_zcpo.megatron.rollout_step import ResponseTokenStats
@@ -69,9 +69,11 @@ def run_experience(models: ModelChunks, micro_batches: List[MicroBatch],
     results: Dict[int, ResponseTokenStats] = {}
 
     def forward_step(mb: MicroBatch, m):
-        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **models.forward_kwargs)
+        output = models.forward(m, mb, "experience")
 
         def loss_func(hidden_pair):
+            if is_padding(mb):  # expert parallelism's filler: it only takes part in the all-to-alls
+                return torch.zeros((), device=hidden_pair.device), {}
             positions = mb.response_positions
             flat = hidden_pair.reshape(-1, 2 * hidden_size).index_select(0, positions)
             hidden, ref_hidden = flat.split(hidden_size, dim=-1)

@@ -6,6 +6,7 @@ import datetime
 import os
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -91,13 +92,17 @@ def setup_megatron(
     seed: int = 1234,
     *,
     collective_timeout_s: float = 1800.0,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: Optional[int] = None,
 ) -> ParallelLayout:
     """Set up everything megatron-core needs in this process and return its place in the grid.
 
     torch.distributed comes from torchrun's (or srun-derived) environment, or a single local
     process when none is set; backend NCCL on GPUs, gloo otherwise. Then the CPU platform layer
     (no-op with CUDA), megatron-core's ``parallel_state`` at (TP, PP, CP) with DP = world / (TP*PP*CP),
-    and the model-parallel RNG trackers seeded from ``seed``. Calling it again with the same layout
+    and the model-parallel RNG trackers seeded from ``seed``. Mixture-of-experts models add
+    megatron's expert groups: ``expert_parallel`` (EP) x ``expert_tensor_parallel`` (ETP, None: as
+    TP) ranks inside each pipeline stage's TP * CP * DP ranks. Calling it again with the same layout
     is a no-op; with a different layout it tears the old one down first.
 
     ``collective_timeout_s`` (``parallel.collective_timeout_s``) bounds every collective of the
@@ -119,11 +124,17 @@ def setup_megatron(
             f"world size {world} is not divisible by tensor_parallel*pipeline_parallel*context_parallel"
             f" = {tensor_parallel}*{pipeline_parallel}*{context_parallel}"
         )
+    expert_grid = expert_parallel * (expert_tensor_parallel or tensor_parallel) * pipeline_parallel
+    if world % expert_grid:
+        raise ValueError(f"world size {world} is not divisible by expert_parallel*expert_tensor_parallel*"
+                         f"pipeline_parallel = {expert_parallel}*{expert_tensor_parallel or tensor_parallel}*{pipeline_parallel}")
     if parallel_state.model_parallel_is_initialized():
         same = (
             parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
             and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel
             and parallel_state.get_context_parallel_world_size() == context_parallel
+            and parallel_state.get_expert_model_parallel_world_size() == expert_parallel
+            and parallel_state.get_expert_tensor_parallel_world_size() == (expert_tensor_parallel or tensor_parallel)
         )
         if not same:
             parallel_state.destroy_model_parallel()
@@ -132,6 +143,8 @@ def setup_megatron(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
             context_parallel_size=context_parallel,
+            expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=expert_tensor_parallel,
             distributed_timeout_minutes=collective_timeout_s / 60,  # megatron-core makes a timedelta of it
         )
     seed_everything(seed)

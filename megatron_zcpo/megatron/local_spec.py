@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import List, Optional
+
 import torch
 
 
@@ -24,16 +26,18 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
 
-def local_layer_spec(qk_layernorm: bool = False):
+def local_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None):
     """megatron-core's local GPT layer spec (RMSNorm; per-head q/k RMSNorm when ``qk_layernorm``) with
     :class:`~megatron_zcpo.megatron.attention.PackedCausalAttention` as core attention and
     :class:`SequenceParallelRMSNorm` as its norms (the q/k norms too: megatron sums their
-    gradients over TP either way, see finalize_model_grads)."""
+    gradients over TP either way, see finalize_model_grads). With ``num_experts`` the MLP is
+    megatron's MoE layer with SequentialMLP experts (one local MLP per expert: no grouped GEMM on CPUs)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_zcpo.megatron.attention import PackedCausalAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                    normalization="RMSNorm", qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = PackedCausalAttention
     if qk_layernorm:
@@ -43,10 +47,25 @@ def local_layer_spec(qk_layernorm: bool = False):
     return spec
 
 
+def moe_layer_flags(config) -> List[bool]:
+    """Per global layer, whether megatron-core builds a routed-expert MLP there (``moe_layer_freq``:
+    an int N means every N-th layer from the first, a list gives each layer's 0/1)."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    frequency = config.moe_layer_freq
+    if isinstance(frequency, int):
+        return [i % frequency == 0 for i in range(config.num_layers)]
+    return [bool(flag) for flag in frequency]
+
+
 def local_block_spec(config):
     """The transformer-block spec of this rank's pipeline stage: :func:`local_layer_spec` layers
-    and a :class:`SequenceParallelRMSNorm` final norm (megatron would pick ``WrappedTorchNorm``)."""
+    (dense or mixture-of-experts, as :func:`moe_layer_flags` says for each) and a
+    :class:`SequenceParallelRMSNorm` final norm (megatron would pick ``WrappedTorchNorm``)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return TransformerBlockSubmodules(layer_specs=[local_layer_spec(config.qk_layernorm)] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelRMSNorm)
+    offset = get_transformer_layer_offset(config)
+    flags = moe_layer_flags(config)[offset:offset + get_num_layers_to_build(config)]
+    specs = {moe: local_layer_spec(config.qk_layernorm, config.num_moe_experts if moe else None) for moe in set(flags)}
+    return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in flags], layer_norm=SequenceParallelRMSNorm)

@@ -26,6 +26,9 @@ What is modelled, for the most loaded pipeline stage (first and last stage are b
   gathered final hidden states of the micro-batch and a few fp32 vectors per token.
 * Reference model: a bf16 copy of the stage's parameters, resident, offloaded to CPU between
   experience passes, or absent (methods without a reference).
+* Mixture-of-experts models: each GPU holds its expert-parallel rank's experts (their optimizer
+  state sharded over the experts' replicas) and keeps its share of the routed tokens' expert
+  activations (:mod:`megatron_zcpo.megatron.moe_costs`).
 * Overhead: a fraction of the GPU reserved for the CUDA context, NCCL buffers, allocator
   fragmentation and the transient buckets of the weight push to the rollout servers.
 
@@ -40,6 +43,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from megatron_zcpo.megatron.model import ModelConfig, padded_vocab_size
+from megatron_zcpo.megatron.moe_costs import (
+    expert_parameters_per_gpu,
+    moe_layer_share,
+    moe_mlp_activation_bytes_per_token,
+    non_expert_mlp_parameters,
+)
 
 GIB = 2 ** 30
 # nvidia-smi reports 81,559 MiB on an H100 SXM 80GB: the capacity the allocator can see.
@@ -80,7 +89,9 @@ class Layout:
     ``data_parallel`` counts model replicas, so the job uses TP * PP * CP * DP GPUs.
     ``virtual_pipeline``: model chunks per pipeline rank (interleaved 1F1B), None for plain 1F1B.
     ``recompute``: "none", "selective" (megatron-core's default ``core_attn`` module) or "full"
-    (uniform, one layer per checkpoint).
+    (uniform, one layer per checkpoint). Mixture-of-experts models: ``expert_parallel`` (EP) x
+    ``expert_tensor_parallel`` (ETP) ranks, carved out of each stage's TP * CP * DP ranks, share the
+    experts (megatron-core's expert groups); they add no GPUs.
     """
 
     tensor_parallel: int = 1
@@ -91,6 +102,18 @@ class Layout:
     sequence_parallel: bool = True
     distributed_optimizer: bool = True
     recompute: str = "selective"
+    expert_parallel: int = 1
+    expert_tensor_parallel: Optional[int] = None  # None: as tensor_parallel
+
+    @property
+    def expert_tensor(self) -> int:
+        """Expert tensor parallelism (ETP; TP when unset)."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Replicas of each expert: the TP * CP * DP ranks of a stage over ETP * EP."""
+        return self.tensor_parallel * self.context_parallel * self.data_parallel // (self.expert_tensor * self.expert_parallel)
 
     @property
     def model_parallel_size(self) -> int:
@@ -115,6 +138,7 @@ class Layout:
                 raise ValueError(
                     f"{prefix}.tensor_parallel={tp} must divide model.{key}={getattr(model, key)}"
                 )
+        self._validate_experts(model, prefix)
         chunks = self.pipeline_parallel
         if self.virtual_pipeline is not None:
             if self.virtual_pipeline < 1:
@@ -131,12 +155,30 @@ class Layout:
                 f"{self.virtual_pipeline} must divide model.num_layers={model.num_layers}"
             )
 
+    def _validate_experts(self, model: ModelConfig, prefix: str) -> None:
+        if not model.is_moe:
+            if self.expert_parallel != 1:
+                raise ValueError(f"{prefix}.expert_parallel={self.expert_parallel}: the {model.family} model has no experts")
+            return
+        if self.expert_parallel < 1 or model.num_experts % self.expert_parallel:
+            raise ValueError(f"{prefix}.expert_parallel={self.expert_parallel} must divide model.num_experts={model.num_experts}")
+        if self.expert_tensor < 1 or model.moe_intermediate_size % self.expert_tensor:
+            raise ValueError(f"{prefix}.expert_tensor_parallel={self.expert_tensor} must divide "
+                             f"model.moe_intermediate_size={model.moe_intermediate_size}")
+        stage_ranks = self.tensor_parallel * self.context_parallel * self.data_parallel
+        if stage_ranks % (self.expert_tensor * self.expert_parallel):
+            raise ValueError(f"{prefix}: expert_parallel x expert_tensor_parallel = {self.expert_parallel} x "
+                             f"{self.expert_tensor} must divide a stage's TP x CP x DP = {stage_ranks} ranks")
+
     def describe(self) -> str:
-        """Short human-readable form, e.g. ``TP8 PP2 CP1 DP4 SP distopt recompute=full``."""
+        """Short human-readable form, e.g. ``TP8 PP2 CP1 DP4 SP distopt recompute=full`` (``EP8`` for MoE)."""
         parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
         if self.virtual_pipeline:
             parts.append(f"VPP{self.virtual_pipeline}")
         parts += [f"CP{self.context_parallel}", f"DP{self.data_parallel}"]
+        if self.expert_parallel > 1 or self.expert_tensor != self.tensor_parallel:
+            parts.append(f"EP{self.expert_parallel}" + (f" ETP{self.expert_tensor}"
+                                                       if self.expert_tensor != self.tensor_parallel else ""))
         if self.sequence_parallel and self.tensor_parallel > 1:
             parts.append("SP")
         parts.append("distopt" if self.distributed_optimizer else "no-distopt")
@@ -224,20 +266,25 @@ def bytes_per_parameter(distributed_optimizer: bool, optimizer_shards: int = 1) 
 
 
 def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
-    """Parameters of one transformer layer held by one tensor-parallel rank.
+    """Parameters of one transformer layer held by one tensor-parallel rank, routed experts aside
+    (:func:`~megatron_zcpo.megatron.moe_costs.expert_parameters_per_gpu`).
 
     QKV (with Qwen2's bias), output projection and the SwiGLU MLP are split over TP; the two RMSNorm
     weights, and Qwen3's per-head q/k RMSNorms (``head_dim`` each), are replicated on every TP rank.
-    Widths use ``head_dim`` (megatron's kv_channels), not hidden / heads.
+    Widths use ``head_dim`` (megatron's kv_channels), not hidden / heads. Mixture-of-experts models:
+    the MLP is the layers' average of dense MLPs and routers (+ shared experts), see
+    :func:`~megatron_zcpo.megatron.moe_costs.non_expert_mlp_parameters`.
     """
     h = model.hidden_size
     q = model.num_attention_heads * model.head_dim
     kv = 2 * model.num_key_value_heads * model.head_dim
-    split = h * (q + kv) + q * h + 3 * h * model.intermediate_size
+    split = h * (q + kv) + q * h
     if model.qkv_bias:
         split += q + kv
     replicated = 2 * h + (2 * model.head_dim if model.qk_layernorm else 0)
-    return split // tensor_parallel + replicated
+    if model.is_moe:
+        return int(split // tensor_parallel + replicated + non_expert_mlp_parameters(model, tensor_parallel))
+    return (split + 3 * h * model.intermediate_size) // tensor_parallel + replicated
 
 
 def stage_parameters(model: ModelConfig, layout: Layout, stage: str) -> int:
@@ -254,7 +301,7 @@ def stage_parameters(model: ModelConfig, layout: Layout, stage: str) -> int:
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     vocab_rows = padded_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by)
     vocab_shard = vocab_rows * model.hidden_size // tp
-    count = model.num_layers // pp * layer_parameters(model, tp)
+    count = model.num_layers // pp * layer_parameters(model, tp) + stage_expert_parameters(model, layout)
     holds_embedding = stage == "first" or pp == 1
     holds_output = stage == "last" or pp == 1
     if holds_embedding:
@@ -264,6 +311,12 @@ def stage_parameters(model: ModelConfig, layout: Layout, stage: str) -> int:
         if not (model.tie_word_embeddings and holds_embedding):
             count += vocab_shard
     return count
+
+
+def stage_expert_parameters(model: ModelConfig, layout: Layout) -> int:
+    """Routed-expert parameters one GPU of a pipeline stage holds (0 for a dense model)."""
+    return int(expert_parameters_per_gpu(model, model.num_layers / layout.pipeline_parallel,
+                                         layout.expert_parallel, layout.expert_tensor))
 
 
 def layer_activation_bytes(
@@ -326,18 +379,30 @@ def layer_activation_bytes(
 
 
 def model_layer_activation_bytes(model: ModelConfig, layout: Layout, tokens: float, recompute: str) -> float:
-    """:func:`layer_activation_bytes` for ``model`` (GQA, SwiGLU, no dropout, flash attention)."""
-    return layer_activation_bytes(
-        tokens,
-        hidden_size=model.hidden_size,
-        query_width=model.num_attention_heads * model.head_dim,
-        kv_width=2 * model.num_key_value_heads * model.head_dim,
-        ffn_hidden_size=model.intermediate_size,
-        num_heads=model.num_attention_heads,
-        tensor_parallel=layout.tensor_parallel,
-        sequence_parallel=layout.sequence_parallel,
-        recompute=recompute,
-    )
+    """:func:`layer_activation_bytes` for ``model`` (GQA, SwiGLU, no dropout, flash attention); for a
+    mixture-of-experts model the layers' average, MoE layers with their experts' activations
+    (:func:`~megatron_zcpo.megatron.moe_costs.moe_mlp_activation_bytes_per_token`, over the TP ranks
+    whose tokens sequence parallelism splits)."""
+    def layer(ffn_hidden_size: int) -> float:
+        return layer_activation_bytes(
+            tokens,
+            hidden_size=model.hidden_size,
+            query_width=model.num_attention_heads * model.head_dim,
+            kv_width=2 * model.num_key_value_heads * model.head_dim,
+            ffn_hidden_size=ffn_hidden_size,
+            num_heads=model.num_attention_heads,
+            tensor_parallel=layout.tensor_parallel,
+            sequence_parallel=layout.sequence_parallel,
+            recompute=recompute,
+        )
+
+    if not model.is_moe:
+        return layer(model.intermediate_size)
+    share = moe_layer_share(model)
+    moe = layer(model.shared_expert_intermediate_size)
+    if recompute != "full":
+        moe += tokens * moe_mlp_activation_bytes_per_token(model) / layout.tensor_parallel
+    return (1 - share) * layer(model.intermediate_size) + share * moe
 
 
 def layers_in_flight(
@@ -423,9 +488,12 @@ def stage_phase_components(model: ModelConfig, layout: Layout, workload: Workloa
                            stage: str, phase: str) -> Dict[str, float]:
     """Bytes per component on one GPU of ``stage`` ("first"/"last") in ``phase`` ("train"/"experience")."""
     params = stage_parameters(model, layout, stage)
+    experts = stage_expert_parameters(model, layout)
     per_param = bytes_per_parameter(layout.distributed_optimizer,
                                     layout.data_parallel * layout.context_parallel)
-    components = {key: params * value for key, value in per_param.items()}
+    # The distributed optimizer shards the experts' state over their own replicas (expert DP).
+    per_expert = bytes_per_parameter(layout.distributed_optimizer, layout.expert_data_parallel)
+    components = {key: (params - experts) * value + experts * per_expert[key] for key, value in per_param.items()}
     tokens = workload.micro_batch_tokens / layout.context_parallel
     pp = layout.pipeline_parallel
     holds_output = stage == "last" or pp == 1

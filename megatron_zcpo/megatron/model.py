@@ -5,19 +5,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron_zcpo.utils.devices import has_cuda
 
-SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama")
+SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass
 class ModelConfig:
-    """Architecture of a decoder-only LM in Hugging Face terms (Qwen2/Qwen2.5, Qwen3 dense and Llama).
+    """Architecture of a decoder-only LM in Hugging Face terms (Qwen2/Qwen2.5, Qwen3 dense, Llama,
+    and the mixture-of-experts Qwen2-MoE and Qwen3-MoE).
 
     ``head_dim`` is megatron-core's ``kv_channels``: independent of hidden/heads (Qwen3-4B: hidden
     2560, 32 heads, head_dim 128). ``qk_layernorm`` is Qwen3's per-head RMSNorm of queries and keys
@@ -25,6 +26,14 @@ class ModelConfig:
 
     ``vocab_size`` is the true vocabulary; Megatron pads it to a multiple of
     ``make_vocab_size_divisible_by * tensor_parallel`` (see :func:`padded_vocab_size`).
+
+    Mixture of experts (``num_experts`` > 0), as in Hugging Face's Qwen3-MoE / Qwen2-MoE configs:
+    layer i has a routed-expert MLP unless it is in ``mlp_only_layers`` or (i + 1) is not a
+    multiple of ``decoder_sparse_step`` (those keep a dense MLP of ``intermediate_size``); each
+    expert is a SwiGLU MLP of ``moe_intermediate_size``; a softmax router picks
+    ``num_experts_per_tok`` experts per token, their weights renormalised to sum to 1 when
+    ``norm_topk_prob``; Qwen2-MoE adds a sigmoid-gated shared expert of
+    ``shared_expert_intermediate_size``.
     """
 
     family: str = "qwen2"
@@ -39,17 +48,24 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
-    qkv_bias: Optional[bool] = None  # None: the family's default (Qwen2: True, Qwen3 and Llama: False)
-    qk_layernorm: Optional[bool] = None  # None: the family's default (Qwen3: True, others: False)
+    qkv_bias: Optional[bool] = None  # None: the family's default (Qwen2(-MoE): True, Qwen3(-MoE), Llama: False)
+    qk_layernorm: Optional[bool] = None  # None: the family's default (Qwen3(-MoE): True, others: False)
     rope_scaling: Optional[dict] = None  # Llama-3.x {"rope_type": "llama3", "factor": ...}
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
+    num_experts: int = 0  # 0: a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = dataclasses.field(default_factory=list)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
 
     def __post_init__(self):
         if self.qkv_bias is None:
-            self.qkv_bias = self.family == "qwen2"
+            self.qkv_bias = self.family in ("qwen2", "qwen2_moe")
         if self.qk_layernorm is None:
-            self.qk_layernorm = self.family == "qwen3"
+            self.qk_layernorm = self.family in ("qwen3", "qwen3_moe")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
 
@@ -66,6 +82,7 @@ class ModelConfig:
                 f"{prefix}.num_key_value_heads={self.num_key_value_heads} must divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        self._validate_experts(prefix)
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if rope_type != "llama3":
@@ -79,20 +96,81 @@ class ModelConfig:
                         f"rope scaling fixes it at {value}"
                     )
 
+    def _validate_experts(self, prefix: str) -> None:
+        """The mixture-of-experts fields: all unset for a dense model, consistent for an MoE one."""
+        moe_family = self.family.endswith("_moe")
+        if not self.num_experts:
+            if moe_family:
+                raise ValueError(f"{prefix}.num_experts must be positive for family {self.family!r}")
+            return
+        if not moe_family:
+            raise ValueError(f"{prefix}.num_experts={self.num_experts}: family {self.family!r} is dense "
+                             f"(mixture-of-experts families: qwen2_moe, qwen3_moe)")
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            if int(getattr(self, key)) <= 0:
+                raise ValueError(f"{prefix}.{key} must be positive, got {getattr(self, key)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{prefix}.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"num_experts={self.num_experts}")
+        outside = [i for i in self.mlp_only_layers if not 0 <= int(i) < self.num_layers]
+        if outside:
+            raise ValueError(f"{prefix}.mlp_only_layers {outside} are not layers of a {self.num_layers}-layer model")
+        if not any(self.moe_layer_pattern):
+            raise ValueError(f"{prefix}: decoder_sparse_step={self.decoder_sparse_step} and mlp_only_layers="
+                             f"{self.mlp_only_layers} leave no mixture-of-experts layer")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"{prefix}.shared_expert_intermediate_size must be >= 0, "
+                             f"got {self.shared_expert_intermediate_size}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @property
-    def num_parameters(self) -> int:
-        """Parameter count of the unpadded model (embeddings counted once when tied)."""
-        h, v, f = self.hidden_size, self.vocab_size, self.intermediate_size
+    def is_moe(self) -> bool:
+        """Whether the model has routed-expert layers."""
+        return self.num_experts > 0
+
+    @property
+    def moe_layer_pattern(self) -> List[int]:
+        """Per layer 1 for a routed-expert MLP, 0 for a dense one (Hugging Face's rule, see the class);
+        all 0 for a dense model. megatron-core's ``moe_layer_freq`` takes this list."""
+        if not self.is_moe:
+            return [0] * self.num_layers
+        dense = {int(i) for i in self.mlp_only_layers}
+        return [int(i not in dense and (i + 1) % self.decoder_sparse_step == 0) for i in range(self.num_layers)]
+
+    def expert_parameters(self) -> int:
+        """Parameters of one routed expert (SwiGLU: gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def _layer_parameters(self, active: bool) -> int:
+        """Parameters of all layers; ``active``: count only the experts one token runs through."""
+        h = self.hidden_size
         q = self.num_attention_heads * self.head_dim
         kv = 2 * self.num_key_value_heads * self.head_dim
         attn = h * (q + kv) + q * h + ((q + kv) if self.qkv_bias else 0)
-        mlp = 3 * h * f
-        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
-        emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        norms = 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
+        moe_layers = sum(self.moe_layer_pattern)
+        dense_mlp = 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe_mlp = experts * self.expert_parameters() + self.num_experts * h  # + the router
+        if self.shared_expert_intermediate_size:
+            moe_mlp += 3 * h * self.shared_expert_intermediate_size + h  # + its sigmoid gate
+        return (self.num_layers * (attn + norms) + (self.num_layers - moe_layers) * dense_mlp
+                + moe_layers * moe_mlp)
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count of the unpadded model (embeddings counted once when tied; every expert)."""
+        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self._layer_parameters(active=False) + emb + self.hidden_size
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token runs through: :attr:`num_parameters` with only ``num_experts_per_tok``
+        experts per MoE layer (equal to it for a dense model)."""
+        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self._layer_parameters(active=True) + emb + self.hidden_size
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int = 128) -> int:
@@ -110,9 +188,18 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     recompute: Optional[str] = None,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: Optional[int] = None,
+    moe=None,
     **overrides: Any,
 ):
-    """The megatron-core ``TransformerConfig`` for ``model`` at the given parallelism."""
+    """The megatron-core ``TransformerConfig`` for ``model`` at the given parallelism.
+
+    For a mixture-of-experts ``model`` also its MoE fields (:func:`moe_transformer_fields`) at
+    ``expert_parallel`` x ``expert_tensor_parallel`` (None: as ``tensor_parallel``), with the
+    router's auxiliary losses of ``moe`` (a :class:`~megatron_zcpo.megatron.train_config.MoETraining`;
+    None: its defaults).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = has_cuda()
@@ -154,12 +241,60 @@ def transformer_config(
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # the default 'allgather' refuses variable lengths
     )
+    if model.is_moe:
+        from megatron_zcpo.megatron.train_config import MoETraining
+
+        kwargs.update(moe_transformer_fields(model, moe or MoETraining(), expert_parallel,
+                                             tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel))
+    elif expert_parallel != 1:
+        raise ValueError(f"parallel.expert={expert_parallel}: the {model.family} model has no experts")
     if recompute:
         kwargs.update(recompute_granularity=recompute)
         if recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_transformer_fields(model: ModelConfig, moe, expert_parallel: int,
+                           expert_tensor_parallel: int) -> dict:
+    """megatron-core ``TransformerConfig`` fields of a mixture-of-experts ``model`` (``moe``: a MoETraining).
+
+    Hugging Face's Qwen-MoE router (softmax over all experts, top-k, renormalised when
+    ``norm_topk_prob``) is megatron's softmax router with top-k on the logits and a softmax over
+    the chosen ones (``moe_router_pre_softmax=False``: the same renormalised weights), or, without
+    renormalisation, the softmax first (``moe_router_pre_softmax=True``); the router runs in fp32
+    (``moe_router_dtype``, as the peers train MoE in bf16). Tokens move between expert-parallel
+    ranks by all-to-all (the trainer's micro-batches vary in length, which megatron's all-gather
+    dispatcher refuses; gloo has ``all_to_all_single``, so it runs on CPUs too). Experts are
+    Transformer Engine's grouped GEMM where TE is installed, else megatron's SequentialMLP.
+    Raises ``ValueError`` naming ``parallel.expert`` when the experts do not split evenly.
+    """
+    if expert_parallel < 1 or model.num_experts % expert_parallel:
+        raise ValueError(f"parallel.expert={expert_parallel} must divide the model's num_experts={model.num_experts}")
+    if expert_tensor_parallel < 1 or model.moe_intermediate_size % expert_tensor_parallel:
+        raise ValueError(f"parallel.expert_tensor={expert_tensor_parallel} must divide the model's "
+                         f"moe_intermediate_size={model.moe_intermediate_size}")
+    pattern = model.moe_layer_pattern
+    fields = dict(
+        num_moe_experts=model.num_experts,
+        moe_ffn_hidden_size=model.moe_intermediate_size,
+        moe_router_topk=model.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not model.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_layer_freq=1 if all(pattern) else pattern,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_grouped_gemm=have_transformer_engine(),
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
+    )
+    if model.shared_expert_intermediate_size:
+        fields.update(moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size,
+                      moe_shared_expert_gate=True)
+    return fields
 
 
 def have_transformer_engine() -> bool:
@@ -175,16 +310,29 @@ def layer_spec(config, use_te: Optional[bool] = None):
     """The TE layer spec when Transformer Engine is present (and ``use_te`` not False), else the
     local block spec of this pipeline stage: packed-sequence / context-parallel core attention and
     sequence-parallel RMSNorms (megatron_zcpo.megatron.local_spec).
-    Both carry per-head q/k RMSNorms when ``config.qk_layernorm`` (Qwen3)."""
+    Both carry per-head q/k RMSNorms when ``config.qk_layernorm`` (Qwen3), and routed-expert MLPs
+    in the layers ``config.moe_layer_freq`` marks (TE: grouped-GEMM experts; local: SequentialMLP)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_zcpo.megatron.local_spec import local_block_spec
 
     if use_te is None:
         use_te = have_transformer_engine()
+    if use_te and config.num_moe_experts:
+        return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True)
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     return local_block_spec(config)
+
+
+def _define_router_gemm_without_te() -> None:
+    """megatron-core 0.16.1's router GEMM tests ``te_general_gemm is not None``, but the name is only
+    bound when Transformer Engine imports: without TE every MoE router raises NameError. Binding it to
+    None selects the function's own torch.mm path (what the test intends)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_model(
@@ -204,6 +352,8 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if config.num_moe_experts:
+        _define_router_gemm_without_te()
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

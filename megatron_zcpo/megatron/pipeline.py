@@ -15,9 +15,10 @@ reference chunks and how to call them.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 
@@ -129,13 +130,23 @@ class ModelChunks:
     ``policy``: megatron-core's DDP around this pipeline stage's GPTModel (in a Float16Module under
     bf16), with the hidden-state head installed; ``reference``: the frozen reference's stage;
     ``forward_kwargs``: extra keywords of every forward call ({"fp32_output": False} under bf16);
-    ``reference_offload``: the reference's host copy when it lives off the GPU between uses, else None.
+    ``reference_offload``: the reference's host copy when it lives off the GPU between uses, else None;
+    ``around_forward(micro_batch, pass_name)``: a context manager every pass's forward of a
+    micro-batch runs inside (routing replay of MoE models, megatron_zcpo.megatron.routing_replay), or None.
     """
 
     policy: Any
     reference: Any
     forward_kwargs: Dict[str, Any] = field(default_factory=dict)
     reference_offload: Optional[HostOffload] = None
+    around_forward: Optional[Callable[[Any, str], ContextManager]] = None
+
+    def forward(self, model, mb, pass_name: str):
+        """``model``'s stage forward on micro-batch ``mb`` in pass ``pass_name`` ("experience" / "update"),
+        inside :attr:`around_forward` when set."""
+        context = self.around_forward(mb, pass_name) if self.around_forward else contextlib.nullcontext()
+        with context:
+            return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **self.forward_kwargs)
 
     @property
     def hidden_size(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -66,6 +67,7 @@ class MemoryPlan:
             "hardware": dataclasses.asdict(self.hardware),
             "num_gpus": self.layout.num_gpus,
             "model_parameters": self.model.num_parameters,
+            "active_parameters": self.model.num_active_parameters,
             "parameters_on_gpu": self.parameters_on_gpu,
             "most_loaded": {"stage": self.stage, "phase": self.phase},
             "components_gib": {key: value / GIB for key, value in self.components.items()},
@@ -115,7 +117,9 @@ def candidate_layouts(model: ModelConfig, num_gpus: int, *, hardware: Hardware =
     optimizer come from ``base``; no virtual pipeline. Order: fewest GPUs per model replica
     (TP * PP * CP), then the cheapest recompute in ``recompute_options`` order, then the larger TP
     (inside a node), then the smaller CP (its ring exchange sits on every layer), then the smaller
-    PP (its bubble shrinks with the many micro-batches of an RL step).
+    PP (its bubble shrinks with the many micro-batches of an RL step). Mixture-of-experts models
+    also try every expert parallelism that divides the experts and a stage's ranks (with
+    ``base``'s expert tensor parallelism, and 1), the smaller EP first (less all-to-all).
     """
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be at least 1, got {num_gpus}")
@@ -123,24 +127,36 @@ def candidate_layouts(model: ModelConfig, num_gpus: int, *, hardware: Hardware =
         if option not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute_options: {option!r} is not one of {RECOMPUTE_CHOICES}")
     powers_of_two = [2 ** k for k in range(num_gpus.bit_length()) if num_gpus % 2 ** k == 0]
-    candidates = []
+    candidates, seen = [], set()
     for tp in divisors(hardware.gpus_per_node):
         for pp in divisors(model.num_layers):
             for cp in powers_of_two:
                 if num_gpus % (tp * pp * cp):
                     continue
-                for rank, recompute in enumerate(recompute_options):
+                for (rank, recompute), (ep, etp) in itertools.product(enumerate(recompute_options),
+                                                                      _expert_options(model, base)):
                     layout = dataclasses.replace(
                         base, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
                         data_parallel=num_gpus // (tp * pp * cp), virtual_pipeline=None,
-                        recompute=recompute,
+                        recompute=recompute, expert_parallel=ep, expert_tensor_parallel=etp,
                     )
+                    same = (tp, pp, cp, recompute, ep, layout.expert_tensor)  # ETP unset is ETP = TP
                     try:
                         layout.validate(model)
                     except ValueError:
                         continue
-                    candidates.append(((tp * pp * cp, rank, -tp, cp, pp), layout))
+                    if same not in seen:
+                        seen.add(same)
+                        candidates.append(((tp * pp * cp, rank, -tp, cp, pp, ep), layout))
     return [layout for _, layout in sorted(candidates, key=lambda item: item[0])]
+
+
+def _expert_options(model: ModelConfig, base: Layout) -> List[tuple]:
+    """(EP, ETP) pairs to try: ``base``'s for a dense model; every EP dividing the experts, with
+    ``base``'s ETP and with ETP 1, for a mixture-of-experts model."""
+    if not model.is_moe:
+        return [(base.expert_parallel, base.expert_tensor_parallel)]
+    return [(ep, etp) for ep in divisors(model.num_experts) for etp in (base.expert_tensor_parallel, 1)]
 
 
 def fitting_plans(model: ModelConfig, workload: Workload, num_gpus: int, *, hardware: Hardware = Hardware(),

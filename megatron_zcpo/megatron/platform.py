@@ -15,6 +15,8 @@ How it works, in one place each:
 - the model-parallel RNG tracker forks the CPU generator instead of a CUDA one;
 - ``Tensor.cuda()`` is the identity (it could only raise on such a machine);
 - the optimizer constructors that check ``param.type()`` see CUDA type names while they run;
+- the MoE all-to-all dispatcher's split sizes become the lists ``all_to_all_single`` takes (on a
+  GPU megatron gets them by copying device tensors to host numpy arrays, which a CPU tensor skips);
 - the distributed optimizer's fully-reshardable checkpoints load into torch's Adam (the fallback
   without TE/apex keeps a per-parameter ``step`` that megatron's loader does not expect, and
   that a fresh optimizer lacks).
@@ -55,6 +57,12 @@ _MEGATRON_MODULES = (
     "megatron.core.transformer.attention",
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.module",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.finalize_model_grads",
@@ -338,6 +346,22 @@ def _patch_adam_state_init() -> None:
     MegatronOptimizer.__init__ = init
 
 
+def _patch_moe_split_sizes() -> None:
+    """megatron's all-to-all token dispatcher turns its split-size tensors into host numpy arrays
+    with ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which returns CPU tensors unchanged;
+    ``all_to_all_single`` rejects tensors as split sizes. Convert them on the CPU as well."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        tensor = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
 def activate() -> bool:
     """Install the CPU platform patches if (and only if) CUDA is unavailable.
 
@@ -368,5 +392,6 @@ def activate() -> bool:
     _patch_type_checks()
     _patch_distributed_optimizer_loading()
     _patch_adam_state_init()
+    _patch_moe_split_sizes()
     _ACTIVE = True
     return True

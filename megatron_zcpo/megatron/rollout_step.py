@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -45,7 +45,8 @@ class RolloutStep:
     last stage, {} elsewhere); coefficients: [N] frozen per-response coefficients and stats: the
     ResponseStats they were calibrated from (calibration; last stage, None elsewhere);
     micro_batches: this rank's micro-batches, each share collated once (None for a step put
-    together by hand: every use collates afresh); index: the trainer step (0-based). After
+    together by hand: every use collates afresh); index: the trainer step (0-based); routing: what
+    the MoE routers were replayed with and recorded (None for a dense model). After
     calibration nothing changes until the next rollout: diagnostics and the update only read it.
     """
 
@@ -56,3 +57,4 @@ class RolloutStep:
     stats: Optional[ResponseStats] = None
     micro_batches: Optional[StepMicroBatches] = None
     index: int = 0
+    routing: Optional[Any] = None  # MoE models: the step's StepRouting (megatron_zcpo.megatron.routing_replay)

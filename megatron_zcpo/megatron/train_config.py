@@ -20,13 +20,19 @@ class ParallelConfig:
     # Timeout of every training process group's collectives (NCCL's watchdog kills the process past
     # it); rank 0's rollouts are waited for elsewhere (megatron_zcpo/recipe/rank0_wait.py).
     collective_timeout_s: float = 1800.0
+    # Mixture-of-experts models: experts split over `expert` ranks (carved out of each stage's
+    # TP x CP x DP ranks), each expert's MLP over `expert_tensor` ranks (null: as `tensor`).
+    expert: int = 1
+    expert_tensor: Optional[int] = None
 
     def validate(self) -> None:
-        for key in ("tensor", "pipeline", "context"):
+        for key in ("tensor", "pipeline", "context", "expert"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"parallel.collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        if self.expert_tensor is not None and self.expert_tensor < 1:
+            raise ValueError(f"parallel.expert_tensor must be >= 1 (or null), got {self.expert_tensor}")
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1")
 
@@ -84,6 +90,32 @@ class OptimizerSettings:
 
 
 @dataclass
+class MoETraining:
+    """``train.moe``: the router's auxiliary losses during RL (megatron-core's coefficients).
+
+    ``aux_loss_coeff``: the load-balancing loss (``--moe-aux-loss-coeff``; megatron-core averages
+    each micro-batch's loss over the micro-batches). Default 0, as slime runs Qwen3-MoE RL
+    (``--moe-aux-loss-coeff 0``, scripts/models in THUDM/slime): the pretrained router is balanced
+    already, and a balancing gradient that ignores the reward moves the router between the
+    rollout and the update, which is exactly the train/rollout routing mismatch RL must avoid.
+    ``z_loss_coeff``: ST-MoE's router z-loss (None: off, as the peers run it).
+    """
+
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: Optional[float] = None
+
+    def validate(self, prefix: str = "train.moe") -> None:
+        """Raise ``ValueError`` naming the key on a negative coefficient."""
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"{prefix}.aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
+        if self.z_loss_coeff is not None and self.z_loss_coeff < 0:
+            raise ValueError(f"{prefix}.z_loss_coeff must be >= 0 (or null), got {self.z_loss_coeff}")
+
+
+ROUTING_REPLAY_CHOICES = ("none", "experience", "rollout")
+
+
+@dataclass
 class TrainConfig:
     """The ``train:`` section: steps, batching and numerics of the update."""
 
@@ -108,6 +140,11 @@ class TrainConfig:
     max_skipped_steps: int = 8  # this many consecutive optimizer steps skipped (non-finite) stop the run
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     importance_sampling: ImportanceSamplingConfig = field(default_factory=ImportanceSamplingConfig)
+    moe: MoETraining = field(default_factory=MoETraining)
+    # Mixture-of-experts routing replay (megatron_zcpo.megatron.routing_replay): none; experience
+    # (R2: the update passes route each token as the experience pass did); rollout (R3: experience
+    # and update passes route as the rollout engine did).
+    routing_replay: str = "none"
 
     def validate(self) -> None:
         for key in ("steps", "mini_batches", "micro_batch_tokens", "kl_chunk_size", "max_skipped_steps"):
@@ -117,6 +154,8 @@ class TrainConfig:
             raise ValueError(f"train.packing must be 'thd' or 'padded', got {self.packing!r}")
         if self.recompute not in (None, "selective", "full"):
             raise ValueError(f"train.recompute must be null, 'selective' or 'full', got {self.recompute!r}")
+        if self.routing_replay not in ROUTING_REPLAY_CHOICES:
+            raise ValueError(f"train.routing_replay must be one of {ROUTING_REPLAY_CHOICES}, got {self.routing_replay!r}")
         if self.verify_tolerance is not None and not self.verify_tolerance > 0:
             raise ValueError(f"train.verify_tolerance must be > 0 (or null), got {self.verify_tolerance!r}")
         if self.token_stats_backend not in KERNEL_BACKENDS:
@@ -156,3 +195,42 @@ def check_context_parallel(parallel: ParallelConfig, train: TrainConfig, algorit
     if diagnostics:
         raise ValueError("diagnostics need whole responses on one rank: set diagnostics.enabled = false "
                          "with parallel.context > 1")
+
+
+def check_experts(model, parallel: ParallelConfig, train: TrainConfig, diagnostics: bool) -> None:
+    """Refuse expert-parallel and routing settings the model or the trainer cannot use (``model``: a ModelConfig).
+
+    Raises ValueError naming the key: ``parallel.expert`` > 1 or ``train.routing_replay`` on a dense
+    model; megatron's MoE layer trains under TP only with sequence parallelism; routing replay
+    with full recompute; the diagnostics' gradient probes sum a gradient over the model-parallel
+    group, which with expert parallelism holds only some experts.
+    """
+    if not model.is_moe:
+        if train.routing_replay != "none":
+            raise ValueError(f"train.routing_replay={train.routing_replay!r} needs a mixture-of-experts model "
+                             f"(the {model.family} model has no routers)")
+        if parallel.expert != 1 or parallel.expert_tensor not in (None, parallel.tensor):
+            raise ValueError(f"parallel.expert={parallel.expert}, parallel.expert_tensor={parallel.expert_tensor}: "
+                             f"the {model.family} model has no experts")
+        return
+    if parallel.tensor > 1 and not parallel.sequence_parallel:
+        raise ValueError(f"parallel.tensor={parallel.tensor} with a mixture-of-experts model needs "
+                         f"parallel.sequence_parallel=true (megatron-core's MoE layer refuses TP without it)")
+    if train.routing_replay != "none" and train.recompute == "full":
+        raise ValueError(f"train.routing_replay={train.routing_replay!r} with train.recompute='full' is not supported "
+                         f"(the recomputed forward in the backward would route anew): use recompute null or 'selective'")
+    if diagnostics and parallel.expert > 1:
+        raise ValueError("diagnostics (their gradient probes) do not support parallel.expert > 1: "
+                         "set diagnostics.enabled = false or parallel.expert = 1")
+
+
+def check_resume_expert_parallel(saved: int, current: int, path) -> None:
+    """Refuse a resume megatron-core cannot reshard: with expert parallelism (EP > 1) its optimizer
+    keeps the experts' state in a second, chained optimizer, so a checkpoint saved at EP = 1 and one
+    saved at EP > 1 hold differently keyed optimizer states. Raises ValueError naming ``parallel.expert``.
+    (The weights alone, ``<checkpoint>/weights``, load at any EP as a model checkpoint.)"""
+    if (int(saved) > 1) != (current > 1):
+        raise ValueError(f"{path} was saved at parallel.expert={saved}; its optimizer state cannot resume at "
+                         f"parallel.expert={current} (megatron-core keeps expert optimizer state apart only under "
+                         f"expert parallelism): resume with parallel.expert {'> 1' if int(saved) > 1 else '= 1'}, "
+                         f"or start a new run from its weights (model.path={path}/weights)")

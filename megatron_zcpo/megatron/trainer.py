@@ -55,6 +55,8 @@ from megatron_zcpo.megatron.train_config import (
     ParallelConfig,
     TrainConfig,
     check_context_parallel,
+    check_experts,
+    check_resume_expert_parallel,
     check_token_stats_backend,
 )
 from megatron_zcpo.megatron.update import (
@@ -115,10 +117,12 @@ class PolicyTrainer:
         self.last_coefficients: Optional[torch.Tensor] = None
         self.diagnostics = diagnostics
         self.reference_is_initial_policy = reference_weights is None
+        check_experts(model_config, parallel, train, diagnostics is not None)
         self.config = transformer_config(
             model_config, tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
             context_parallel=parallel.context, sequence_parallel=parallel.sequence_parallel,
             params_dtype=torch.bfloat16 if train.bf16 else torch.float32, recompute=train.recompute,
+            expert_parallel=parallel.expert, expert_tensor_parallel=parallel.expert_tensor, moe=train.moe,
         )
         self._build_models(initial_weights, reference_weights)
         self._build_optimizer()
@@ -171,6 +175,17 @@ class PolicyTrainer:
         # Offloaded between uses through reused pinned host buffers (asynchronous copies).
         offload = HostOffload(reference, pin=True) if self.train_config.reference_offload and has_cuda() else None
         self.models = ModelChunks(policy, reference, {"fp32_output": False} if self.train_config.bf16 else {}, offload)
+        self.routing = None  # MoE models: routing record / replay / comparison on the policy's routers
+        if self.model_config.is_moe:
+            from megatron.core import parallel_state as ps
+
+            from megatron_zcpo.megatron.routing_replay import RoutingReplay
+
+            sequence_parallel = self.parallel.sequence_parallel
+            self.routing = RoutingReplay(policy, self.train_config.routing_replay, self.model_config.num_experts_per_tok,
+                                         sp_size=self.parallel.tensor if sequence_parallel else 1,
+                                         sp_rank=ps.get_tensor_model_parallel_rank() if sequence_parallel else 0)
+            self.models.around_forward = self.routing.micro_batch
 
     @property
     def policy(self):
@@ -222,6 +237,8 @@ class PolicyTrainer:
         metrics, timings = MetricAccumulator(), {}
         with _timed(timings, "time/experience"):
             step = self.start_step(samples)  # assign: mini-batches, this rank's share, its micro-batches
+            if self.routing is not None:  # MoE: the engine's experts to replay or compare with
+                step.routing = self.routing.begin(samples, step.assignment.my_indices)
             step.experience = run_experience(self.models, step.micro_batches(step.assignment.my_indices),
                                              self.token_stats)
         checked = {}
@@ -261,6 +278,8 @@ class PolicyTrainer:
             whole_groups=self.algorithm.needs_whole_groups, cp_rank=self.cp_rank, cp_size=self.cp_size,
             # Sequence parallelism scatters the sequence dimension over the TP ranks: pad to a multiple.
             sp_size=self.parallel.tensor if self.parallel.sequence_parallel else 1,
+            # Expert parallelism's all-to-alls need the same micro-batch count on every DP rank.
+            equal_count=self.parallel.expert > 1,
         )
 
     @property
@@ -299,6 +318,8 @@ class PolicyTrainer:
         out["update/skipped_steps"] = float(len(self.skipped))
         for message in self.skipped if dist.get_rank() == 0 else []:
             logger.warning("%s", message)
+        if self.routing is not None:
+            out.update(self.routing.metrics(step.assignment.my_indices))
         out.update(checked)
         out.update(diagnostics)
         out.update(timings)
@@ -390,16 +411,24 @@ class PolicyTrainer:
         """
         from megatron_zcpo.megatron.checkpoint import save_checkpoint
 
-        state = {"trainer_step": self.step, "scheduler": self.scheduler.state_dict(), **(extra_state or {})}
+        state = {"trainer_step": self.step, "scheduler": self.scheduler.state_dict(),
+                 "expert_parallel": self.parallel.expert, **(extra_state or {})}
         return save_checkpoint(root, self.step, self.policy, self.optimizer, state, keep_last=keep_last)
 
     def load(self, path) -> Dict[str, Any]:
         """Resume from a checkpoint written by :meth:`save` (any TP/PP/DP layout); returns its state.
 
-        A checkpoint of another model architecture is refused with the differing fields named.
+        A checkpoint of another model architecture is refused with the differing fields named, one
+        whose optimizer megatron-core cannot reshard to this expert parallelism (see
+        :func:`~megatron_zcpo.megatron.train_config.check_resume_expert_parallel`) naming ``parallel.expert``.
         """
-        from megatron_zcpo.megatron.checkpoint import load_checkpoint
+        from pathlib import Path
 
+        from megatron_zcpo.megatron.checkpoint import TRAINER_STATE, load_checkpoint, read_plain_state
+
+        if (Path(path) / TRAINER_STATE).is_file():
+            check_resume_expert_parallel(read_plain_state(Path(path) / TRAINER_STATE).get("expert_parallel", 1),
+                                         self.parallel.expert, path)
         state = load_checkpoint(path, self.policy, self.optimizer)
         self.step = int(state["trainer_step"])
         self.scheduler.load_state_dict(state["scheduler"])

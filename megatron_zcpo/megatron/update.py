@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-from megatron_zcpo.megatron.batch import MicroBatch, MicroBatchLayout, RolloutSample, collate_micro_batches
+from megatron_zcpo.megatron.batch import MicroBatch, MicroBatchLayout, RolloutSample, collate_micro_batches, is_padding
 from megatron_zcpo.megatron.experience import TokenStatsOptions, token_stats_on_shard
 from megatron_zcpo.megatron.metrics import MetricAccumulator
 from megatron_zcpo.megatron.pipeline import ModelChunks, output_weight, run_schedule
@@ -209,9 +209,11 @@ def forward_backward(update: PolicyUpdate, step: RolloutStep, indices, normalize
     scale = len(micro_batches) * update.dp_size  # undo megatron's 1/num_microbatches and DDP's 1/DP
 
     def forward_step(mb: MicroBatch, m):
-        output = m(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **models.forward_kwargs)
+        output = models.forward(m, mb, "update")
 
         def loss_func(hidden_out):
+            if is_padding(mb):  # expert parallelism's filler: a zero loss whose backward runs the all-to-alls
+                return hidden_out.sum() * 0.0, {"loss": (0.0, 0.0, True)}
             loss, report = loss_fn(loss_inputs(update, mb, hidden_out, step, normalizer, use_reference))
             return loss * scale, report
 

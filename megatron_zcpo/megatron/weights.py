@@ -11,6 +11,14 @@ local output in two), and the fused QKV on rank r holds its whole query groups, 
 [q heads; k; v], which is one contiguous slice of the global per-group layout. Vocabulary tensors hold the
 true vocabulary in the global dict: they are zero-padded to Megatron's padded size (which depends on
 TP) on load and trimmed on gather, so one global dict fits every layout.
+
+Mixture-of-experts layers: expert e of a layer is ``decoder.layers.{i}.mlp.experts.local_experts.{e}.*``
+with its *global* index e, whichever expert-parallel (EP) rank holds it and whatever the expert
+module (megatron's SequentialMLP numbers its experts locally; Transformer Engine's grouped MLP names
+them ``linear_fc1.weight{j}``). Expert tensors are split over the expert-tensor-parallel group,
+not the TP group, and each EP rank holds only its own experts: walks over one rank's parameters
+cover its experts; :func:`gather_full_state_dict` and :func:`iter_model_tensors_to_rank0` collect
+every EP rank's.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ _TE_TO_LOCAL = {
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # megatron's SequentialMLP
+_TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP
+PARTS = ("all", "dense", "experts")
 TIED_OUTPUT = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 VOCAB_TENSORS = (EMBEDDING, TIED_OUTPUT)
@@ -43,26 +54,58 @@ def _layer_offset(model) -> int:
     return get_transformer_layer_offset(model.config)
 
 
-def global_name(local_name: str, layer_offset: int) -> str:
-    """Global parameter name of a local one: global layer index, local-spec norm names."""
+def global_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """Global parameter name of a local one: global layer index, local-spec norm names, global
+    expert index (this EP rank's first expert is ``expert_offset``)."""
     match = _LAYER.match(local_name)
     if not match:
         return local_name
     index, rest = int(match.group(1)), match.group(2)
     rest = _TE_TO_LOCAL.get(rest, rest)
+    expert = _LOCAL_EXPERT.match(rest)
+    grouped = _TE_GROUPED_EXPERT.match(rest)
+    if expert:
+        rest = f"mlp.experts.local_experts.{int(expert.group(1)) + expert_offset}.{expert.group(2)}"
+    elif grouped:
+        rest = f"mlp.experts.local_experts.{int(grouped.group(2)) + expert_offset}.{grouped.group(1)}.weight"
     return f"decoder.layers.{index + layer_offset}.{rest}"
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether the global tensor ``name`` belongs to a routed expert (held by one EP rank)."""
+    return ".mlp.experts." in name
+
+
+def _expert_offset(model) -> int:
+    from megatron.core import parallel_state as ps
+
+    experts = unwrap(model).config.num_moe_experts
+    if not experts:
+        return 0
+    return ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
+
+
+def _split_group(name: str):
+    """(rank, size, group) of the group ``name`` is split over: expert-tensor-parallel for experts, else TP."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_tensor(name):
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
 
 
 def named_global_parameters(model) -> Iterator[Tuple[str, torch.nn.Parameter]]:
     """Yield ``(global_name, local_parameter)`` for this rank's stage of a GPTModel (DDP-wrapped ok).
 
     With tied embeddings, the last pipeline stage's copy of the embedding (``output_layer.weight``)
-    is reported under the embedding's global name.
+    is reported under the embedding's global name. Experts carry their global index.
     """
     model = unwrap(model)
-    offset = _layer_offset(model)
+    offset, expert_offset = _layer_offset(model), _expert_offset(model)
     for name, param in model.named_parameters():
-        name = global_name(name, offset)
+        name = global_name(name, offset, expert_offset)
         if name == TIED_OUTPUT and getattr(model, "share_embeddings_and_output_weights", False):
             name = EMBEDDING
         yield name, param
@@ -111,11 +154,9 @@ def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: b
     Raises ``KeyError`` naming the parameter when ``strict`` and one is missing, and
     ``ValueError`` naming it when a shape does not match.
     """
-    from megatron.core import parallel_state as ps
-
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     config = unwrap(model).config
     for name, param in named_global_parameters(model):
+        tp_rank, tp_size, _ = _split_group(name)
         if name not in state_dict:
             if strict:
                 raise KeyError(f"global state dict has no tensor {name!r}")
@@ -133,21 +174,30 @@ def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: b
         param.copy_(shard.to(param.dtype))
 
 
+def _in_part(name: str, part: str) -> bool:
+    if part not in PARTS:
+        raise ValueError(f"part={part!r}: choose one of {PARTS}")
+    return part == "all" or (part == "experts") == is_expert_tensor(name)
+
+
 @torch.no_grad()
-def iter_global_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_global_tensors(model, part: str = "all") -> Iterator[Tuple[str, torch.Tensor]]:
     """This pipeline stage's parameters one at a time, gathered across tensor-parallel ranks.
 
     Yields ``(global_name, tensor)`` with TP=1 shapes and the true vocabulary, on the
     parameters' device, so a consumer (the rollout weight push) holds one full tensor at a time.
-    Collective over the TP group: every TP rank of the stage must consume the whole stream.
+    ``part``: "all", "dense" (everything but the routed experts) or "experts" (this EP rank's).
+    Collective over the TP group (dense tensors) and the expert-tensor-parallel group (experts):
+    every rank of those groups must consume the whole stream.
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     vocab_size, config = _true_vocab_size(model), unwrap(model).config
     for name, param in named_global_parameters(model):
+        if not _in_part(name, part):
+            continue
         tensor = param.detach()
+        _, tp_size, group = _split_group(name)
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
             dist.all_gather(shards, tensor.contiguous(), group=group)
@@ -157,25 +207,49 @@ def iter_global_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
         yield name, tensor
 
 
-def iter_stage_tensors(model) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_stage_tensors(model, part: str = "all") -> Iterator[Tuple[str, torch.Tensor]]:
     """:func:`iter_global_tensors` of this pipeline stage, without the last stage's copy of a
-    tied embedding (the first stage sends it), so the stages' streams together hold every
-    tensor of the model exactly once. Collective over the TP group."""
+    tied embedding (the first stage sends it), so the stages' streams (and, for the experts,
+    each EP rank's) together hold every tensor of the model exactly once. Collective as
+    :func:`iter_global_tensors`."""
     from megatron.core import parallel_state as ps
 
     later_stage = ps.get_pipeline_model_parallel_rank() > 0
-    for name, tensor in iter_global_tensors(model):
+    for name, tensor in iter_global_tensors(model, part):
         if later_stage and name == EMBEDDING:
             continue
         yield name, tensor
 
 
 def is_stage_lead() -> bool:
-    """Whether this rank sends its pipeline stage's weights: TP, CP and DP rank 0."""
+    """Whether this rank sends its pipeline stage's dense weights: TP, CP and DP rank 0."""
     from megatron.core import parallel_state as ps
 
     return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
             and ps.get_context_parallel_rank() == 0)
+
+
+def walks_dense_part() -> bool:
+    """Whether this rank takes part in its stage's dense walk (the first replica: DP and CP rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+
+
+def walks_expert_part(model) -> bool:
+    """Whether this rank takes part in the walk over its EP rank's experts (the first expert
+    replica: expert-data-parallel rank 0); False for a model without experts."""
+    from megatron.core import parallel_state as ps
+
+    return bool(unwrap(model).config.num_moe_experts) and ps.get_expert_data_parallel_rank() == 0
+
+
+def is_expert_shard_lead(model) -> bool:
+    """Whether this rank sends its EP rank's experts of its stage: expert-tensor-parallel rank 0 of
+    the first expert replica (False without experts)."""
+    from megatron.core import parallel_state as ps
+
+    return walks_expert_part(model) and ps.get_expert_tensor_parallel_rank() == 0
 
 
 def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -221,48 +295,83 @@ def bucket_tensors(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_byt
         yield bucket
 
 
+def _send_to_rank0(stream: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int) -> None:
+    """Send a stream of named tensors to global rank 0 in buckets (metadata, flat bytes), then None."""
+    import torch.distributed as dist
+
+    for bucket in bucket_tensors(stream, bucket_bytes):
+        dist.send_object_list([[(n, tuple(t.shape), t.dtype) for n, t in bucket]], dst=0)
+        dist.send(flatten_tensors([t for _, t in bucket]), dst=0)
+    dist.send_object_list([None], dst=0)
+
+
+def _receive_on_rank0(source: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """On rank 0: the named tensors :func:`_send_to_rank0` sends from global rank ``source``."""
+    import torch.distributed as dist
+
+    device = compute_device()
+    while True:
+        header = [None]
+        dist.recv_object_list(header, src=source)
+        if header[0] is None:
+            return
+        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in header[0]]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        dist.recv(flat, src=source)
+        tensors = unflatten_tensors(flat, [(shape, dtype) for _, shape, dtype in header[0]])
+        yield from zip([name for name, _, _ in header[0]], tensors)
+
+
+def _part_to_rank0(model, part: str, walks: bool, sends: bool, source: int,
+                   bucket_bytes: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """One share of a stage (its dense tensors, or one EP rank's experts) on rank 0: the ranks that
+    ``walks`` it take part in its gathers, the one that ``sends`` it sends it, rank 0 yields it
+    (from its own walk when ``source`` is 0)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if walks:
+        stream = iter_stage_tensors(model, part)
+        if sends and rank == 0:
+            yield from stream
+        elif sends:
+            _send_to_rank0(stream, bucket_bytes)
+        else:
+            for _ in stream:  # this rank's part of the share's gathers
+                pass
+    if rank == 0 and source != 0:
+        yield from _receive_on_rank0(source)
+
+
 def iter_model_tensors_to_rank0(model, bucket_bytes: int = 256 * 2**20) -> Iterator[Tuple[str, torch.Tensor]]:
     """The whole model's global tensors, one at a time, on global rank 0; nothing elsewhere.
 
     For a rollout engine that lives in rank 0's process (the embedded engine). Pipeline stages
-    are walked in order: inside a stage every TP rank walks :func:`iter_stage_tensors` (a TP
-    collective), and the stage's lead sends its tensors to rank 0 in buckets of at most
-    ``bucket_bytes`` (one bigger tensor goes alone): per bucket one metadata message (names,
-    shapes, dtypes) and one flat byte buffer. Data-parallel replicas other than the first only
-    wait. Collective over all ranks: every rank must exhaust the iterator.
+    are walked in order, and in each stage its dense share, then each EP rank's experts: the ranks
+    of the share's first replica walk :func:`iter_stage_tensors` (TP / expert-TP gathers) and its
+    lead (:func:`is_stage_lead`, :func:`is_expert_shard_lead`) sends the tensors to rank 0 in
+    buckets of at most ``bucket_bytes`` (one bigger tensor goes alone): per bucket one metadata
+    message (names, shapes, dtypes) and one flat byte buffer. Other replicas only wait. No rank
+    but 0 holds more than a bucket. Collective over all ranks: every rank must exhaust the iterator.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    rank, pp_rank = dist.get_rank(), ps.get_pipeline_model_parallel_rank()
-    replica_lead = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    pp_rank, has_experts = ps.get_pipeline_model_parallel_rank(), bool(unwrap(model).config.num_moe_experts)
+    ep_rank = ps.get_expert_model_parallel_rank() if has_experts else 0
+    leads = [None] * dist.get_world_size()  # every rank's (stage, EP rank) when it leads a share
+    dist.all_gather_object(leads, ((pp_rank, "dense", 0) if is_stage_lead() else None,
+                                   (pp_rank, "experts", ep_rank) if is_expert_shard_lead(model) else None))
+    source = {share: rank for rank, pair in enumerate(leads) for share in pair if share is not None}
     for stage in range(ps.get_pipeline_model_parallel_world_size()):
-        if stage == pp_rank and replica_lead:
-            stream = iter_stage_tensors(model)
-            if rank == 0:
-                yield from stream
-            elif is_stage_lead():
-                for bucket in bucket_tensors(stream, bucket_bytes):
-                    dist.send_object_list([[(n, tuple(t.shape), t.dtype) for n, t in bucket]], dst=0)
-                    dist.send(flatten_tensors([t for _, t in bucket]), dst=0)
-                dist.send_object_list([None], dst=0)
-            else:
-                for _ in stream:  # this TP rank's part of the stage's gathers
-                    pass
-        elif rank == 0:
-            # rank 0's pipeline group holds the leads (TP/CP/DP rank 0) of every stage, in order
-            source = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
-            device = compute_device()
-            while True:
-                header = [None]
-                dist.recv_object_list(header, src=source)
-                if header[0] is None:
-                    break
-                sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in header[0]]
-                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-                dist.recv(flat, src=source)
-                tensors = unflatten_tensors(flat, [(shape, dtype) for _, shape, dtype in header[0]])
-                yield from zip([name for name, _, _ in header[0]], tensors)
+        here = stage == pp_rank
+        yield from _part_to_rank0(model, "dense", here and walks_dense_part(), here and is_stage_lead(),
+                                  source[(stage, "dense", 0)], bucket_bytes)
+        for expert_rank in range(ps.get_expert_model_parallel_world_size() if has_experts else 0):
+            mine = here and ep_rank == expert_rank
+            yield from _part_to_rank0(model, "experts", mine and walks_expert_part(model),
+                                      mine and is_expert_shard_lead(model), source[(stage, "experts", expert_rank)],
+                                      bucket_bytes)
         dist.barrier()
 
 
@@ -276,11 +385,19 @@ def gather_global_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict
 
 
 def gather_full_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """The whole model's global state dict, on every rank of the model-parallel group (tests, export)."""
+    """The whole model's global state dict, on every rank of the model-parallel group (tests, export).
+
+    Collective over the TP, expert-parallel and PP groups."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     local = gather_global_state_dict(model, dtype)
+    if unwrap(model).config.num_moe_experts and ps.get_expert_model_parallel_world_size() > 1:
+        shards = [None] * ps.get_expert_model_parallel_world_size()
+        dist.all_gather_object(shards, {n: t for n, t in local.items() if is_expert_tensor(n)},
+                               group=ps.get_expert_model_parallel_group())
+        for shard in shards:
+            local.update(shard)
     pp_size = ps.get_pipeline_model_parallel_world_size()
     if pp_size == 1:
         return local

@@ -212,6 +212,16 @@ class RunConfig:
                              "(the quantised rollout policy differs from the trained one)")
         if "quantization" in self.rollout.sglang.client:
             raise ValueError("set rollout.quantization, not rollout.sglang.client.quantization")
+        if self.train.routing_replay != "none" and self.rollout.engine == "sglang":
+            # The engine's routing: replayed under R3, compared with (routing/* metrics) under R2.
+            sglang = self.rollout.sglang
+            if self.train.routing_replay == "rollout" and not sglang.client.get("return_routed_experts"):
+                raise ValueError("train.routing_replay=rollout needs rollout.sglang.client.return_routed_experts=true "
+                                 "(SGLang >= 0.5.7 servers launched with --enable-return-routed-experts)")
+            if sglang.client.get("return_routed_experts") and sglang.launch is not None \
+                    and not sglang.launch.get("return_routed_experts"):
+                raise ValueError("rollout.sglang.client.return_routed_experts needs "
+                                 "rollout.sglang.launch.return_routed_experts=true (--enable-return-routed-experts)")
         if self.reward.overlong_penalty and self.reward.max_response_length != self.rollout.max_new_tokens:
             raise ValueError(
                 f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="

@@ -65,7 +65,8 @@ def plan_inputs(config: RunConfig, gpus: int):
                     context_parallel=parallel.context, data_parallel=gpus // model_parallel,
                     sequence_parallel=parallel.sequence_parallel,
                     distributed_optimizer=parallel.distributed_optimizer,
-                    recompute=config.train.recompute or "none")
+                    recompute=config.train.recompute or "none",
+                    expert_parallel=parallel.expert, expert_tensor_parallel=parallel.expert_tensor)
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     # The trainer gives a sequence longer than the token budget a micro-batch of its own.
     workload = Workload(micro_batch_tokens=max(config.train.micro_batch_tokens, longest),

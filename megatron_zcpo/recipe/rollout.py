@@ -33,6 +33,7 @@ def samples_from_groups(result, group_offset: int) -> List[RolloutSample]:
                 info={"score": float(rewards.score[group, member]),
                       "truncated": bool(rewards.truncated[group, member]),
                       "uid": record.uid, "weight_version": completion.weight_version},
+                routed_experts=completion.routed_experts,
             ))
     return samples
 
@@ -62,6 +63,9 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     returns samples whose ``prompt_ids``, ``response_ids`` and ``rollout_logprobs`` are 1-D views
     of those two CPU tensors: no Python object per token (at 8,192 x 22.5k tokens about 0.7 GB of
     int32 per rank instead of ~6 GB of Python ints), identical float32 values on every rank.
+    Mixture-of-experts routing (``routed_experts``, when the engine returned it) travels as a third
+    flat tensor, uint8 when every expert id fits (up to 256 experts, Qwen3-MoE's 128) else int32,
+    each sample's a [sequence, layers * top-k] view of it.
     """
     import torch.distributed as dist
 
@@ -69,28 +73,42 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     device = compute_device()
     header = [None]
     if rank == src:
-        header[0] = [(len(s.prompt_ids), len(s.response_ids), s.group_id, s.reward, s.trainable,
-                      s.rollout_logprobs is not None, s.info) for s in samples]
+        routed = [s.routed_experts for s in samples if s.routed_experts is not None]
+        narrow = all(int(r.max()) < 256 for r in routed if r.numel())
+        header[0] = ([(len(s.prompt_ids), len(s.response_ids), s.group_id, s.reward, s.trainable,
+                       s.rollout_logprobs is not None, s.info,
+                       None if s.routed_experts is None else tuple(s.routed_experts.shape)) for s in samples],
+                     torch.uint8 if narrow else torch.int32)
     dist.broadcast_object_list(header, src=src)
+    header, routing_dtype = header[0]
     if rank == src:
         tokens = _flat([ids for s in samples for ids in (s.prompt_ids, s.response_ids)], torch.int32).to(device)
         logprobs = _flat([s.rollout_logprobs for s in samples if s.rollout_logprobs is not None], torch.float32).to(device)
+        routing = _flat([r.reshape(-1) for r in routed], routing_dtype).to(device)
     else:
-        tokens = torch.empty(sum(p + r for p, r, *_ in header[0]), dtype=torch.int32, device=device)
-        logprobs = torch.empty(sum(r for _, r, _, _, _, has, _ in header[0] if has), dtype=torch.float32, device=device)
+        tokens = torch.empty(sum(p + r for p, r, *_ in header), dtype=torch.int32, device=device)
+        logprobs = torch.empty(sum(r for _, r, _, _, _, has, *_ in header if has), dtype=torch.float32, device=device)
+        routing = torch.empty(sum(shape[0] * shape[1] for *_, shape in header if shape), dtype=routing_dtype,
+                              device=device)
     dist.broadcast(tokens, src=src)
     dist.broadcast(logprobs, src=src)
-    tokens, logprobs = tokens.cpu(), logprobs.cpu()
-    token_offset, logprob_offset, out = 0, 0, []
-    for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info in header[0]:
+    if routing.numel():
+        dist.broadcast(routing, src=src)
+    tokens, logprobs, routing = tokens.cpu(), logprobs.cpu(), routing.cpu()
+    token_offset, logprob_offset, routing_offset, out = 0, 0, 0, []
+    for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info, routing_shape in header:
         prompt = tokens[token_offset:token_offset + prompt_len]
         response = tokens[token_offset + prompt_len:token_offset + prompt_len + response_len]
         token_offset += prompt_len + response_len
-        rollout_logprobs = None
+        rollout_logprobs = routed_experts = None
         if has_logprobs:
             rollout_logprobs = logprobs[logprob_offset:logprob_offset + response_len]
             logprob_offset += response_len
-        out.append(RolloutSample(prompt, response, group_id, reward, trainable, rollout_logprobs, info))
+        if routing_shape:
+            size = routing_shape[0] * routing_shape[1]
+            routed_experts = routing[routing_offset:routing_offset + size].view(routing_shape)
+            routing_offset += size
+        out.append(RolloutSample(prompt, response, group_id, reward, trainable, rollout_logprobs, info, routed_experts))
     return out
 
 
@@ -119,7 +137,8 @@ def make_engine(config: RunConfig, model_config, tokenizer):
         from megatron_zcpo.rollout.embedded import EmbeddedEngine
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return EmbeddedEngine(model_config, seed=rollout.seed, quantization=rollout.quantization, pad_token_id=pad)
+        return EmbeddedEngine(model_config, seed=rollout.seed, quantization=rollout.quantization, pad_token_id=pad,
+                              record_routed_experts=config.train.routing_replay != "none")
     from megatron_zcpo.recipe.timeouts import check_sglang_servers, longest_new_tokens
     from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 

@@ -48,7 +48,8 @@ class RLRecipe:
         config = self.config
         setup_megatron(tensor_parallel=config.parallel.tensor, pipeline_parallel=config.parallel.pipeline,
                        context_parallel=config.parallel.context, seed=config.train.seed,
-                       collective_timeout_s=config.parallel.collective_timeout_s)
+                       collective_timeout_s=config.parallel.collective_timeout_s,
+                       expert_parallel=config.parallel.expert, expert_tensor_parallel=config.parallel.expert_tensor)
         # The other ranks wait for rank 0's solo phases here, never in a training group (rank0_wait.py).
         self.waits = Rank0Wait(rank0_wait_timeout_s(config))
         self.rank = dist.get_rank()
@@ -69,7 +70,7 @@ class RLRecipe:
                                                        "against the checkpoint library's index only)")
             self.logger.print(f"resumed from {checkpoint} at step {self.start_step}{old}")
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
-        self.stages = stage_weight_push(config, self.engine, self.waits)
+        self.stages = stage_weight_push(config, self.engine, self.waits, self.trainer.policy)
         push_weights(self.trainer, self.engine, self.start_step, self.stages, self.waits)
         self.overlap = overlapped_rollouts(config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state,
                                            self.waits)

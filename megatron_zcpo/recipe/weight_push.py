@@ -1,75 +1,119 @@
 """The recipe's weight push: the policy's weights, converted to Hugging Face names, into the rollout engine.
 
-Two ways, chosen at start-up by :func:`stage_weight_push`: one sender (no pipeline parallelism, or
-the embedded engine, which lives in global rank 0's process: every stage streams to rank 0), or per
-stage (SGLang under pipeline parallelism: each stage's lead pushes its own share through its own
-weight-update group, and nothing funnels through rank 0). The stages push one after another: an
-SGLang server serves weight updates one at a time and a group's first broadcast waits for all
-its members, so two stages pushing at once deadlock as soon as two servers take them in opposite
+Two ways, chosen at start-up by :func:`stage_weight_push`: one sender (no pipeline or expert
+parallelism, or the embedded engine, which lives in global rank 0's process: every stage, and every
+expert-parallel rank's experts, stream to rank 0), or per share (SGLang under pipeline or expert
+parallelism: each stage's lead pushes its stage's dense tensors, and each expert-parallel rank's
+lead its own experts of the stage, through a weight-update group of its own: no rank gathers
+another's experts, and nothing funnels through rank 0). The shares push one after another: an
+SGLang server serves weight updates one at a time and a group's first broadcast waits for all its
+members, so two shares pushing at once deadlock as soon as two servers take them in opposite
 orders (see :mod:`megatron_zcpo.rollout.sglang_api`); the pushes are bandwidth-bound either way
-(one stage's share at a time still leaves every byte on its own stage's link). The engine's
-transport (NCCL broadcast or disk, see :mod:`megatron_zcpo.rollout.update_weight`) only sees
-streams of (HF name, tensor). Ranks meet rank 0 before and after a push in the
+(one share at a time still leaves every byte on its own sender's link). The engine's transport
+(NCCL broadcast or disk, see :mod:`megatron_zcpo.rollout.update_weight`) only sees streams of
+(HF name, tensor). Ranks meet rank 0 before, between and after the shares in the
 :class:`~megatron_zcpo.recipe.rank0_wait.Rank0Wait` group, never in a training group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 
 @dataclass
 class StageWeightPush:
-    """Per-stage weight push, present on every rank; ``engine``: this rank's SGLang client for
-    its stage's share (stage leads), None on the other ranks (they take part in TP gathers)."""
+    """Per-share weight push, present on every rank; ``engine``: this rank's SGLang client for the
+    share it sends (stage and expert-shard leads), None on the other ranks (they take part in the
+    TP / expert-TP gathers)."""
 
     engine: Any = None
 
 
-def stage_weight_push(config, engine, waits) -> Optional[StageWeightPush]:
-    """This rank's per-stage weight push (``config``: the RunConfig; ``engine``: rank 0's, None
-    elsewhere; ``waits``: the run's Rank0Wait), or None when one sender does (no PP, or the
-    embedded engine). Collective.
-
-    Under pipeline parallelism with SGLang every stage's lead (TP, CP and DP rank 0) pushes its
-    share through a weight-update group of its own (``<group_name>-pp<stage>``), one stage after
-    the other; the servers' addresses and API key come from rank 0's engine.
-    """
-    import torch.distributed as dist
+def share_name(model) -> str:
+    """The name of the share this rank sends (``pp<stage>``, ``pp<stage>-ep<rank>`` for an
+    expert-parallel rank's experts), or "" when it sends none."""
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.megatron.weights import is_stage_lead
+    from megatron_zcpo.megatron.weights import is_expert_shard_lead, is_stage_lead
 
-    if config.rollout.engine != "sglang" or config.parallel.pipeline == 1:
+    stage = f"pp{ps.get_pipeline_model_parallel_rank()}"
+    if is_stage_lead():
+        return stage  # the stage's dense tensors, and EP rank 0's experts (the same rank leads both)
+    if model is not None and is_expert_shard_lead(model):
+        return f"{stage}-ep{ps.get_expert_model_parallel_rank()}"
+    return ""
+
+
+def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeightPush]:
+    """This rank's per-share weight push (``config``: the RunConfig; ``engine``: rank 0's, None
+    elsewhere; ``waits``: the run's Rank0Wait; ``model``: this rank's policy stage), or None when
+    one sender does (no PP and no EP, or the embedded engine). Collective.
+
+    Under pipeline or expert parallelism with SGLang every share's lead (:func:`share_name`) pushes
+    it through a weight-update group of its own (``<group_name>-<share>``), one share after the
+    other; the servers' addresses and API key come from rank 0's engine.
+    """
+    import torch.distributed as dist
+
+    if config.rollout.engine != "sglang" or (config.parallel.pipeline == 1 and config.parallel.expert == 1):
         return None
     servers = waits.broadcast((list(engine.config.server_urls), engine.config.api_key) if dist.get_rank() == 0 else None)
-    if not is_stage_lead():
+    share = share_name(model)
+    if not share:
         return StageWeightPush()
     from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 
     client = dict(config.rollout.sglang.client, quantization=config.rollout.quantization, api_key=servers[1])
-    client["group_name"] = f"{client.get('group_name', SGLangEngineConfig.group_name)}-pp{ps.get_pipeline_model_parallel_rank()}"
+    client["group_name"] = f"{client.get('group_name', SGLangEngineConfig.group_name)}-{share}"
     client.update(master_address=None, master_port=None)  # each lead offers its own host's address
     return StageWeightPush(SGLangEngine(SGLangEngineConfig(server_urls=servers[0], **client)))
+
+
+def _share_of_turn(model, expert_rank: int) -> Iterator[Tuple[str, Any]]:
+    """This rank's part of one turn of its stage's push: in turn 0 the dense walk (first replica's
+    ranks), then in turn ``e`` the expert walk of expert-parallel rank ``e`` (its first expert
+    replica's ranks); yields what this rank sends (its share), drains the rest."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_zcpo.megatron.weights import (
+        is_expert_shard_lead,
+        is_stage_lead,
+        iter_stage_tensors,
+        walks_dense_part,
+        walks_expert_part,
+    )
+
+    walks = [("experts", walks_expert_part(model) and ps.get_expert_model_parallel_rank() == expert_rank,
+              is_expert_shard_lead(model))]
+    if expert_rank == 0:
+        walks.insert(0, ("dense", walks_dense_part(), is_stage_lead()))
+    for part, walks_it, sends_it in walks:
+        stream = iter_stage_tensors(model, part) if walks_it else iter(())
+        if sends_it:
+            yield from stream
+        else:
+            for _ in stream:  # this rank's part of the share's gathers
+                pass
 
 
 def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush] = None, waits=None) -> None:
     """Send ``trainer``'s policy weights to ``engine`` (rank 0's; None elsewhere) as ``version``.
 
-    Collective over all ranks. With ``stages`` (see :func:`stage_weight_push`) each pipeline
-    stage's lead converts its stage's TP-gathered tensors to Hugging Face names on the fly (the
-    checkpoint converter's mapping) and pushes them itself, stage after stage; rank 0 then has
-    the servers serve ``version``. Without it every stage streams its tensors to global rank 0,
-    which converts them and feeds the engine. No rank holds more than one full tensor (plus a
-    bucket). ``waits`` (the run's :class:`~megatron_zcpo.recipe.rank0_wait.Rank0Wait`; None: the
-    default group) is where the ranks meet rank 0 first (it may still be
-    generating, with overlapped rollouts), between two stages and after rank 0's commit.
+    Collective over all ranks. With ``stages`` (see :func:`stage_weight_push`) each share's lead
+    converts its share's gathered tensors to Hugging Face names on the fly (the checkpoint
+    converter's mapping) and pushes them itself, share after share (stage by stage, and within a
+    stage expert-parallel rank by rank); rank 0 then has the servers serve ``version``. Without it
+    every share streams to global rank 0, which converts it and feeds the engine. No rank holds more
+    than one full tensor (plus a bucket). ``waits`` (the run's
+    :class:`~megatron_zcpo.recipe.rank0_wait.Rank0Wait`; None: the default group) is where the ranks
+    meet rank 0 first (it may still be generating, with overlapped rollouts), between two shares and
+    after rank 0's commit.
     """
     import torch.distributed as dist
 
     from megatron_zcpo.convert.mapping import megatron_to_hf_stream
-    from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0, iter_stage_tensors
+    from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0
 
     if waits is None:
         from megatron_zcpo.recipe.rank0_wait import Rank0Wait
@@ -88,17 +132,20 @@ def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush
         return
     from megatron.core import parallel_state as ps
 
-    weight_map = None
-    pushing = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    weight_map, first = None, True
+    my_turn = ps.get_expert_model_parallel_rank()  # the turn whose share this rank sends, if any
     for stage in range(ps.get_pipeline_model_parallel_world_size()):
-        if stage > 0:
-            waits.barrier()  # the previous stage's push is complete on every server
-        if pushing and stage == ps.get_pipeline_model_parallel_rank():
-            stream = megatron_to_hf_stream(iter_stage_tensors(trainer.policy), trainer.model_config)
-            if stages.engine is not None:
-                weight_map = stages.engine.push_part(stream, version, file_prefix=f"model-pp{stage}")
+        for turn in range(ps.get_expert_model_parallel_world_size()):
+            if not first:
+                waits.barrier()  # the previous share's push is complete on every server
+            first = False
+            if stage != ps.get_pipeline_model_parallel_rank():
+                continue
+            stream = megatron_to_hf_stream(_share_of_turn(trainer.policy, turn), trainer.model_config)
+            if stages.engine is not None and turn == my_turn:
+                weight_map = stages.engine.push_part(stream, version, file_prefix=f"model-{share_name(trainer.policy)}")
             else:
-                for _ in stream:  # this TP rank's part of the stage's gathers
+                for _ in stream:
                     pass
     weight_maps = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(weight_map, weight_maps, dst=0, group=waits.group)

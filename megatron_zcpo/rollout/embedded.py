@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -88,6 +89,19 @@ def build_hf_causal_lm(model_config, dtype: torch.dtype = torch.float32, device=
     return model.to(device=device or "cpu", dtype=dtype).eval()
 
 
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _row_routing(prefill: torch.Tensor, decode: List[torch.Tensor], row: int, prompt_length: int,
+                 output_length: int) -> torch.Tensor:
+    """One completion's experts, int32 [prompt + output - 1, layers * k]: its prompt tokens (the last
+    ``prompt_length`` of its left-padded prefill row [T, layers, k]), then every output token but
+    the last (decode step s fed output token s)."""
+    steps = [step[row, 0] for step in decode[:output_length - 1]]
+    routing = torch.cat([prefill[prefill.shape[0] - prompt_length:], *[s.unsqueeze(0) for s in steps]])
+    return routing.reshape(routing.shape[0], -1)
+
+
 class EmbeddedEngine(RolloutEngine):
     """Samples in this process from a transformers model holding the pushed policy weights.
 
@@ -97,7 +111,9 @@ class EmbeddedEngine(RolloutEngine):
     (prompts x samples) at a time; each prompt is prefilled once per batch and its cache copied
     to its samples (what SGLang's prefix cache does for a group). ``quantization="fp8"`` rounds every pushed linear weight to
     FP8 E4M3 with a per-tensor scale (what an FP8 SGLang server holds), to exercise quantised
-    rollouts and the trainer's importance-sampling correction on a CPU.
+    rollouts and the trainer's importance-sampling correction on a CPU. ``record_routed_experts``
+    (mixture-of-experts models): each completion carries the experts every input token was routed
+    to, as SGLang's ``return_routed_experts`` returns them (:attr:`Completion.routed_experts`).
     """
 
     def __init__(
@@ -110,6 +126,7 @@ class EmbeddedEngine(RolloutEngine):
         seed: int = 0,
         quantization: Optional[str] = None,
         pad_token_id: int = 0,
+        record_routed_experts: bool = False,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -130,6 +147,20 @@ class EmbeddedEngine(RolloutEngine):
         # transformers 5 renamed past_key_values to cache; older releases lack logits_to_keep.
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
+        self._routing: Optional[Dict[int, torch.Tensor]] = None  # layer -> the last forward's experts [B*T, k]
+        if record_routed_experts:
+            self._record_routers()
+
+    def _record_routers(self) -> None:
+        """Hook every MoE router (transformers' ``model.layers.{i}.mlp.gate``: (logits, weights, experts))."""
+        if not getattr(self.model_config, "is_moe", False):
+            raise ValueError(f"record_routed_experts: the {self.model_config.family} model has no routers")
+        self._routing = {}
+        for name, module in self.model.named_modules():
+            parts = name.split(".")
+            if len(parts) == 5 and parts[:2] == ["model", "layers"] and parts[3:] == ["mlp", "gate"]:
+                layer = int(parts[2])
+                module.register_forward_hook(lambda _m, _i, out, layer=layer: self._routing.__setitem__(layer, out[2]))
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -145,7 +176,7 @@ class EmbeddedEngine(RolloutEngine):
 
             named_hf_tensors = fake_quantize_fp8_hf_weights(named_hf_tensors)
         for name, tensor in named_hf_tensors:
-            target = self._targets.get(name)
+            name, target = self._target_of(name)
             if target is None:
                 raise KeyError(f"pushed tensor {name!r} is not a parameter of the embedded {self.model_config.family} model")
             if tuple(tensor.shape) != tuple(target.shape):
@@ -153,6 +184,24 @@ class EmbeddedEngine(RolloutEngine):
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self._loaded.add(name)
         self._version = int(version)
+
+    def _target_of(self, name: str):
+        """(name, tensor to copy into) of a pushed Hugging Face tensor. transformers>=5 keeps an MoE
+        layer's experts fused (``mlp.experts.gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F]);
+        a pushed expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` is its slice of those."""
+        target = self._targets.get(name)
+        match = _PER_EXPERT.match(name) if target is None else None
+        if match is None:
+            return name, target
+        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+        fused_name = prefix + ("down_proj" if projection == "down" else "gate_up_proj")
+        fused = self._targets.get(fused_name)
+        if fused is None:
+            return name, None
+        if projection == "down":
+            return fused_name, fused[expert]
+        half = fused.shape[1] // 2
+        return fused_name, fused[expert, :half] if projection == "gate" else fused[expert, half:]
 
     def weight_version(self) -> int:
         return self._version
@@ -193,6 +242,18 @@ class EmbeddedEngine(RolloutEngine):
             completions += self._generate_batch([list(prompts[p]) for p in batch_owners], batch_owners, params, generator)
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
+    def _routed(self, rows: int) -> Optional[torch.Tensor]:
+        """The last forward's experts as int32 [rows, T, num_layers, k] (zeros for dense layers), or None."""
+        if self._routing is None:
+            return None
+        top_k, layers = self.model_config.num_experts_per_tok, self.model_config.num_layers
+        first = next(iter(self._routing.values()))
+        tokens = first.shape[0] // rows
+        out = torch.zeros(rows, tokens, layers, top_k, dtype=torch.int32)
+        for layer, experts in self._routing.items():
+            out[:, :, layer] = experts.reshape(rows, tokens, top_k).cpu().int()
+        return out
+
     def _forward(self, input_ids, attention_mask, position_ids, cache):
         out = self.model(
             input_ids=input_ids.to(self.device),
@@ -218,6 +279,8 @@ class EmbeddedEngine(RolloutEngine):
         unique_rows = [r for r, is_first in zip(rows, first.tolist()) if is_first]
         input_ids, attention_mask, position_ids = left_pad(unique_rows, self.pad_token_id)
         logits, cache = self._forward(input_ids, attention_mask, position_ids, None)
+        prefill_routing = self._routed(len(unique_rows))  # [unique rows, padded prompt, layers, k] or None
+        decode_routing = []  # per step [batch, 1, layers, k]: the routing of that step's sampled token
         if len(unique_rows) < batch:
             cache.batch_select_indices(expand.to(self.device))
             logits, attention_mask, position_ids = logits[expand.to(logits.device)], attention_mask[expand], position_ids[expand]
@@ -239,6 +302,8 @@ class EmbeddedEngine(RolloutEngine):
             # Finished rows keep decoding (cheaper than reshaping the cache); their tokens are cut off.
             attention_mask = torch.cat([attention_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
             logits, cache = self._forward(tokens[:, None], attention_mask, next_position, cache)
+            if prefill_routing is not None:
+                decode_routing.append(self._routed(batch))
             next_position = next_position + 1
         all_tokens = torch.stack(tokens_out, dim=1).tolist()
         all_logprobs = torch.stack(logprobs_out, dim=1).tolist()
@@ -249,6 +314,8 @@ class EmbeddedEngine(RolloutEngine):
                 output_logprobs=all_logprobs[i][:int(lengths[i])],
                 finish_reason="stop" if bool(stopped[i]) else "length",
                 weight_version=self._version,
+                routed_experts=None if prefill_routing is None else _row_routing(
+                    prefill_routing[int(expand[i])], decode_routing, i, len(rows[i]), int(lengths[i])),
             )
             for i in range(batch)
         ]

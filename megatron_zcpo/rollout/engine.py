@@ -66,6 +66,10 @@ class Completion:
     "length" (max_new_tokens or the model's context was reached) or "abort" (the engine gave up
     on the request; the output may be empty). ``weight_version`` is the policy version that
     produced it (SGLang's served version; None when the engine does not report one).
+    ``routed_experts`` (mixture-of-experts models, when asked for): the experts the engine routed
+    every input token to (the prompt and the output but its last token), int32
+    [len(prompt_ids) + len(output_ids) - 1, num_layers * top_k] as SGLang returns them (zeros in
+    the slots of dense layers), else None.
     """
 
     prompt_ids: List[int]
@@ -74,6 +78,7 @@ class Completion:
     finish_reason: str
     weight_version: Optional[int] = None
     info: dict = field(default_factory=dict)
+    routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:

@@ -1,7 +1,8 @@
 """A local HTTP server speaking SGLang's native API over any RolloutEngine (tests, CPU smoke runs).
 
 It speaks the API of one SGLang release (:mod:`megatron_zcpo.rollout.sglang_api`: the pinned
-0.5.3.post3 by default, or the newest checked one): with an ``api_key`` a request without it
+0.5.3.post3 by default, or the newest checked one, whose /generate also returns the routed experts
+of MoE models when its backend records them): with an ``api_key`` a request without it
 answers 401 (the /health paths excepted); every request is then validated against that
 release's endpoint table, so an unknown path answers 404, another method 405 and a body with a
 missing, unknown or mistyped field 400, as SGLang does (stricter on unknown fields). It behaves
@@ -31,6 +32,7 @@ from typing import Any, Dict, List, Optional
 from megatron_zcpo.rollout.engine import RolloutEngine, SamplingParams
 from megatron_zcpo.rollout.mock_http import BackgroundHTTPServer
 from megatron_zcpo.rollout.sglang_api import PINNED_RELEASE, RELEASES, check_request, needs_api_key
+from megatron_zcpo.rollout.sglang_client import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 
 CORRUPTIONS = ("bad_token", "nan_logprob", "positive_logprob", "mismatched_ids")
@@ -190,6 +192,7 @@ class MockSGLangServer(BackgroundHTTPServer):
             self.running_rids.discard(rid)
         answers = []
         for [completion] in results:
+            routed = body.get("return_routed_experts") and completion.routed_experts is not None
             answers.append({
                 "text": "",
                 "output_ids": completion.output_ids,
@@ -201,6 +204,7 @@ class MockSGLangServer(BackgroundHTTPServer):
                     "cached_tokens": 0,
                     "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(completion.output_logprobs, completion.output_ids)],
                     "weight_version": self.served_version,
+                    **({"routed_experts": encode_routed_experts(completion.routed_experts)} if routed else {}),
                 },
             })
         if request.get("corrupt"):

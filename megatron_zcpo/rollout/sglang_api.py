@@ -7,7 +7,7 @@ mock server (:mod:`mock_server`, which validates every request against this tabl
 
 | endpoint | 0.5.3.post3 | 0.5.23 | we send / read |
 | --- | --- | --- | --- |
-| POST /generate | yes | yes | rid, input_ids, sampling_params, return_logprob, stream / output_ids, meta_info.{id, finish_reason.type, output_token_logprobs, weight_version, cached_tokens} |
+| POST /generate | yes | yes (+ return_routed_experts, since 0.5.7) | rid, input_ids, sampling_params, return_logprob, stream, return_routed_experts (MoE routing replay) / output_ids, meta_info.{id, finish_reason.type, output_token_logprobs, weight_version, cached_tokens, routed_experts} |
 | GET /health_generate | yes | yes | 200 once generating |
 | GET /get_model_info | yes | yes (deprecated alias of /model_info) | weight_version |
 | GET /model_info | no (404) | yes | weight_version (fallback when /get_model_info is gone) |
@@ -22,9 +22,15 @@ mock server (:mod:`mock_server`, which validates every request against this tabl
 | POST /destroy_weights_update_group | yes | yes | group_name / {success, message} |
 
 Launch (:mod:`sglang_server`): ``python -m sglang.launch_server`` with ``--model-path --host --port
---tp-size --mem-fraction-static --dtype --random-seed`` and optionally ``--context-length`` and
-``--quantization modelopt_fp8``: ServerArgs fields in both releases (0.5.23 derives its flags from
-the field names).
+--tp-size --mem-fraction-static --dtype --random-seed`` and optionally ``--context-length``,
+``--quantization modelopt_fp8`` and, for mixture-of-experts models, ``--ep-size`` (experts split over
+the server's TP ranks; 1 or the TP size) and ``--enable-return-routed-experts``: ServerArgs fields in
+both releases (0.5.23 derives its flags from the field names), except the last, which needs 0.5.7 or
+newer (checked: absent from 0.5.6.post2's sources, present in 0.5.7's).
+
+Routed experts (0.5.7+): ``meta_info.routed_experts`` is base64 of int32 [prompt + output - 1,
+num_hidden_layers, num_experts_per_tok]: the top-k experts of every token the server ran through
+the model, zeros in the slots of dense layers.
 
 Status codes (both releases): an unknown path is 404 and a known path with another method 405
 (FastAPI); a body that does not validate is 400 (SGLang turns FastAPI's 422 into 400); weight
@@ -82,6 +88,7 @@ ROUTER_PUBLIC_PATHS = ("/liveness", "/readiness", "/health", "/health_generate",
 AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
 DETERMINISTIC_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")
 NEWEST_CHECKED_RELEASE = "0.5.23"
+ROUTED_EXPERTS_RELEASE = "0.5.7"  # the first release that returns routed experts (train.routing_replay=rollout)
 RELEASES = (PINNED_RELEASE, NEWEST_CHECKED_RELEASE)
 # Renamed endpoints, the pinned release's name first (both releases still answer it).
 MODEL_INFO_PATHS = ("/get_model_info", "/model_info")
@@ -133,12 +140,17 @@ _GROUP = {"group_name": _STR}
 _WEIGHT_UPDATE = {"flush_cache": _BOOL, "abort_all_requests": _BOOL, "weight_version": _optional(_STR)}
 _DISTRIBUTED_BUCKET = {"names": _list_of(_STR), "dtypes": _list_of(_STR), "shapes": _list_of(_INT_LIST)}
 
+_GENERATE = {
+    "rid": _RID, "input_ids": lambda v: _INT_LIST(v) or _list_of(_INT_LIST)(v), "text": _optional(_STR),
+    "sampling_params": _optional(lambda v: isinstance(v, dict)), "return_logprob": _optional(_BOOL),
+    "stream": _BOOL, "logprob_start_len": _optional(_INT), "top_logprobs_num": _optional(_INT),
+    "return_text_in_logprobs": _BOOL}
+
 ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
-    SGLangEndpoint("/generate", ("POST", "PUT"), optional={
-        "rid": _RID, "input_ids": lambda v: _INT_LIST(v) or _list_of(_INT_LIST)(v), "text": _optional(_STR),
-        "sampling_params": _optional(lambda v: isinstance(v, dict)), "return_logprob": _optional(_BOOL),
-        "stream": _BOOL, "logprob_start_len": _optional(_INT), "top_logprobs_num": _optional(_INT),
-        "return_text_in_logprobs": _BOOL}),
+    SGLangEndpoint("/generate", ("POST", "PUT"), optional=_GENERATE, releases=(PINNED_RELEASE,)),
+    # return_routed_experts (sgl-project/sglang#12162, first released in 0.5.7): meta_info.routed_experts
+    SGLangEndpoint("/generate", ("POST", "PUT"), optional={**_GENERATE, "return_routed_experts": _BOOL},
+                   releases=(NEWEST_CHECKED_RELEASE,)),
     SGLangEndpoint("/health", ("GET",)),
     SGLangEndpoint("/health_generate", ("GET",)),
     SGLangEndpoint("/get_model_info", ("GET",)),

@@ -105,7 +105,28 @@ def completion_from_sglang(prompt_ids: Sequence[int], response: Dict[str, Any], 
         finish_reason=reason,
         weight_version=None if version is None else parse_weight_version(version),
         info=info,
+        routed_experts=None if meta.get("routed_experts") is None else decode_routed_experts(
+            meta["routed_experts"], len(prompt_ids) + len(output_ids) - 1, f"{server}, request {meta.get('id')}"),
     )
+
+
+def decode_routed_experts(encoded: str, tokens: int, where: str = "?") -> torch.Tensor:
+    """SGLang's ``meta_info.routed_experts`` (base64 of int32 [tokens, layers, top-k], the experts of
+    every input token: prompt and output but the last) as int32 [tokens, layers * top-k].
+    Raises ``RolloutError`` naming ``where`` when it does not hold ``tokens`` rows."""
+    import base64
+
+    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+    if tokens <= 0 or flat.numel() % tokens:
+        raise RolloutError(f"routed experts from {where}: {flat.numel()} ids do not split into {tokens} tokens")
+    return flat.reshape(tokens, -1)
+
+
+def encode_routed_experts(routed: torch.Tensor) -> str:
+    """The inverse of :func:`decode_routed_experts`: base64 of the int32 bytes (as SGLang sends them)."""
+    import base64
+
+    return base64.b64encode(routed.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
 
 
 class SGLangEngine(RolloutEngine):
@@ -190,6 +211,8 @@ class SGLangEngine(RolloutEngine):
                 "return_logprob": True,
                 "stream": False,
             }
+            if self.config.return_routed_experts:
+                payload["return_routed_experts"] = True  # SGLang >= 0.5.7 with --enable-return-routed-experts
 
             async def fresh_request_id():
                 # The timed-out or dropped attempt may still run on the server: drop it, retry anew.

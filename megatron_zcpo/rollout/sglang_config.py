@@ -39,6 +39,8 @@ class SGLangEngineConfig:
     ``router_timeout_s``: the router's ``--request-timeout-secs`` (sglang-router 0.2.0's default
     1,800 s; the launchers start the router with this value): it must exceed ``request_timeout_s``,
     so the client, which aborts and retries, gives up on a request first.
+    ``return_routed_experts``: ask each /generate for the experts every token was routed to
+    (mixture-of-experts routing replay; SGLang >= 0.5.7 launched with ``--enable-return-routed-experts``).
     Server loss: a server whose request fails its retries leaves the rotation (see
     :class:`~megatron_zcpo.rollout.server_pool.ServerPool`) and its requests go to the others; with
     a router, a failed request has the servers health-checked instead. Below ``min_healthy``
@@ -81,6 +83,7 @@ class SGLangEngineConfig:
     max_rejected_fraction: float = 0.05
     api_key: Optional[str] = None
     router_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is None:

@@ -40,7 +40,10 @@ class SGLangServerConfig:
     capped at ``num_servers`` in total when given. Ports: ``base_port + i * port_stride`` for the
     i-th server of a node (SGLang takes a few ports above its HTTP port). ``nodes``: host names
     (None: SLURM_JOB_NODELIST, else this host). ``quantization`` is passed as
-    ``--quantization`` (``modelopt_fp8`` for FP8 rollouts). ``extra_args`` are appended to every
+    ``--quantization`` (``modelopt_fp8`` for FP8 rollouts). Mixture-of-experts models: ``ep_size``
+    splits each server's experts over that many of its TP ranks (``--ep-size``: 1 or ``tp_size``),
+    ``return_routed_experts`` launches with ``--enable-return-routed-experts`` (SGLang >= 0.5.7;
+    routing replay). ``extra_args`` are appended to every
     server command. ``server_module`` / ``router_module`` can point at stand-ins (tests).
     ``api_key``: ``--api-key`` of every server and the router (None: a fresh random key per
     launcher, :attr:`SGLangLauncher.api_key`). ``router_request_timeout_s``: the router's
@@ -63,6 +66,8 @@ class SGLangServerConfig:
     context_length: Optional[int] = None
     quantization: Optional[str] = None
     random_seed: int = 0
+    ep_size: int = 1
+    return_routed_experts: bool = False
     extra_args: List[str] = field(default_factory=list)
     router: bool = True
     router_port: int = 29000
@@ -84,6 +89,9 @@ class SGLangServerConfig:
         for key in ("tp_size", "base_port", "port_stride", "router_port"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{prefix}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"{prefix}.ep_size={self.ep_size} must be 1 or tp_size={self.tp_size} (SGLang splits a "
+                             f"server's experts over its TP ranks)")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"{prefix}.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.router_request_timeout_s <= 0:
@@ -176,6 +184,10 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
         command += ["--enable-deterministic-inference", "--attention-backend", config.attention_backend or "fa3"]
     if api_key or config.api_key:
         command += ["--api-key", api_key or config.api_key]
+    if config.ep_size > 1:
+        command += ["--ep-size", str(config.ep_size)]
+    if config.return_routed_experts:
+        command += ["--enable-return-routed-experts"]
     return command + list(config.extra_args)
 
 

@@ -10,6 +10,10 @@ MODEL = ModelConfig(family="qwen2", vocab_size=200, hidden_size=64, intermediate
 # Qwen3: per-head q/k norms (their gradients are split over TP ranks by heads), head_dim != hidden/heads.
 QWEN3 = ModelConfig(family="qwen3", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+# Qwen3-MoE: 4 experts of 32, top-2, renormalised (megatron's MoE layers, SequentialMLP experts on CPUs).
+QWEN3_MOE = ModelConfig(family="qwen3_moe", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def rollout(num_groups=5, group_sizes=(3, 4, 2, 5, 4), seed=0, vocab=MODEL.vocab_size):
@@ -47,7 +51,7 @@ def policy_and_reference(rank, world):
 
 def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, micro_batch_tokens=24,
                  distributed_optimizer=False, cp=1, packing="thd", importance_sampling=False, model=MODEL,
-                 sequence_parallel=False,
+                 sequence_parallel=False, ep=1, etp=None, train_overrides=None,
                  **algorithm_overrides):
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
@@ -59,14 +63,16 @@ def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, mi
     )
     from megatron_zcpo.megatron.trainer import PolicyTrainer
 
-    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, seed=9)
+    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, seed=9, expert_parallel=ep,
+                   expert_tensor_parallel=etp)
     train = TrainConfig(steps=4, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens, packing=packing,
                         optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0, adam_eps=1e-6, weight_decay=0.0),
                         importance_sampling=ImportanceSamplingConfig(enabled=bool(importance_sampling),
-                                                                     **(importance_sampling or {})))
+                                                                     **(importance_sampling or {})),
+                        **(train_overrides or {}))
     return PolicyTrainer(model, AlgorithmConfig(name=algorithm, **algorithm_overrides), train,
                          ParallelConfig(tensor=tp, pipeline=pp, context=cp, distributed_optimizer=distributed_optimizer,
-                                        sequence_parallel=sequence_parallel),
+                                        sequence_parallel=sequence_parallel, expert=ep, expert_tensor=etp),
                          initial_weights=policy, reference_weights=reference)
 
 
@@ -80,11 +86,11 @@ def with_rollout_logprobs(samples, seed=3):
 
 
 def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distributed_optimizer=False, cp=1,
-               packing="thd", importance_sampling=False, sequence_parallel=False):
+               packing="thd", importance_sampling=False, sequence_parallel=False, model=MODEL, ep=1, etp=None):
     """Coefficients, metrics and the updated global weights after one rollout step."""
     trainer = make_trainer(tp, pp, policy, reference, algorithm, distributed_optimizer=distributed_optimizer, cp=cp,
                            packing=packing, importance_sampling=importance_sampling,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, model=model, ep=ep, etp=etp)
     samples = rollout()
     if importance_sampling:
         samples = with_rollout_logprobs(samples)

@@ -13,6 +13,7 @@ import pytest
 
 from megatron_zcpo.recipe.config import load_run_config
 from megatron_zcpo.cli.plan import model_config_of, plan_inputs
+from megatron_zcpo.convert.presets import preset_model_config
 from megatron_zcpo.megatron.checkpoint import write_model_config
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.megatron.planner import GIB, plan_memory, suggest_layout
@@ -41,10 +42,14 @@ QWEN3_4B_THINKING = ModelConfig(family="qwen3", hidden_size=2560, num_layers=36,
                                 max_position_embeddings=262144, rope_theta=5000000.0, rms_norm_eps=1e-6,
                                 tie_word_embeddings=True)
 MODELS = {"qwen2.5-32b-zcpo": QWEN25_32B, "llama-3.3-70b-zcpo": LLAMA33_70B, "qwen2.5-72b-zcpo": QWEN25_72B,
-          "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING}
+          "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING,
+          # mixture of experts: the hub's config.json fields (megatron_zcpo/convert/presets.py)
+          "qwen3-30b-a3b-zcpo": preset_model_config("Qwen3-30B-A3B"),
+          "qwen3-235b-a22b-zcpo": preset_model_config("Qwen3-235B-A22B")}
 # (training GPUs, GiB per GPU) quoted in the example's config.yaml and examples/README.md.
 QUOTED = {"qwen2.5-32b-zcpo": (32, 55.35), "llama-3.3-70b-zcpo": (64, 59.03), "qwen2.5-72b-zcpo": (64, 60.73),
-          "qwen3-4b-long-context-zcpo": (32, 61.39)}
+          "qwen3-4b-long-context-zcpo": (32, 61.39), "qwen3-30b-a3b-zcpo": (16, 78.85),
+          "qwen3-235b-a22b-zcpo": (128, 75.27)}
 # The configured layout is the planner's (memory-only) suggestion, except where the config says why not.
 SUGGESTED_INSTEAD = {"qwen3-4b-long-context-zcpo": ("TP2 PP1 CP2 DP8 distopt recompute=full", 77.93)}
 
@@ -338,7 +343,7 @@ def in_launch_order(steps: list) -> list:
 def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_overrides(tmp_path):
     steps = run_sbatch("qwen2.5-32b-zcpo", tmp_path, ["train.steps=3"], ZCPO_OVERRIDES="train.seed=7")
     convert, probe, dry_run, sglang, train = in_launch_order(steps)
-    assert convert["command"][-4:] == ["--tp", "8", "--pp", "1"] and "--nodelist=gpu01" in convert["options"]
+    assert convert["command"][-6:] == ["--tp", "8", "--pp", "1", "--ep", "1"] and "--nodelist=gpu01" in convert["options"]
     assert (tmp_path / "ckpt" / "model_config.json").is_file()  # renamed from .partial once complete
     assert "--print" in probe["command"]
     assert "--nodelist=gpu05,gpu06,gpu07,gpu08" in sglang["options"] and "--ntasks-per-node=1" in sglang["options"]
@@ -376,7 +381,7 @@ def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_pat
 def test_long_context_sbatch_needs_the_reward_function_and_passes_it(tmp_path):
     steps = run_sbatch("qwen3-4b-long-context-zcpo", tmp_path, REWARD_FUNCTION="megatron_zcpo.rewards.math:dapo_math_reward")
     convert, _, dry_run, _, train = in_launch_order(steps)
-    assert convert["command"][-4:] == ["--tp", "1", "--pp", "1"]
+    assert convert["command"][-6:] == ["--tp", "1", "--pp", "1", "--ep", "1"]
     config = load_run_config(train["command"][2], train["command"][3:])
     assert config.reward.function == "megatron_zcpo.rewards.math:dapo_math_reward" and config.parallel.context == 8
     result = subprocess.run(["bash", "examples/qwen3-4b-long-context-zcpo/train.sbatch"], cwd=ROOT,

@@ -130,6 +130,8 @@ def _broadcast(rank, world):
     samples = [RolloutSample([1, 2], [3, 4, 5], 7, 1.0, True, [-0.5, -0.25, -0.1], {"uid": "a"}),
                RolloutSample([9], [8], 8, -1.0, False, None, {}),
                RolloutSample([70000, 6], [5, 4], 9, 0.5, True, [-1.0 / 3, -2.0], {"uid": "c"})]
+    samples[0].routed_experts = torch.arange(16, dtype=torch.int32).reshape(4, 4) % 7  # MoE routing (R3)
+    samples[2].routed_experts = torch.full((3, 4), 127, dtype=torch.int32)
     received = broadcast_samples(samples if rank == 0 else None)
     storages = {t.untyped_storage().data_ptr() for s in received for t in (s.prompt_ids, s.response_ids)}
     return {"samples": received, "token_storages": len(storages),
@@ -149,7 +151,9 @@ def test_rollout_broadcast_keeps_tokens_in_tensors_and_round_trips_exactly():
         assert [(s.prompt_ids.tolist(), s.response_ids.tolist(), s.group_id, s.reward, s.trainable, s.info)
                 for s in received] == [([1, 2], [3, 4, 5], 7, 1.0, True, {"uid": "a"}), ([9], [8], 8, -1.0, False, {}),
                                        ([70000, 6], [5, 4], 9, 0.5, True, {"uid": "c"})]
-        assert received[1].rollout_logprobs is None
+        assert received[1].rollout_logprobs is None and received[1].routed_experts is None
+        assert torch.equal(received[0].routed_experts.int(), torch.arange(16, dtype=torch.int32).reshape(4, 4) % 7)
+        assert torch.equal(received[2].routed_experts.int(), torch.full((3, 4), 127, dtype=torch.int32))
         for sample, expected in zip((received[0], received[2]), ([-0.5, -0.25, -0.1], [-1.0 / 3, -2.0])):
             assert sample.rollout_logprobs.dtype == torch.float32
             assert torch.equal(sample.rollout_logprobs, torch.tensor(expected, dtype=torch.float32))

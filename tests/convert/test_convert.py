@@ -107,27 +107,39 @@ def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- rank functions
 
 
-def _convert_round_trip_and_tp1_logits(rank, world, root, names):
-    """In one process: HF -> Megatron -> HF for every case, TP1 logits, a refused foreign config."""
-    import dataclasses
-
+def round_trips_and_logits(root: Path, names, tokens) -> dict:
+    """In this process (after setup_megatron): HF -> Megatron -> HF of every case under ``root`` and
+    {case: the converted checkpoint's Megatron logits for ``tokens(vocab_size)``} at TP1/EP1."""
     from megatron_zcpo.convert.checkpoint import convert_megatron_to_hf
-    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint
     from megatron_zcpo.convert.verify import megatron_logits
-    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
 
-    setup_megatron()
-    root, logits = Path(root), {}
+    logits = {}
     for name in names:
         model = convert_hf_to_megatron(root / name / "hf", root / name / "megatron")
         convert_megatron_to_hf(root / name / "megatron", root / name / "hf_back", max_shard_bytes=40_000)
         gpt = build_gpt_model(model, transformer_config(model))
         load_model_checkpoint(gpt, root / name / "megatron")
-        logits[name] = megatron_logits(gpt, _tokens(model.vocab_size))
+        logits[name] = megatron_logits(gpt, tokens(model.vocab_size))
+    return logits
+
+
+def _convert_round_trip_and_tp1_logits(rank, world, root, names):
+    """In one process: HF -> Megatron -> HF for every case, TP1 logits, a refused foreign config."""
+    import dataclasses
+
+    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint, read_model_config
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
+
+    setup_megatron()
+    root = Path(root)
+    logits = round_trips_and_logits(root, names, _tokens)
+    model = read_model_config(root / names[-1] / "megatron")
     other = dataclasses.replace(model, rope_theta=1.0, rms_norm_eps=1e-3)
     try:
-        load_model_checkpoint(build_gpt_model(other, transformer_config(other)), root / name / "megatron")
+        load_model_checkpoint(build_gpt_model(other, transformer_config(other)), root / names[-1] / "megatron")
         refusal = None
     except ValueError as error:
         refusal = str(error)

@@ -75,10 +75,8 @@ def test_qwen3_config_round_trips_in_both_rope_styles():
 
 
 @pytest.mark.parametrize("changes, named", [
-    (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=128,
-          num_experts_per_tok=8, moe_intermediate_size=768), "mixture-of-experts"),
-    (dict(num_experts=8), "mixture-of-experts"),
-    (dict(architectures=["Qwen3MoeForCausalLM"]), "mixture-of-experts"),
+    (dict(num_experts=8), "mixture-of-experts"),  # Qwen3-MoE converts as qwen3_moe (tests/convert/test_convert_moe.py)
+    (dict(architectures=["Qwen3MoeForCausalLM"]), "Qwen3ForCausalLM"),
     (dict(architectures=["Qwen2ForCausalLM"]), "Qwen3ForCausalLM"),
     (dict(use_sliding_window=True, sliding_window=4096), "use_sliding_window"),
     (dict(layer_types=["full_attention"] * 35 + ["sliding_attention"]), "layer_types"),

@@ -12,8 +12,10 @@ from tests.cases import trainer_cases
 ROLLOUT_SEEDS = (0, 1, 2)
 
 
-def run_steps(rank, world, tp, pp, weights, seeds, save_root=None, resume_from=None, distributed_optimizer=True):
-    trainer = trainer_cases.make_trainer(tp, pp, *weights, distributed_optimizer=distributed_optimizer)
+def run_steps(rank, world, tp, pp, weights, seeds, save_root=None, resume_from=None, distributed_optimizer=True,
+              **options):
+    """Train on ``seeds``' rollouts (``options``: more make_trainer arguments), saving or resuming."""
+    trainer = trainer_cases.make_trainer(tp, pp, *weights, distributed_optimizer=distributed_optimizer, **options)
     if resume_from is not None:
         state = trainer.load(find_latest(resume_from))
         assert state["loop"] == {"next_seed": seeds[0]}

@@ -1,5 +1,5 @@
-"""Per-stage weight push (PP2, TP2xPP2, gloo) to a mock SGLang server: every tensor arrives once,
-bit-identical to the converter's output, and global rank 0 forwards none of another stage's bytes."""
+"""Per-share weight push (PP2, TP2xPP2, EP2 of an MoE model; gloo) to a mock SGLang server: every tensor
+arrives once, bit-identical to the converter's output, and global rank 0 forwards none of another share's bytes."""
 
 import threading
 import types
@@ -14,6 +14,9 @@ from megatron_zcpo.testing import run_distributed
 
 MODEL = ModelConfig(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+MOE = ModelConfig(family="qwen3_moe", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 class RecordingBackend(RolloutEngine):
@@ -58,22 +61,30 @@ def _count_p2p_receives(counter):
     dist.recv_object_list = counted_objects
 
 
-def _push_by_stage(rank, world, tp, pp, url, client_options, model_config):
+def _push_by_stage(rank, world, tp, pp, url, client_options, model_config, ep=1):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights
+    from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights, share_name
     from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
-    from megatron_zcpo.megatron.weights import gather_full_state_dict, is_stage_lead, named_global_parameters
+    from megatron_zcpo.megatron.weights import (
+        gather_full_state_dict,
+        is_expert_shard_lead,
+        is_expert_tensor,
+        is_stage_lead,
+        named_global_parameters,
+    )
     from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 
-    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, seed=5)
-    model = build_gpt_model(model_config, transformer_config(model_config, tensor_parallel=tp, pipeline_parallel=pp))
+    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, seed=5, expert_parallel=ep)
+    model = build_gpt_model(model_config, transformer_config(model_config, tensor_parallel=tp, pipeline_parallel=pp,
+                                                             expert_parallel=ep))
     full = gather_full_state_dict(model)
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    own = {n for n, _ in named_global_parameters(model)}
+    own = {n for n, _ in named_global_parameters(model)
+           if (is_stage_lead() and not is_expert_tensor(n)) or (is_expert_shard_lead(model) and is_expert_tensor(n))}
     if pp_rank > 0:
         own.discard("embedding.word_embeddings.weight")  # the first stage sends the tied weight
     stage_bytes = sum(t.numel() * t.element_size() for n in own for _, t in megatron_to_hf_tensors(n, full[n], model_config))
@@ -82,7 +93,8 @@ def _push_by_stage(rank, world, tp, pp, url, client_options, model_config):
         return SGLangEngine(SGLangEngineConfig(server_urls=[url], group_name=group, group_backend="gloo",
                                                master_address="127.0.0.1", group_timeout_s=120, **client_options))
 
-    stages = StageWeightPush(engine(f"zcpo_weights-pp{pp_rank}") if is_stage_lead() else None)
+    share = share_name(model)
+    stages = StageWeightPush(engine(f"zcpo_weights-{share}") if share else None)
     rollout = types.SimpleNamespace(engine=engine("unused")) if rank == 0 else types.SimpleNamespace(engine=None)
     trainer = types.SimpleNamespace(policy=model, model_config=model_config)
     received = {"bytes": 0, "objects": 0}
@@ -96,15 +108,17 @@ def _push_by_stage(rank, world, tp, pp, url, client_options, model_config):
             engine_.shutdown()
     expected = {h: t for n, w in full.items() for h, t in megatron_to_hf_tensors(n, w, model_config)}
     return {"pushed": pushed, "stage_bytes": stage_bytes, "received_p2p": received, "served": served,
-            "expected": expected if rank == 0 else None, "pp_rank": pp_rank, "lead": is_stage_lead()}
+            "expected": expected if rank == 0 else None, "share": share, "lead": bool(share)}
 
 
-@pytest.mark.parametrize("tp,pp,options", [
-    (1, 2, {"flattened_buckets": True, "bucket_bytes": 60_000}),
-    (2, 2, {"bucket_bytes": 60_000}),
-    (1, 2, {"weight_sync": "disk"}),
-], ids=["pp2-flat", "tp2pp2-per-tensor", "pp2-disk"])
-def test_each_stage_pushes_its_own_tensors(tp, pp, options, tmp_path):
+@pytest.mark.parametrize("tp,pp,ep,options,shares", [
+    (1, 2, 1, {"flattened_buckets": True, "bucket_bytes": 60_000}, ["pp0", "pp1"]),
+    (2, 2, 1, {"bucket_bytes": 60_000}, ["pp0", "pp1"]),
+    (1, 2, 1, {"weight_sync": "disk"}, ["pp0", "pp1"]),
+    # the second expert-parallel rank (data-parallel rank 1) sends its own experts: no expert gather
+    (1, 1, 2, {"bucket_bytes": 60_000}, ["pp0", "pp0-ep1"]),
+], ids=["pp2-flat", "tp2pp2-per-tensor", "pp2-disk", "ep2-moe"])
+def test_each_stage_pushes_its_own_tensors(tp, pp, ep, options, shares, tmp_path):
     from megatron_zcpo.megatron.initialize import free_port
 
     if options.get("weight_sync") == "disk":
@@ -114,7 +128,8 @@ def test_each_stage_pushes_its_own_tensors(tp, pp, options, tmp_path):
     backend = RecordingBackend()
     release = NEWEST_CHECKED_RELEASE if options.get("flattened_buckets") else PINNED_RELEASE  # load_format
     with MockSGLangServer(backend, port=free_port(), release=release) as server:
-        results = run_distributed(_push_by_stage, tp * pp, tp, pp, server.url, options, MODEL, timeout=300)
+        results = run_distributed(_push_by_stage, tp * pp * ep, tp, pp, server.url, options, MOE if ep > 1 else MODEL,
+                                  ep, timeout=300)
         served = server.served_version
     expected = results[0]["expected"]
     names = [name for name, _ in backend.arrivals]
@@ -123,7 +138,7 @@ def test_each_stage_pushes_its_own_tensors(tp, pp, options, tmp_path):
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
     assert served == "3" and results[0]["served"] == 3
     leads = [r for r in results if r["lead"]]
-    assert sorted(r["pp_rank"] for r in leads) == list(range(pp))
+    assert sorted(r["share"] for r in leads) == shares
     for result in leads:  # each lead sent exactly its own stage's bytes
         assert result["pushed"]["bytes"] == result["stage_bytes"] > 0
     assert sum(r["stage_bytes"] for r in leads) == sum(t.numel() * t.element_size() for t in expected.values())
