@@ -142,15 +142,6 @@ def timeout_checks_of(args, config: RunConfig, model, gpus: int, decode_rate: fl
     return timeout_checks(config, model, servers)
 
 
-def format_seconds(value: float) -> str:
-    """A predicted duration with the digits it needs: ``13,556 s``, ``2.4 s``, ``35.1 ms``, ``480 us``."""
-    if value >= 100:
-        return f"{value:,.0f} s"
-    if value >= 1:
-        return f"{value:.1f} s"
-    return f"{value * 1e3:.3g} ms" if value >= 1e-3 else f"{value * 1e6:.3g} us"
-
-
 # `zcpo plan` without --gpus looks for the fewest GPUs (data-parallel replicas) up to this many.
 MAX_SEARCHED_DATA_PARALLEL = 256
 
@@ -229,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     mode = (f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})" if overlap
             else "sequential, on-policy (rollout.overlap=false)")
     other = "overlapped" if not overlap else "sequential"
-    duration = format_seconds
+    from megatron_zcpo.megatron.step_time import format_seconds as duration
+
     print(f"rollout mode: {mode}; predicted step {duration(timing.step_s(overlap))} "
           f"(rollout {duration(timing.rollout_s)}, training {duration(timing.train_s)}, weight push "
           f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "

@@ -162,3 +162,12 @@ def predict_step_time(model: ModelConfig, load: StepLoad, cluster: Cluster, *, p
                     sequential_s=sequential, overlapped_s=overlapped,
                     idle_share_sequential=_idle_share(sequential, rollout, train, cluster),
                     idle_share_overlapped=_idle_share(overlapped, rollout, train, cluster))
+
+
+def format_seconds(value: float) -> str:
+    """A predicted duration with the digits it needs: ``13,556 s``, ``2.4 s``, ``35.1 ms``, ``480 us``."""
+    if value >= 100:
+        return f"{value:,.0f} s"
+    if value >= 1:
+        return f"{value:.1f} s"
+    return f"{value * 1e3:.3g} ms" if value >= 1e-3 else f"{value * 1e6:.3g} us"

@@ -158,10 +158,12 @@ def check_timeouts(config, model, servers: RolloutServers) -> List[TimeoutCheck]
 
 def render_timeout_checks(checks: List[TimeoutCheck]) -> str:
     """The checks as text lines: key, timeout, predicted duration, verdict."""
+    from megatron_zcpo.megatron.step_time import format_seconds
+
     lines = ["timeouts (predicted durations from megatron_zcpo/megatron/step_time.py):"]
     for check in checks:
-        verdict = "ok" if check.ok else f"RAISE above {check.predicted_s:,.0f} s"
-        lines.append(f"  {check.key:<40} {check.timeout_s:>10,.0f} s  vs {check.predicted_s:>10,.0f} s  "
+        verdict = "ok" if check.ok else f"RAISE above {format_seconds(check.predicted_s)}"
+        lines.append(f"  {check.key:<40} {check.timeout_s:>10,.0f} s  vs {format_seconds(check.predicted_s):>10}  "
                      f"{check.bounds}: {verdict}")
     return "\n".join(lines)
 
