@@ -111,8 +111,10 @@ def _servers(model_dir, delay):
 
 
 def _logged(run_dir):
-    """The trained steps' metrics {step: metrics} and the evaluations' [metrics] of a run."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The trained steps' metrics {step: metrics} and the evaluations' [metrics] of a run (without its run
+    id: each run has its own)."""
+    records = [{k: v for k, v in json.loads(line).items() if k != "run_id"}
+               for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in records if "rollout/reward_mean" in r}, [r for r in records if "eval/avg@2" in r]
 
 
