@@ -51,10 +51,10 @@ RUN python -c "import modelopt" 2>/dev/null || pip install "nvidia-modelopt==${M
 # next to the base's torch 2.10.0a0 would replace that torch (and break TE and apex, compiled
 # against it). The servers are separate processes that only talk HTTP and NCCL with the trainer,
 # so /opt/sglang holds SGLang with its own PyPI torch 2.8.0 (CUDA 12.8 wheels, driver R570+).
-#   sglang 0.5.3.post3: the SGLang HTTP API megatron_zcpo/rollout/sglang_client.py and
-#     sglang_server.py were written against (/generate, /update_weights_from_distributed, ...).
+#   sglang 0.5.3.post3: the SGLang HTTP API megatron_zcpo/rollout/sglang/client.py and
+#     server.py were written against (/generate, /update_weights_from_distributed, ...).
 #   sglang-router 0.2.0: released with it (October 2025); its launch_router takes the
-#     --worker-urls/--policy/--host/--port that sglang_server.router_command passes.
+#     --worker-urls/--policy/--host/--port that rollout/sglang/server.py:router_command passes.
 #   nvidia-nccl-cu12 2.28.9: the weight push puts trainer rank 0 (the base's NCCL 2.28.9) and
 #     every SGLang worker into one NCCL communicator, so the venv gets the same NCCL release
 #     instead of the 2.27.x that torch 2.8.0 pins (same libnccl.so.2 ABI, loaded at run time).

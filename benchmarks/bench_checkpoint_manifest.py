@@ -43,17 +43,24 @@ def main() -> None:
 
     import torch.distributed.checkpoint as dcp
 
-    from megatron_zcpo.megatron.checkpoint_manifest import describe_files, write_manifest
-    from megatron_zcpo.megatron.checkpoint_verify import verify_checkpoint
+    from megatron_zcpo.checkpoint.manifest import describe_files, write_manifest
+    from megatron_zcpo.checkpoint.verify import verify_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="zcpo-bench-manifest-", dir=args.dir))
     checkpoint = root / "step_00000001"
     try:
-        elements = args.mib_per_rank * 2 ** 20 // 4
+        elements = args.mib_per_rank * 2**20 // 4
         state = {f"rank{r}": torch.randn(elements) for r in range(args.ranks)}
         # one file per tensor, as one file per rank: a planner-free save of a dict of tensors
-        write_s, _ = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(
-            str(checkpoint / "weights"), single_file_per_rank=False, sync_files=True), no_dist=True))
+        write_s, _ = _timed(
+            lambda: dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(
+                    str(checkpoint / "weights"), single_file_per_rank=False, sync_files=True
+                ),
+                no_dist=True,
+            )
+        )
         torch.save({"step": 1, "world_size": args.ranks}, checkpoint / "trainer_state.pt")
         files = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
         total = sum((checkpoint / f).stat().st_size for f in files)
@@ -66,16 +73,22 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     gb = total / 1e9
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"synthetic checkpoint: {len(files)} files, {gb:.2f} GB ({args.ranks} shard files of {args.mib_per_rank} MiB)")
+    print(
+        f"synthetic checkpoint: {len(files)} files, {gb:.2f} GB ({args.ranks} shard files of {args.mib_per_rank} MiB)"
+    )
     print(f"{'step':<44}{'s':>8}{'GB/s':>8}{'vs write':>10}")
-    for name, seconds in (("write (torch.distributed.checkpoint, fsync)", write_s),
-                          ("CRC-32 + fsync of every file (at save)", crc_s),
-                          ("SHA-256 of every file (not used)", sha_s),
-                          ("quick verify (every resume)", quick_s),
-                          ("full verify (zcpo checkpoint verify)", full_s)):
+    for name, seconds in (
+        ("write (torch.distributed.checkpoint, fsync)", write_s),
+        ("CRC-32 + fsync of every file (at save)", crc_s),
+        ("SHA-256 of every file (not used)", sha_s),
+        ("quick verify (every resume)", quick_s),
+        ("full verify (zcpo checkpoint verify)", full_s),
+    ):
         print(f"{name:<44}{seconds:>8.3f}{gb / seconds:>8.2f}{seconds / write_s:>10.3f}")
-    print(f"SHA-256 / CRC-32: {sha_s / crc_s:.2f}x; full / quick verify: {full_s / quick_s:.0f}x; "
-          f"peak resident memory {peak_mib:.0f} MiB (the tensors themselves: {gb * 1e3 / 1.048576:.0f} MiB)")
+    print(
+        f"SHA-256 / CRC-32: {sha_s / crc_s:.2f}x; full / quick verify: {full_s / quick_s:.0f}x; "
+        f"peak resident memory {peak_mib:.0f} MiB (the tensors themselves: {gb * 1e3 / 1.048576:.0f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def parse_variant(text: str) -> Tuple[str, Path, List[str], Dict[str, str]]:
     args, env = [], {"OMP_NUM_THREADS": "1"}
     for flag in filter(None, flags.split(",")):
         if flag.startswith("env:"):
-            key, value = flag[len("env:"):].split("=", 1)
+            key, value = flag[len("env:") :].split("=", 1)
             env[key] = value
         else:
             args.extend(flag.split("=", 1))
@@ -48,20 +48,40 @@ def parse_variant(text: str) -> Tuple[str, Path, List[str], Dict[str, str]]:
 
 
 # Runs the command in argv and prints the CPU seconds of all its (waited-for) descendants.
-_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
-            "usage = resource.getrusage(resource.RUSAGE_CHILDREN); "
-            "print('CPU_S', usage.ru_utime + usage.ru_stime); sys.exit(code)")
+_WRAPPER = (
+    "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+    "usage = resource.getrusage(resource.RUSAGE_CHILDREN); "
+    "print('CPU_S', usage.ru_utime + usage.ru_stime); sys.exit(code)"
+)
 
 
 def run_variant(tree: Path, flags: List[str], env: Dict[str, str], common: List[str], out: Path) -> dict:
     """One comparison from ``tree``: wall s, CPU s of the process tree, peak total RSS (MiB), per-arm accuracy."""
-    command = [sys.executable, "-c", _WRAPPER, sys.executable, "-m", "megatron_zcpo.cli.main", "demo", "--compare",
-               *common, *flags, "--out", str(out)]
+    command = [
+        sys.executable,
+        "-c",
+        _WRAPPER,
+        sys.executable,
+        "-m",
+        "megatron_zcpo.cli.main",
+        "demo",
+        "--compare",
+        *common,
+        *flags,
+        "--out",
+        str(out),
+    ]
     log = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(log, "w") as handle:  # a file, not a pipe: nobody reads a pipe while the comparison runs
-        process = psutil.Popen(command, env={**os.environ, **env, "PYTHONPATH": str(tree)}, cwd=tree, stdout=handle, stderr=subprocess.STDOUT)
+        process = psutil.Popen(
+            command,
+            env={**os.environ, **env, "PYTHONPATH": str(tree)},
+            cwd=tree,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
         peak, loads = 0, []
         while process.poll() is None:
             loads.append(os.getloadavg()[0])
@@ -80,8 +100,13 @@ def run_variant(tree: Path, flags: List[str], env: Dict[str, str], common: List[
     cpu = float(output.rsplit("CPU_S", 1)[1].split()[0])
     summary = json.loads((out / "summary.json").read_text())
     after = {row["method"]: row["after"] for row in summary["methods"]}
-    return {"wall": wall, "cpu": cpu, "peak_mib": peak / 2 ** 20, "after": after,
-            "load": statistics.mean(loads) if loads else os.getloadavg()[0]}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "peak_mib": peak / 2**20,
+        "after": after,
+        "load": statistics.mean(loads) if loads else os.getloadavg()[0],
+    }
 
 
 def main() -> None:
@@ -105,24 +130,31 @@ def main() -> None:
             for name, tree, flags, env in variants:
                 result = run_variant(tree, flags, env, common, Path(scratch) / f"{name}-{repeat}")
                 results[name].append(result)
-                print(f"{name} #{repeat}: {result['wall']:.0f} s wall, {result['cpu']:.0f} CPU s, "
-                      f"peak {result['peak_mib']:.0f} MiB, mean load average {result['load']:.1f}", flush=True)
+                print(
+                    f"{name} #{repeat}: {result['wall']:.0f} s wall, {result['cpu']:.0f} CPU s, "
+                    f"peak {result['peak_mib']:.0f} MiB, mean load average {result['load']:.1f}",
+                    flush=True,
+                )
     reference = results[variants[0][0]]
     ref_wall = statistics.median(r["wall"] for r in reference)
     ref_cpu = statistics.median(r["cpu"] for r in reference)
     print(f"\n{args.seeds} seeds x arms {args.arms}, task {args.task}; medians over {args.repeat} repeat(s)")
-    print("| variant | flags, environment | wall s | CPU s | wall vs first | CPU vs first | peak MiB (all processes) | "
-          "held-out after per arm | load average |")
+    print(
+        "| variant | flags, environment | wall s | CPU s | wall vs first | CPU vs first | peak MiB (all processes) | "
+        "held-out after per arm | load average |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, tree, flags, env in variants:
+    for name, _tree, flags, env in variants:
         rows = results[name]
         wall, cpu = statistics.median(r["wall"] for r in rows), statistics.median(r["cpu"] for r in rows)
         after = ", ".join(f"{arm} {value:.3f}" for arm, value in rows[0]["after"].items())
         setting = " ".join(flags + [f"{k}={v}" for k, v in env.items()])
-        print(f"| {name} | {setting} | {wall:.0f} ({min(r['wall'] for r in rows):.0f}-"
-              f"{max(r['wall'] for r in rows):.0f}) | {cpu:.0f} | {ref_wall / wall:.2f}x | {ref_cpu / cpu:.2f}x | "
-              f"{max(r['peak_mib'] for r in rows):.0f} | {after} | "
-              f"{min(r['load'] for r in rows):.1f}-{max(r['load'] for r in rows):.1f} |")
+        print(
+            f"| {name} | {setting} | {wall:.0f} ({min(r['wall'] for r in rows):.0f}-"
+            f"{max(r['wall'] for r in rows):.0f}) | {cpu:.0f} | {ref_wall / wall:.2f}x | {ref_cpu / cpu:.2f}x | "
+            f"{max(r['peak_mib'] for r in rows):.0f} | {after} | "
+            f"{min(r['load'] for r in rows):.1f}-{max(r['load'] for r in rows):.1f} |"
+        )
 
 
 if __name__ == "__main__":

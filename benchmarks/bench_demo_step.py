@@ -31,9 +31,11 @@ import yaml
 PHASES = ("time/step", "time/rollout", "time/experience", "time/update", "time/weight_sync")
 REPO = Path(__file__).resolve().parents[1]
 # Launches one training in a fresh interpreter and prints the peak RSS (KiB) of its processes.
-_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
-            "usage = resource.getrusage(resource.RUSAGE_CHILDREN); "
-            "print('PEAK_KIB', usage.ru_maxrss); print('CPU_S', usage.ru_utime + usage.ru_stime); sys.exit(code)")
+_WRAPPER = (
+    "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+    "usage = resource.getrusage(resource.RUSAGE_CHILDREN); "
+    "print('PEAK_KIB', usage.ru_maxrss); print('CPU_S', usage.ru_utime + usage.ru_stime); sys.exit(code)"
+)
 
 
 def workload_config(assets: Path, run_dir: Path, steps: int) -> dict:
@@ -52,8 +54,19 @@ def workload_config(assets: Path, run_dir: Path, steps: int) -> dict:
 
 def _train(tree: Path, overrides: list, config_path: Path, run_dir: Path, steps: int) -> Tuple[dict, float, float]:
     """One training run from ``tree``: (its metrics per step, CPU seconds, peak RSS in KiB)."""
-    command = [sys.executable, "-c", _WRAPPER, sys.executable, "-m", "megatron_zcpo.cli.main", "train",
-               str(config_path), f"logging.run_dir={run_dir}", f"train.steps={steps}", *overrides]
+    command = [
+        sys.executable,
+        "-c",
+        _WRAPPER,
+        sys.executable,
+        "-m",
+        "megatron_zcpo.cli.main",
+        "train",
+        str(config_path),
+        f"logging.run_dir={run_dir}",
+        f"train.steps={steps}",
+        *overrides,
+    ]
     env = {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tree)
     if done.returncode:
@@ -84,8 +97,12 @@ def parse_variant(text: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", action="append", default=[],
-                        help="name=TREE[:key=value,...] (repeatable; the first is the reference; default: this tree)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="name=TREE[:key=value,...] (repeatable; the first is the reference; default: this tree)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="training steps per run (the first 2 are not timed)")
     parser.add_argument("--repeat", type=int, default=2, help="runs per variant, interleaved")
     args = parser.parse_args()
@@ -101,14 +118,19 @@ def main() -> None:
             for name, tree, overrides in variants:
                 run_dir = Path(tmp) / f"{name}-{repeat}"
                 results[name].append(run_variant(tree, overrides, config_path, run_dir, args.steps))
-                print(f"{name} #{repeat}: " + ", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in results[name][-1].items()),
-                      file=sys.stderr)
-    print(f"| variant | {' | '.join(p.split('/')[-1] + ' s' for p in PHASES)} | CPU s / step | "
-          f"wall vs {variants[0][0]} | CPU vs {variants[0][0]} | peak MiB |")
+                print(
+                    f"{name} #{repeat}: "
+                    + ", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in results[name][-1].items()),
+                    file=sys.stderr,
+                )
+    print(
+        f"| variant | {' | '.join(p.split('/')[-1] + ' s' for p in PHASES)} | CPU s / step | "
+        f"wall vs {variants[0][0]} | CPU vs {variants[0][0]} | peak MiB |"
+    )
     print("|---" * (len(PHASES) + 5) + "|")
     reference = statistics.median(r["time/step"] for r in results[variants[0][0]])
     reference_cpu = statistics.median(r["cpu_s"] for r in results[variants[0][0]])
-    for name, _, overrides in variants:
+    for name, _, _overrides in variants:
         runs = results[name]
         cells = []
         for phase in (*PHASES, "cpu_s"):

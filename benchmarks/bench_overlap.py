@@ -1,7 +1,7 @@
 """Benchmark overlapped rollouts and the per-stage weight push.
 
 Part 1 (``--part overlap``): ``zcpo train`` on the tiny demo model against the mock SGLang server
-(megatron_zcpo/rollout/mock_server.py), whose generation time is emulated from a tokens/s figure:
+(megatron_zcpo/testing/mock_server.py), whose generation time is emulated from a tokens/s figure:
 each /generate answer is held until its tokens would have been decoded at ``--tokens-per-s`` (the
 server decodes one request at a time), so rollout time scales like a real server's. One run with
 ``rollout.overlap=false`` (on-policy), one with ``true``; reported per step (the first excluded):
@@ -77,10 +77,19 @@ class UniformEngine(RolloutEngine):
         from megatron_zcpo.rollout.engine import Completion
 
         logprob = -math.log(self.vocab_size)
-        return [[Completion(list(prompt), torch.randint(self.vocab_size, (params.max_new_tokens,),
-                                                         generator=self.generator).tolist(),
-                            [logprob] * params.max_new_tokens, "length", weight_version=self.version)
-                 for _ in range(n)] for prompt in prompts]
+        return [
+            [
+                Completion(
+                    list(prompt),
+                    torch.randint(self.vocab_size, (params.max_new_tokens,), generator=self.generator).tolist(),
+                    [logprob] * params.max_new_tokens,
+                    "length",
+                    weight_version=self.version,
+                )
+                for _ in range(n)
+            ]
+            for prompt in prompts
+        ]
 
     def update_weights(self, named_hf_tensors, version):
         for _ in named_hf_tensors:
@@ -117,11 +126,11 @@ class DiscardingEngine(RolloutEngine):
 def run_overlap(args) -> list:
     """Two `zcpo train` runs (overlap off / on) against one paced mock server; per-mode rows."""
     from megatron_zcpo.cli.demo import demo_config
-    from megatron_zcpo.recipe.demo_assets import DemoSpec, build_demo_assets
     from megatron_zcpo.convert.hf_checkpoint import read_hf_config
     from megatron_zcpo.convert.mapping import model_config_from_hf
     from megatron_zcpo.megatron.initialize import free_port
-    from megatron_zcpo.rollout.mock_server import MockSGLangServer
+    from megatron_zcpo.recipe.demo_assets import DemoSpec, build_demo_assets
+    from megatron_zcpo.testing.mock_server import MockSGLangServer
 
     root = Path(tempfile.mkdtemp(prefix="bench_overlap_"))
     assets = build_demo_assets(DemoSpec(size=300, sft_max_steps=1), cache_dir=root / "cache", log=lambda _: None)
@@ -131,24 +140,38 @@ def run_overlap(args) -> list:
         backend = PacedEngine(UniformEngine(vocab), args.tokens_per_s)
         with MockSGLangServer(backend, port=free_port()) as server:
             run_dir = root / f"overlap-{overlap}"
-            config = demo_config(assets, run_dir, {
-                "parallel": {"tensor": 1},
-                "rollout": {"engine": "sglang", "overlap": overlap, "prompts_per_step": args.prompts,
-                            "dynamic_sampling": {"drop_tied_groups": False},
-                            "sglang": {"server_urls": [server.url],
-                                       "client": {"group_backend": "gloo", "master_address": "127.0.0.1",
-                                                  "max_concurrency": 8}}},
-                "eval": {"at_start": False, "at_end": False},
-                # the uniform answers' log-probs are not the policy's: no mismatch correction
-                "train": {"importance_sampling": {"enabled": False}},
-                "logging": {"console": "quiet", "tensorboard": False},
-            }, steps=args.steps)
+            config = demo_config(
+                assets,
+                run_dir,
+                {
+                    "parallel": {"tensor": 1},
+                    "rollout": {
+                        "engine": "sglang",
+                        "overlap": overlap,
+                        "prompts_per_step": args.prompts,
+                        "dynamic_sampling": {"drop_tied_groups": False},
+                        "sglang": {
+                            "server_urls": [server.url],
+                            "client": {"group_backend": "gloo", "master_address": "127.0.0.1", "max_concurrency": 8},
+                        },
+                    },
+                    "eval": {"at_start": False, "at_end": False},
+                    # the uniform answers' log-probs are not the policy's: no mismatch correction
+                    "train": {"importance_sampling": {"enabled": False}},
+                    "logging": {"console": "quiet", "tensorboard": False},
+                },
+                steps=args.steps,
+            )
             path = run_dir.with_suffix(".yaml")
             run_dir.mkdir(parents=True)
             path.write_text(json.dumps(config))
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            done = subprocess.run([sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(path)],
-                                  capture_output=True, text=True, env=env)
+            done = subprocess.run(
+                [sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(path)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if done.returncode:
                 raise RuntimeError(done.stderr[-3000:])
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -158,11 +181,18 @@ def run_overlap(args) -> list:
         pushes = sum(r["time/weight_sync"] for r in steps)
         train_busy = sum(r["time/step"] - r["time/rollout"] - (0 if overlap else r["time/weight_sync"]) for r in steps)
         engine_busy = backend.busy_s * len(steps) / (len(steps) + 1 + overlap)  # the run generated steps+1(+1) rollouts
-        rows.append({"mode": "overlapped" if overlap else "sequential", "step_s": wall / len(steps),
-                     "wait_for_data_s": waits / len(steps), "push_s": pushes / len(steps),
-                     "train_busy_share": train_busy / wall, "engine_busy_share": engine_busy / wall,
-                     "idle_share": 1 - (train_busy + engine_busy) / (2 * wall),
-                     "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in steps)})
+        rows.append(
+            {
+                "mode": "overlapped" if overlap else "sequential",
+                "step_s": wall / len(steps),
+                "wait_for_data_s": waits / len(steps),
+                "push_s": pushes / len(steps),
+                "train_busy_share": train_busy / wall,
+                "engine_busy_share": engine_busy / wall,
+                "idle_share": 1 - (train_busy + engine_busy) / (2 * wall),
+                "staleness_max": max(r.get("rollout/staleness_max", 0.0) for r in steps),
+            }
+        )
     return rows
 
 
@@ -173,22 +203,31 @@ def _push_worker(rank, world, pp, url, per_stage, model_config, bucket_bytes):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
     from megatron_zcpo.megatron.weights import is_stage_lead
-    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
 
     setup_megatron(pipeline_parallel=pp, seed=1)
     model = build_gpt_model(model_config, transformer_config(model_config, pipeline_parallel=pp))
 
     def engine(group):
-        return SGLangEngine(SGLangEngineConfig(server_urls=[url], group_name=group, group_backend="gloo",
-                                               master_address="127.0.0.1", bucket_bytes=bucket_bytes))
+        return SGLangEngine(
+            SGLangEngineConfig(
+                server_urls=[url],
+                group_name=group,
+                group_backend="gloo",
+                master_address="127.0.0.1",
+                bucket_bytes=bucket_bytes,
+            )
+        )
 
     stages = None
     if per_stage:
-        stages = StageWeightPush(engine(f"bench-pp{ps.get_pipeline_model_parallel_rank()}") if is_stage_lead() else None)
+        stages = StageWeightPush(
+            engine(f"bench-pp{ps.get_pipeline_model_parallel_rank()}") if is_stage_lead() else None
+        )
     rank0_engine = engine("bench-rank0") if rank == 0 else None
     received = [0]
     recv = dist.recv
@@ -206,8 +245,11 @@ def _push_worker(rank, world, pp, url, per_stage, model_config, bucket_bytes):
     push_weights(trainer, rank0_engine, 2, stages)
     seconds = time.perf_counter() - started
     sender = stages.engine if stages is not None else rank0_engine
-    result = {"seconds": seconds, "sent": sender.pushed["bytes"] / 2 if sender is not None else 0.0,
-              "received": received[0]}  # pushed counts both pushes: the second one's share
+    result = {
+        "seconds": seconds,
+        "sent": sender.pushed["bytes"] / 2 if sender is not None else 0.0,
+        "received": received[0],
+    }  # pushed counts both pushes: the second one's share
     for handle in (stages.engine if stages is not None else None, rank0_engine):
         if handle is not None:
             handle.shutdown()
@@ -218,20 +260,34 @@ def run_push(args) -> list:
     """Push timings at PP1, PP2 funnel and PP2 per stage; per-case rows."""
     from megatron_zcpo.megatron.initialize import free_port
     from megatron_zcpo.megatron.model import ModelConfig
-    from megatron_zcpo.rollout.mock_server import MockSGLangServer
     from megatron_zcpo.testing import run_distributed
+    from megatron_zcpo.testing.mock_server import MockSGLangServer
 
-    model = ModelConfig(family="qwen2", vocab_size=32000, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                        num_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                        tie_word_embeddings=False)
+    model = ModelConfig(
+        family="qwen2",
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     rows = []
     for pp, per_stage, name in ((1, False, "PP1"), (2, False, "PP2 funnel (rank 0)"), (2, True, "PP2 per stage")):
         with MockSGLangServer(DiscardingEngine(), port=free_port()) as server:
-            results = run_distributed(_push_worker, pp, pp, server.url, per_stage, model, args.bucket_mib * 2**20,
-                                      timeout=900)
-        rows.append({"case": name, "push_s": max(r["seconds"] for r in results),
-                     "rank0_sends_mib": results[0]["sent"] / 2**20, "rank0_receives_mib": results[0]["received"] / 2**20,
-                     "model_mib": 4 * model.num_parameters / 2**20})
+            results = run_distributed(
+                _push_worker, pp, pp, server.url, per_stage, model, args.bucket_mib * 2**20, timeout=900
+            )
+        rows.append(
+            {
+                "case": name,
+                "push_s": max(r["seconds"] for r in results),
+                "rank0_sends_mib": results[0]["sent"] / 2**20,
+                "rank0_receives_mib": results[0]["received"] / 2**20,
+                "model_mib": 4 * model.num_parameters / 2**20,
+            }
+        )
     return rows
 
 
@@ -247,18 +303,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.part in ("overlap", "both"):
         rows = run_overlap(args)
-        print(f"| mode | step s | trainer waits for data s | push s | trainer busy | engine busy | idle share | max staleness |")
+        print(
+            "| mode | step s | trainer waits for data s | push s | trainer busy | engine busy | idle share | max staleness |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['mode']} | {r['step_s']:.2f} | {r['wait_for_data_s']:.2f} | {r['push_s']:.3f} | "
-                  f"{r['train_busy_share']:.0%} | {r['engine_busy_share']:.0%} | {r['idle_share']:.0%} | {r['staleness_max']:.0f} |")
+            print(
+                f"| {r['mode']} | {r['step_s']:.2f} | {r['wait_for_data_s']:.2f} | {r['push_s']:.3f} | "
+                f"{r['train_busy_share']:.0%} | {r['engine_busy_share']:.0%} | {r['idle_share']:.0%} | {r['staleness_max']:.0f} |"
+            )
         print(f"step time overlapped / sequential: {rows[1]['step_s'] / rows[0]['step_s']:.2f}")
     if args.part in ("push", "both"):
         rows = run_push(args)
         print("| case | push s | MiB rank 0 sends | MiB rank 0 receives from other stages | model MiB (fp32) |")
         print("|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['case']} | {r['push_s']:.2f} | {r['rank0_sends_mib']:.1f} | {r['rank0_receives_mib']:.1f} | {r['model_mib']:.1f} |")
+            print(
+                f"| {r['case']} | {r['push_s']:.2f} | {r['rank0_sends_mib']:.1f} | {r['rank0_receives_mib']:.1f} | {r['model_mib']:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -25,14 +25,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_token_stats import _measure  # noqa: E402  (the shared wall-time / peak-RSS probe)
+from bench_token_stats import _measure
 
-from megatron_zcpo.testing import run_distributed  # noqa: E402
+from megatron_zcpo.testing import run_distributed
 
 
 def make_rollout(samples: int, max_response: int, vocab: int, seed: int = 0):
     """Groups of 8 responses; response lengths log-normal (median max/8), clipped to ``max_response``."""
-    from megatron_zcpo.megatron.batch import RolloutSample
+    from megatron_zcpo.training.batch import RolloutSample
 
     rng = random.Random(seed)
     rollout = []
@@ -40,30 +40,51 @@ def make_rollout(samples: int, max_response: int, vocab: int, seed: int = 0):
         if index % 8 == 0:
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(32, 160))]
         length = max(1, min(max_response, int(rng.lognormvariate(0.0, 0.9) * max_response / 8)))
-        rollout.append(RolloutSample(prompt, [rng.randrange(vocab) for _ in range(length)], group_id=index // 8,
-                                     reward=1.0 if rng.random() < 0.5 else -1.0))
+        rollout.append(
+            RolloutSample(
+                prompt,
+                [rng.randrange(vocab) for _ in range(length)],
+                group_id=index // 8,
+                reward=1.0 if rng.random() < 0.5 else -1.0,
+            )
+        )
     return rollout
 
 
 def case(rank, world, packing, samples, max_response, budget, hidden, layers):
     """(experience seconds, MiB), (update seconds, MiB), padding share, micro-batch count."""
     from megatron_zcpo.algorithms import AlgorithmConfig
-    from megatron_zcpo.megatron.batch import collate_micro_batches
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import ModelConfig
-    from megatron_zcpo.megatron.metrics import MetricAccumulator
-    from megatron_zcpo.megatron.rollout_step import RolloutStep
-    from megatron_zcpo.megatron.train_config import OptimizerSettings, ParallelConfig, TrainConfig
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
+    from megatron_zcpo.training.batch import collate_micro_batches
+    from megatron_zcpo.training.config import OptimizerSettings, ParallelConfig, TrainConfig
+    from megatron_zcpo.training.metrics import MetricAccumulator
+    from megatron_zcpo.training.rollout_step import RolloutStep
+    from megatron_zcpo.training.trainer import PolicyTrainer
 
-    model = ModelConfig(family="qwen2", vocab_size=8192, hidden_size=hidden, intermediate_size=4 * hidden,
-                        num_layers=layers, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
-                        max_position_embeddings=4096)
+    model = ModelConfig(
+        family="qwen2",
+        vocab_size=8192,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
     setup_megatron(seed=1)
-    trainer = PolicyTrainer(model, AlgorithmConfig(name="zcpo"),
-                            TrainConfig(micro_batch_tokens=budget, packing=packing, selfcheck_tolerance=-1,
-                                        optimizer=OptimizerSettings(warmup_steps=0)),
-                            ParallelConfig())
+    trainer = PolicyTrainer(
+        model,
+        AlgorithmConfig(name="zcpo"),
+        TrainConfig(
+            micro_batch_tokens=budget,
+            packing=packing,
+            selfcheck_tolerance=-1,
+            optimizer=OptimizerSettings(warmup_steps=0),
+        ),
+        ParallelConfig(),
+    )
     rollout = make_rollout(samples, max_response, model.vocab_size)
     plan = trainer.assign_minibatches(rollout)
     micro_batches = collate_micro_batches(rollout, plan.my_indices, trainer.micro_batch_layout)
@@ -91,16 +112,23 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     for packing in ("padded", "thd"):
-        results[packing] = run_distributed(case, 1, packing, args.samples, args.max_response, args.budget,
-                                           args.hidden, args.layers, timeout=3600)[0]
+        results[packing] = run_distributed(
+            case, 1, packing, args.samples, args.max_response, args.budget, args.hidden, args.layers, timeout=3600
+        )[0]
     tokens = results["thd"][4]
-    print(f"{args.samples} samples, {tokens} real tokens, budget {args.budget} tokens per micro-batch, "
-          f"hidden {args.hidden}, {args.layers} layers, 1 process / 1 thread")
-    print(f"{'layout':8} {'micro-batches':>13} {'pad':>6} {'experience s':>13} {'MiB':>7} {'update s':>9} {'MiB':>7} "
-          f"{'tokens/s':>9}")
+    print(
+        f"{args.samples} samples, {tokens} real tokens, budget {args.budget} tokens per micro-batch, "
+        f"hidden {args.hidden}, {args.layers} layers, 1 process / 1 thread"
+    )
+    print(
+        f"{'layout':8} {'micro-batches':>13} {'pad':>6} {'experience s':>13} {'MiB':>7} {'update s':>9} {'MiB':>7} "
+        f"{'tokens/s':>9}"
+    )
     for packing, ((exp_s, exp_mb), (upd_s, upd_mb), pad, count, real) in results.items():
-        print(f"{packing:8} {count:13d} {pad:6.1%} {exp_s:13.2f} {exp_mb:7.0f} {upd_s:9.2f} {upd_mb:7.0f} "
-              f"{real / (exp_s + upd_s):9.0f}")
+        print(
+            f"{packing:8} {count:13d} {pad:6.1%} {exp_s:13.2f} {exp_mb:7.0f} {upd_s:9.2f} {upd_mb:7.0f} "
+            f"{real / (exp_s + upd_s):9.0f}"
+        )
     (pe, _), (pu, _), *_ = results["padded"]
     (te, _), (tu, _), *_ = results["thd"]
     print(f"thd vs padded: experience {pe / te:.2f}x, update {pu / tu:.2f}x faster")

@@ -40,15 +40,21 @@ def _median_ms(run, repeat: int) -> float:
 
 def time_collate(samples: int, repeat: int, cp_size: int) -> float:
     """Median ms of one collate_packed of ``samples`` ~30-token samples on CP rank 0."""
-    from megatron_zcpo.megatron.batch import RolloutSample, collate_packed
+    from megatron_zcpo.training.batch import RolloutSample, collate_packed
 
     rng = random.Random(0)
     rollout = []
     for index in range(samples):
         response = [rng.randrange(1000) for _ in range(rng.randint(8, 24))]
-        rollout.append(RolloutSample([rng.randrange(1000) for _ in range(rng.randint(8, 16))], response,
-                                     group_id=index // 8, reward=0.0,
-                                     rollout_logprobs=[-rng.random() for _ in response]))
+        rollout.append(
+            RolloutSample(
+                [rng.randrange(1000) for _ in range(rng.randint(8, 16))],
+                response,
+                group_id=index // 8,
+                reward=0.0,
+                rollout_logprobs=[-rng.random() for _ in response],
+            )
+        )
     indices = list(range(samples))
     return _median_ms(lambda: collate_packed(rollout, indices, 0, cp_size), repeat)
 
@@ -64,8 +70,9 @@ def _single_process_groups():
     return ProcessGroupCollection(tp=group, cp=group)
 
 
-def time_attention(tokens: int, sequences: int, layers: int, repeat: int, heads: int = 4, head_dim: int = 32,
-                   plan_only: bool = False) -> float:
+def time_attention(
+    tokens: int, sequences: int, layers: int, repeat: int, heads: int = 4, head_dim: int = 32, plan_only: bool = False
+) -> float:
     """Median ms of ``layers`` PackedCausalAttention forward calls on one fresh PackedSeqParams, plus the
     backward; ``plan_only``: of planning that micro-batch's attention layout alone."""
     import torch
@@ -75,10 +82,19 @@ def time_attention(tokens: int, sequences: int, layers: int, repeat: int, heads:
 
     from megatron_zcpo.megatron.attention import PackedCausalAttention
 
-    config = TransformerConfig(num_layers=layers, hidden_size=heads * head_dim, num_attention_heads=heads,
-                               attention_dropout=0.0, hidden_dropout=0.0)
-    modules = [PackedCausalAttention(config, n + 1, AttnMaskType.causal, AttnType.self_attn,
-                                     pg_collection=_single_process_groups()) for n in range(layers)]
+    config = TransformerConfig(
+        num_layers=layers,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    modules = [
+        PackedCausalAttention(
+            config, n + 1, AttnMaskType.causal, AttnType.self_attn, pg_collection=_single_process_groups()
+        )
+        for n in range(layers)
+    ]
     rng = random.Random(0)
     mean = tokens // sequences  # lengths within a factor 1.5 of the mean; the last one takes the rest
     lengths = [rng.randint(mean // 2, mean + mean // 2) for _ in range(sequences - 1)]
@@ -92,8 +108,13 @@ def time_attention(tokens: int, sequences: int, layers: int, repeat: int, heads:
         return _median_ms(lambda: attention_plan(cu_seqlens.clone(), 0, 1, q.device), repeat)
 
     def step():
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens.clone(), cu_seqlens_kv=cu_seqlens.clone(),
-                                 max_seqlen_q=int(cu_seqlens.diff().max()), max_seqlen_kv=int(cu_seqlens.diff().max()))
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens.clone(),
+            cu_seqlens_kv=cu_seqlens.clone(),
+            max_seqlen_q=int(cu_seqlens.diff().max()),
+            max_seqlen_kv=int(cu_seqlens.diff().max()),
+        )
         total = sum(m(q, k, v, None, packed_seq_params=params).sum() for m in modules)
         total.backward()
 
@@ -108,14 +129,16 @@ def measure(args) -> dict:
     cases = {
         f"collate_packed {args.samples} samples CP1": time_collate(args.samples, args.repeat, 1),
         f"collate_packed {args.samples} samples CP2": time_collate(args.samples, args.repeat, 2),
-        f"attention fwd+bwd {args.layers} layers, {args.sequences} seqs / {args.tokens} tokens":
-            time_attention(args.tokens, args.sequences, args.layers, args.repeat),
+        f"attention fwd+bwd {args.layers} layers, {args.sequences} seqs / {args.tokens} tokens": time_attention(
+            args.tokens, args.sequences, args.layers, args.repeat
+        ),
     }
     import megatron_zcpo.megatron.attention as attention
 
     if hasattr(attention, "attention_plan"):  # checkouts that plan once per micro-batch
         cases[f"attention plan alone, {args.sequences} seqs / {args.tokens} tokens"] = time_attention(
-            args.tokens, args.sequences, args.layers, args.repeat, plan_only=True)
+            args.tokens, args.sequences, args.layers, args.repeat, plan_only=True
+        )
     return cases
 
 
@@ -126,7 +149,9 @@ def main(argv=None) -> None:
     parser.add_argument("--sequences", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--compare", help="another checkout to time the same cases in (its package first on PYTHONPATH)")
+    parser.add_argument(
+        "--compare", help="another checkout to time the same cases in (its package first on PYTHONPATH)"
+    )
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # the --compare subprocess's output
     args = parser.parse_args(argv)
     ours = measure(args)
@@ -138,10 +163,14 @@ def main(argv=None) -> None:
             print(f"{case:55s} {ms:9.2f} CPU ms")
         return
     command = [sys.executable, os.path.abspath(__file__), "--json"] + [
-        f"--{name}={getattr(args, name)}" for name in ("samples", "tokens", "sequences", "layers", "repeat")]
+        f"--{name}={getattr(args, name)}" for name in ("samples", "tokens", "sequences", "layers", "repeat")
+    ]
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join([args.compare, os.environ.get("PYTHONPATH", "")]))
-    theirs = json.loads(subprocess.run(command, env=environment, check=True, capture_output=True,
-                                       text=True).stdout.strip().splitlines()[-1])
+    theirs = json.loads(
+        subprocess.run(command, env=environment, check=True, capture_output=True, text=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     print(f"{'case':55s} {'compared CPU ms':>15s} {'this CPU ms':>11s} {'ratio':>7s}")
     for case, ms in ours.items():
         if case in theirs:

@@ -56,8 +56,8 @@ def make_shards(tokens: int, vocab: int, tp: int, rank: int, device="cpu"):
     ref_logits = torch.empty_like(logits)
     for start in range(0, tokens, 256):
         block = torch.randn(min(256, tokens - start), local, generator=gen) * 2.0
-        logits[start:start + block.shape[0]] = block.to(device)
-        ref_logits[start:start + block.shape[0]] = (block + 0.05 * torch.randn(block.shape, generator=gen)).to(device)
+        logits[start : start + block.shape[0]] = block.to(device)
+        ref_logits[start : start + block.shape[0]] = (block + 0.05 * torch.randn(block.shape, generator=gen)).to(device)
     targets = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7)).to(device)
     return logits, ref_logits, targets
 
@@ -174,23 +174,33 @@ def run_cpu(sizes, tps, methods, repeats):
     # dynamic threshold, no reuse of freed heap pages), so the resident set follows live tensors.
     # Spawned ranks inherit this environment before their allocator starts.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
-    print(f"# CPU: {os.cpu_count()} cores, torch {torch.__version__}, one thread per rank, bf16 inputs, forward; "
-          f"best of {repeats} fresh runs; cpu = process CPU seconds of the slowest rank")
-    print(f"{'tokens x vocab':>16} {'TP':>3} {'method':>6} {'wall s':>8} {'cpu s':>8} {'peak MiB/rank':>14} "
-          f"{'cpu/peer':>9} {'mem naive/ours':>15}")
+    print(
+        f"# CPU: {os.cpu_count()} cores, torch {torch.__version__}, one thread per rank, bf16 inputs, forward; "
+        f"best of {repeats} fresh runs; cpu = process CPU seconds of the slowest rank"
+    )
+    print(
+        f"{'tokens x vocab':>16} {'TP':>3} {'method':>6} {'wall s':>8} {'cpu s':>8} {'peak MiB/rank':>14} "
+        f"{'cpu/peer':>9} {'mem naive/ours':>15}"
+    )
     for tokens, vocab in sizes:
         for tp in tps:
             results = {}
             for method in methods:
                 runs = [run_distributed(cpu_case, tp, method, tokens, vocab, timeout=3600) for _ in range(repeats)]
-                results[method] = min((tuple(max(r[i] for r in per_rank) for i in range(3)) for per_rank in runs),
-                                      key=lambda result: result[1])
+                results[method] = min(
+                    (tuple(max(r[i] for r in per_rank) for i in range(3)) for per_rank in runs),
+                    key=lambda result: result[1],
+                )
             for method, (seconds, cpu_seconds, peak) in results.items():
                 vs_peer = f"{cpu_seconds / results['peer'][1]:.2f}" if "peer" in results else "-"
-                vs_naive = (f"{results['naive'][2] / max(peak, 1e-9):.1f}" if method == "ours" and "naive" in results
-                            else "")
-                print(f"{f'{tokens}x{vocab}':>16} {tp:>3} {method:>6} {seconds:>8.2f} {cpu_seconds:>8.2f} "
-                      f"{peak:>14.0f} {vs_peer:>9} {vs_naive:>15}", flush=True)
+                vs_naive = (
+                    f"{results['naive'][2] / max(peak, 1e-9):.1f}" if method == "ours" and "naive" in results else ""
+                )
+                print(
+                    f"{f'{tokens}x{vocab}':>16} {tp:>3} {method:>6} {seconds:>8.2f} {cpu_seconds:>8.2f} "
+                    f"{peak:>14.0f} {vs_peer:>9} {vs_naive:>15}",
+                    flush=True,
+                )
 
 
 def update_step(method, hidden, weight, targets, group, vocab):
@@ -308,9 +318,14 @@ def main(argv=None):
     parser.add_argument("--comm", action="store_true", help="time the communication patterns (gloo, TP=2)")
     parser.add_argument("--update", action="store_true", help="time the fused update pass (2048 x 152064, H=256)")
     parser.add_argument("--gpu", action="store_true", help="run the GPU section (one CUDA device)")
-    parser.add_argument("--budget", type=float, default=270.0, help="GPU section: seconds after which cases are skipped")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="with --gpu: every check and case once on the CPU at toy sizes (Triton's interpreter)")
+    parser.add_argument(
+        "--budget", type=float, default=270.0, help="GPU section: seconds after which cases are skipped"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --gpu: every check and case once on the CPU at toy sizes (Triton's interpreter)",
+    )
     args = parser.parse_args(argv)
     if args.gpu:
         if args.dry_run:

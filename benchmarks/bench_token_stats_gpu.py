@@ -53,8 +53,8 @@ def _peer_cross_entropy():
     try:
         if DEVICE.type != "cuda":
             raise RuntimeError("dry run on the CPU")
-        from megatron.core import parallel_state, tensor_parallel
         import torch.distributed as dist
+        from megatron.core import parallel_state, tensor_parallel
 
         if not dist.is_initialized():
             dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
@@ -82,8 +82,12 @@ def functional_stats(logits, ref_logits, targets):
     log_q = zr - torch.logsumexp(zr, -1, keepdim=True)
     p = log_p.exp()
     index = targets.unsqueeze(-1)
-    return (log_p.gather(-1, index).squeeze(-1), -(p * log_p).sum(-1), log_q.gather(-1, index).squeeze(-1),
-            (p * (log_p - log_q)).sum(-1))
+    return (
+        log_p.gather(-1, index).squeeze(-1),
+        -(p * log_p).sum(-1),
+        log_q.gather(-1, index).squeeze(-1),
+        (p * (log_p - log_q)).sum(-1),
+    )
 
 
 def functional_logprob(logits, targets):
@@ -93,7 +97,7 @@ def functional_logprob(logits, targets):
 
 def chunked(fn, *tensors):
     """fn over 512-row chunks of every tensor, outputs concatenated."""
-    parts = [fn(*(t[i:i + COMPILED_CHUNK] for t in tensors)) for i in range(0, tensors[0].shape[0], COMPILED_CHUNK)]
+    parts = [fn(*(t[i : i + COMPILED_CHUNK] for t in tensors)) for i in range(0, tensors[0].shape[0], COMPILED_CHUNK)]
     if isinstance(parts[0], tuple):
         return tuple(torch.cat(column) for column in zip(*parts))
     return torch.cat(parts)
@@ -158,8 +162,16 @@ class Bench:
         if not ok:
             self.failed_checks.append(name)
 
-    def case(self, table: str, name: str, fn: Callable, read_bytes: float = 0.0, flops: float = 0.0,
-             required: bool = False, peer: bool = False) -> None:
+    def case(
+        self,
+        table: str,
+        name: str,
+        fn: Callable,
+        read_bytes: float = 0.0,
+        flops: float = 0.0,
+        required: bool = False,
+        peer: bool = False,
+    ) -> None:
         if self.out_of_time(name):
             return
         try:
@@ -242,8 +254,10 @@ def stats_cases(bench: Bench, tokens: int, vocab: int, peer_name: str, peer_ce) 
         worst = max(relative(getattr(new, f), getattr(old, f)) for f in fields[:3])
         kl_torch, kl_exact = kl_relative(new.kl, old.kl), kl_relative(new.kl[rows], exact.kl)
         old_exact = kl_relative(old.kl[rows], exact.kl)
-        text = (f"vs torch backend: logprob/entropy/ref rel {worst:.1e}, KL rel {kl_torch:.1e}; vs float64 (64 rows): "
-                f"KL rel {kl_exact:.1e} (torch backend {old_exact:.1e})")
+        text = (
+            f"vs torch backend: logprob/entropy/ref rel {worst:.1e}, KL rel {kl_torch:.1e}; vs float64 (64 rows): "
+            f"KL rel {kl_exact:.1e} (torch backend {old_exact:.1e})"
+        )
         return worst < 1e-5 and kl_torch < 1e-4 and kl_exact < 1e-4, text
 
     def gradients_against_torch():
@@ -264,10 +278,14 @@ def stats_cases(bench: Bench, tokens: int, vocab: int, peer_name: str, peer_ce) 
         zr32 = z32 + 1e-4 * torch.randn(rows, vocab, device=DEVICE, generator=gen)  # KL ~ 5e-9
         with torch.no_grad():
             exact = vocab_parallel_token_stats(z32.double(), targets[:rows], zr32.double()).kl
-            errors = [kl_relative(vocab_parallel_token_stats(z32, targets[:rows], zr32, backend=b).kl, exact)
-                      for b in ("triton", "torch")]
-        text = (f"fp32 logits, KL {exact.min().item():.1e}..{exact.max().item():.1e}: KL rel to float64 "
-                f"{errors[0]:.1e} (torch backend {errors[1]:.1e})")
+            errors = [
+                kl_relative(vocab_parallel_token_stats(z32, targets[:rows], zr32, backend=b).kl, exact)
+                for b in ("triton", "torch")
+            ]
+        text = (
+            f"fp32 logits, KL {exact.min().item():.1e}..{exact.max().item():.1e}: KL rel to float64 "
+            f"{errors[0]:.1e} (torch backend {errors[1]:.1e})"
+        )
         return errors[0] < 1e-4, text
 
     bench.check(f"{vocab} T=1", against_torch)
@@ -276,8 +294,13 @@ def stats_cases(bench: Bench, tokens: int, vocab: int, peer_name: str, peer_ce) 
     bench.check(f"{vocab} backward", gradients_against_torch)
     logits_bytes = 2 * z.numel() * z.element_size()
     with torch.no_grad():
-        bench.case(table, f"peer ({peer_name} + entropy)",
-                   lambda: (peer_ce(z, targets), peer_entropy(z)), logits_bytes / 2, peer=True)
+        bench.case(
+            table,
+            f"peer ({peer_name} + entropy)",
+            lambda: (peer_ce(z, targets), peer_entropy(z)),
+            logits_bytes / 2,
+            peer=True,
+        )
         bench.case(table, "ours (triton)", lambda: ours(), logits_bytes, required=True)
         bench.case(table, "ours (torch backend, previous)", lambda: ours("torch"), logits_bytes)
 
@@ -294,16 +317,24 @@ def compiled_cases(bench: Bench, tokens: int, sizes, hidden_size: int) -> None:
     for vocab in sizes:
         z, zr, targets = logits_pair(tokens, vocab)
         with torch.no_grad():
-            bench.case(f"stats {tokens} x {vocab}", f"compiled functional, {vocab}",
-                       lambda: chunked(compiled_stats, z, zr, targets), 2 * z.numel() * z.element_size())
+            bench.case(
+                f"stats {tokens} x {vocab}",
+                f"compiled functional, {vocab}",
+                lambda z=z, zr=zr, targets=targets: chunked(compiled_stats, z, zr, targets),
+                2 * z.numel() * z.element_size(),
+            )
     hidden, weight, _, targets = layer_inputs(tokens, hidden_size, sizes[0])
 
     def update():
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
         chunked(compiled_logprob, h @ w.t(), targets).sum().backward()
 
-    bench.case(f"update {tokens} x {hidden_size} x {sizes[0]}", "compiled functional logprob update", update,
-               flops=3 * 2.0 * tokens * hidden_size * sizes[0])
+    bench.case(
+        f"update {tokens} x {hidden_size} x {sizes[0]}",
+        "compiled functional logprob update",
+        update,
+        flops=3 * 2.0 * tokens * hidden_size * sizes[0],
+    )
 
 
 def experience_cases(bench: Bench, tokens: int, hidden_size: int, vocab: int, peer_name: str, peer_ce) -> None:
@@ -321,11 +352,19 @@ def experience_cases(bench: Bench, tokens: int, hidden_size: int, vocab: int, pe
 
     with torch.no_grad():
         bench.case(table, f"peer (2 layers + {peer_name} x2 + H)", peer, flops=2 * gemm, peer=True)
-        bench.case(table, "ours (triton)", lambda: fused_token_stats(hidden, weight, targets, hidden, ref_weight),
-                   flops=2 * gemm, required=True)
-        bench.case(table, "ours (torch backend, previous)",
-                   lambda: fused_token_stats(hidden, weight, targets, hidden, ref_weight, backend="torch"),
-                   flops=2 * gemm)
+        bench.case(
+            table,
+            "ours (triton)",
+            lambda: fused_token_stats(hidden, weight, targets, hidden, ref_weight),
+            flops=2 * gemm,
+            required=True,
+        )
+        bench.case(
+            table,
+            "ours (torch backend, previous)",
+            lambda: fused_token_stats(hidden, weight, targets, hidden, ref_weight, backend="torch"),
+            flops=2 * gemm,
+        )
 
 
 def update_cases(bench: Bench, tokens: int, hidden_size: int, vocab: int, peer_name: str, peer_ce) -> None:
@@ -348,6 +387,7 @@ def update_cases(bench: Bench, tokens: int, hidden_size: int, vocab: int, peer_n
                 stats = fused_token_stats(h, w, targets, hidden, ref_weight, backend=backend)
                 return (stats.logprob + stats.entropy + 0.1 * stats.kl).sum()
             return fused_token_stats(h, w, targets, backend=backend).logprob.sum()
+
         return step(loss)
 
     def peer():
@@ -366,8 +406,10 @@ def update_cases(bench: Bench, tokens: int, hidden_size: int, vocab: int, peer_n
         values = max(relative(getattr(new[0], f), getattr(old[0], f)) for f in ("logprob", "entropy", "ref_logprob"))
         kl = kl_relative(new[0].kl, old[0].kl)
         grads = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(new[1:], old[1:])]
-        text = (f"{rows} tokens, T=0.7, logprob + entropy + 0.1 KL: values rel {values:.1e}, KL rel {kl:.1e}; "
-                f"gradient rel (norm) hidden {grads[0]:.1e}, weight {grads[1]:.1e}")
+        text = (
+            f"{rows} tokens, T=0.7, logprob + entropy + 0.1 KL: values rel {values:.1e}, KL rel {kl:.1e}; "
+            f"gradient rel (norm) hidden {grads[0]:.1e}, weight {grads[1]:.1e}"
+        )
         return values < 1e-5 and kl < 1e-4 and max(grads) < 1e-2, text
 
     bench.check("update vs torch backend", against_torch)
@@ -376,8 +418,12 @@ def update_cases(bench: Bench, tokens: int, hidden_size: int, vocab: int, peer_n
     bench.case(table, "ours (triton), + entropy + KL", lambda: ours(with_kl=True), flops=4 * gemm, required=True)
     bench.case(table, "ours (torch backend, previous)", lambda: ours("torch"), flops=4 * gemm)
     grad_logits = torch.randn(tokens, vocab, device=DEVICE).bfloat16()
-    bench.case(table, "GEMMs alone (3 x bf16)", lambda: (hidden @ weight.t(), grad_logits @ weight,
-                                                          grad_logits.t() @ hidden), flops=3 * gemm)
+    bench.case(
+        table,
+        "GEMMs alone (3 x bf16)",
+        lambda: (hidden @ weight.t(), grad_logits @ weight, grad_logits.t() @ hidden),
+        flops=3 * gemm,
+    )
 
 
 def run(budget_s: float = 270.0, dry_run: bool = False) -> int:
@@ -395,8 +441,11 @@ def run(budget_s: float = 270.0, dry_run: bool = False) -> int:
     tokens, vocab, shard, hidden_size = (24, 320, 64, 16) if dry_run else (4096, 152064, 19008, 5120)
     bench = Bench(budget_s)
     device_name = "CPU dry run (Triton interpreter)" if dry_run else torch.cuda.get_device_name()
-    print(f"# {device_name}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"roofline HBM {HBM_BYTES_PER_S / 1e12:.1f} TB/s, bf16 {BF16_FLOPS / 1e12:.0f} TFLOP/s", flush=True)
+    print(
+        f"# {device_name}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"roofline HBM {HBM_BYTES_PER_S / 1e12:.1f} TB/s, bf16 {BF16_FLOPS / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     peer_name, peer_ce = _peer_cross_entropy()
     for size in (vocab, shard):
         try:
@@ -418,7 +467,10 @@ def run(budget_s: float = 270.0, dry_run: bool = False) -> int:
     print("\n# kernel shapes chosen by the autotune:")
     for key, config in token_stats_triton.tuned_configs().items():
         print(f"#   {key}: {config}")
-    print(f"\n# token-stats GPU bench: {len(bench.failed_checks)} checks failed {bench.failed_checks}, "
-          f"{len(bench.failed_cases)} Triton cases failed {bench.failed_cases}; "
-          f"{time.perf_counter() - bench.started:.0f} s", flush=True)
+    print(
+        f"\n# token-stats GPU bench: {len(bench.failed_checks)} checks failed {bench.failed_checks}, "
+        f"{len(bench.failed_cases)} Triton cases failed {bench.failed_cases}; "
+        f"{time.perf_counter() - bench.started:.0f} s",
+        flush=True,
+    )
     return 1 if bench.failed_checks or bench.failed_cases else 0

@@ -62,15 +62,21 @@ class ForbiddenExternalSubmodules(Contract):
                         for name in statements.get(detail["line_number"], []):
                             hit = next((f for f in forbidden if name == f or name.startswith(f + ".")), None)
                             if hit is not None:
-                                violations.append({"importer": importer, "forbidden": hit,
-                                                   "line_number": detail["line_number"],
-                                                   "line_contents": detail["line_contents"]})
+                                violations.append(
+                                    {
+                                        "importer": importer,
+                                        "forbidden": hit,
+                                        "line_number": detail["line_number"],
+                                        "line_contents": detail["line_contents"],
+                                    }
+                                )
         return ContractCheck(kept=not violations, metadata={"violations": violations})
 
     def render_broken_contract(self, check: ContractCheck) -> None:
         for violation in check.metadata["violations"]:
             output.print_error(f"{violation['importer']} is not allowed to import {violation['forbidden']}:")
-            output.print_error(f"-   {violation['importer']} (l.{violation['line_number']}): "
-                               f"{violation['line_contents']}", bold=False)
+            output.print_error(
+                f"-   {violation['importer']} (l.{violation['line_number']}): {violation['line_contents']}", bold=False
+            )
             output.new_line()
         contract_utils.render_broken_contract_guidance(self.broken_contract_guidance)  # type: ignore[arg-type]

@@ -30,12 +30,14 @@ def test_a_broken_contract_names_the_offending_import(tmp_path):
         shutil.copy(ROOT / "tests" / name, tmp_path / "tests" / name)
     shutil.copy(ROOT / ".importlinter", tmp_path)
     kl = tmp_path / "megatron_zcpo" / "algorithms" / "kl.py"
-    kl.write_text(kl.read_text() + "\n\ndef _upward():\n    from megatron_zcpo.recipe import config\n"
-                  "    from torch import distributed\n")
+    kl.write_text(
+        kl.read_text() + "\n\ndef _upward():\n    from megatron_zcpo.recipe import config\n"
+        "    from torch import distributed\n"
+    )
     ops = tmp_path / "megatron_zcpo" / "ops" / "token_stats.py"
     ops.write_text(ops.read_text() + "\n\ndef _model():\n    from megatron.core.models.gpt import GPTModel\n")
-    update = tmp_path / "megatron_zcpo" / "megatron" / "update.py"
-    update.write_text(update.read_text() + "\n\ndef _back():\n    from megatron_zcpo.megatron import trainer\n")
+    update = tmp_path / "megatron_zcpo" / "training" / "update.py"
+    update.write_text(update.read_text() + "\n\ndef _back():\n    from megatron_zcpo.training import trainer\n")
     upward = kl.read_text().splitlines().index("    from megatron_zcpo.recipe import config") + 1
     result = lint_imports(tmp_path)
     report = " ".join(result.stdout.split())  # the report wraps long lines
@@ -43,6 +45,8 @@ def test_a_broken_contract_names_the_offending_import(tmp_path):
     assert "Contracts: 0 kept, 4 broken." in report, report
     assert f"megatron_zcpo.algorithms.kl -> megatron_zcpo.recipe.config (l.{upward})" in report, report
     assert ".trainer -> .update" in report or ".update -> .trainer" in report, report
-    assert ("megatron_zcpo.algorithms.kl is not allowed to import torch.distributed: - megatron_zcpo.algorithms.kl "
-            f"(l.{upward + 1}): from torch import distributed") in report, report
+    assert (
+        "megatron_zcpo.algorithms.kl is not allowed to import torch.distributed: - megatron_zcpo.algorithms.kl "
+        f"(l.{upward + 1}): from torch import distributed"
+    ) in report, report
     assert "megatron_zcpo.ops.token_stats is not allowed to import megatron.core.models" in report, report

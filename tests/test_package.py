@@ -3,8 +3,15 @@
 import subprocess
 import sys
 
-API_NAMES = ("group_advantages", "sequence_drift", "zcpo_coefficients", "kl_penalty", "policy_loss",
-             "vocab_parallel_token_stats", "setup_megatron")
+API_NAMES = (
+    "group_advantages",
+    "sequence_drift",
+    "zcpo_coefficients",
+    "kl_penalty",
+    "policy_loss",
+    "vocab_parallel_token_stats",
+    "setup_megatron",
+)
 
 
 def test_import_pulls_no_cuda_only_package():
@@ -29,7 +36,7 @@ def test_unknown_name_raises_attribute_error():
     import megatron_zcpo
 
     try:
-        megatron_zcpo.no_such_name
+        _ = megatron_zcpo.no_such_name
     except AttributeError as error:
         assert "no_such_name" in str(error)
     else:

@@ -24,18 +24,17 @@ from pathlib import Path
 if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels must be real JIT functions here
     os.environ["TRITON_INTERPRET"] = "0"
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32"}
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
 
 
 def _signature(kernel, args, kwargs):
     """Triton signature, constexprs and alignment attributes of a launch, specialised as a launch would."""
     signature, constexprs, attrs = {}, {}, {}
-    values = list(args) + [kwargs[n] for n in kernel.arg_names[len(args):]]
+    values = list(args) + [kwargs[n] for n in kernel.arg_names[len(args) :]]
     for index, (name, value) in enumerate(zip(kernel.arg_names, values)):
         aligned = False
         if name in kwargs and kernel.params[index].is_constexpr:
@@ -46,7 +45,7 @@ def _signature(kernel, args, kwargs):
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             aligned = value % 16 == 0
         else:
             signature[name] = "fp32"
@@ -62,8 +61,12 @@ def _ptxas_report(ptx: str, arch: int) -> tuple:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as source:
         source.write(ptx)
     try:
-        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", source.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run(
+            [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", source.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
     finally:
         os.unlink(source.name)
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
@@ -91,17 +94,26 @@ class Compiler:
         flags = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in constexprs.items())
         started = time.perf_counter()
         try:
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", self.arch, 32),
-                                      options={"num_warps": num_warps})
+            compiled = triton.compile(
+                ASTSource(kernel, signature, constexprs, attrs),
+                target=GPUTarget("cuda", self.arch, 32),
+                options={"num_warps": num_warps},
+            )
             registers, spills = _ptxas_report(compiled.asm["ptx"], self.arch)
             status = "ok" if spills == 0 else "spills"
             detail = f"{registers} registers, {spills} spill bytes"
         except Exception as error:  # report every variant, then fail
-            status, detail = "FAILED", f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+            status, detail = (
+                "FAILED",
+                f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}",
+            )
         self.failures += status == "FAILED"
         z_type = signature[kernel.arg_names[0]]
-        print(f"{status:6} {kernel.fn.__name__} z={z_type} warps={num_warps} {flags}: {detail} "
-              f"({time.perf_counter() - started:.1f} s)", flush=True)
+        print(
+            f"{status:6} {kernel.fn.__name__} z={z_type} warps={num_warps} {flags}: {detail} "
+            f"({time.perf_counter() - started:.1f} s)",
+            flush=True,
+        )
 
 
 def exercise(quick: bool) -> None:
@@ -117,29 +129,57 @@ def exercise(quick: bool) -> None:
     for forward in forward_shapes:
         for backward in backward_shapes:
             with backend.forced_configs(forward, backward):
-                for dtype in ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32)):
+                for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
                     z = torch.zeros(rows, columns, dtype=dtype)
                     hidden = torch.zeros(rows, hidden_size, dtype=dtype)
                     weight = torch.zeros(columns, hidden_size, dtype=dtype)
                     for with_ref in (False, True):
-                        for temperature, kl_temperature in (temperatures if with_ref else temperatures[:1]):
-                            tiling = resolve_tiling(columns, targets, group=None, vocab_size=None, chunk_size=4,
-                                                    vocab_chunk_size=None, temperature=temperature,
-                                                    kl_temperature=kl_temperature, dtype=torch.float32,
-                                                    with_ref=with_ref, device=z.device)
+                        for temperature, kl_temperature in temperatures if with_ref else temperatures[:1]:
+                            tiling = resolve_tiling(
+                                columns,
+                                targets,
+                                group=None,
+                                vocab_size=None,
+                                chunk_size=4,
+                                vocab_chunk_size=None,
+                                temperature=temperature,
+                                kl_temperature=kl_temperature,
+                                dtype=torch.float32,
+                                with_ref=with_ref,
+                                device=z.device,
+                            )
                             ref = z if with_ref else None
                             results = backend.logits_forward(z, ref, targets, tiling)
                             grads = (torch.ones(rows), torch.ones(rows), torch.ones(rows) if with_ref else None)
-                            backend._backward(torch.empty_like(z), targets, results.saved, grads, tiling, logits=z,
-                                              ref_logits=ref)
-                            results, cache = backend.fused_forward(hidden, weight, hidden if with_ref else None,
-                                                                   weight if with_ref else None, targets, tiling,
-                                                                   keep_cache=True)
-                            backend._backward(torch.empty(rows, columns, dtype=dtype), targets, results.saved, grads,
-                                              tiling, cache=cache)
+                            backend._backward(
+                                torch.empty_like(z), targets, results.saved, grads, tiling, logits=z, ref_logits=ref
+                            )
+                            results, cache = backend.fused_forward(
+                                hidden,
+                                weight,
+                                hidden if with_ref else None,
+                                weight if with_ref else None,
+                                targets,
+                                tiling,
+                                keep_cache=True,
+                            )
+                            backend._backward(
+                                torch.empty(rows, columns, dtype=dtype),
+                                targets,
+                                results.saved,
+                                grads,
+                                tiling,
+                                cache=cache,
+                            )
                             if not quick:  # the backward of logprob alone (the update without entropy or KL)
-                                backend._backward(torch.empty_like(z), targets, results.saved,
-                                                  (grads[0], None, None), tiling, cache=cache)
+                                backend._backward(
+                                    torch.empty_like(z),
+                                    targets,
+                                    results.saved,
+                                    (grads[0], None, None),
+                                    tiling,
+                                    cache=cache,
+                                )
 
 
 def main(argv=None) -> int:
@@ -157,8 +197,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["TRITON_CACHE_DIR"] = cache_dir
         exercise(args.quick)
-    print(f"# triton {triton.__version__}, sm_{args.arch}: {len(compiler.seen)} variants, {compiler.failures} failed, "
-          f"{time.perf_counter() - started:.0f} s")
+    print(
+        f"# triton {triton.__version__}, sm_{args.arch}: {len(compiler.seen)} variants, {compiler.failures} failed, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
     return 1 if compiler.failures else 0
 
 

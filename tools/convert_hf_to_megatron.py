@@ -42,20 +42,25 @@ def verify_layout(args, ckpt_dir, hf_dir, model) -> int:
     from megatron_zcpo.convert.verify import max_logit_difference, sample_tokens
 
     tokens = sample_tokens(hf_dir, model, args.seq_length)
-    difference = max_logit_difference(ckpt_dir, hf_dir, tokens, args.tp, args.pp, args.sequence_parallel,
-                                      args.ep, args.etp)
+    difference = max_logit_difference(
+        ckpt_dir, hf_dir, tokens, args.tp, args.pp, args.sequence_parallel, args.ep, args.etp
+    )
     verdict = "ok" if difference <= args.tolerance else f"FAILED: above tolerance {args.tolerance:g}"
     experts = f" EP={args.ep} ETP={args.etp or args.tp}" if model.is_moe else ""
-    print(f"verify at TP={args.tp} PP={args.pp}{experts} SP={args.sequence_parallel} on {tuple(tokens.shape)} "
-          f"tokens: {verdict}")
+    print(
+        f"verify at TP={args.tp} PP={args.pp}{experts} SP={args.sequence_parallel} on {tuple(tokens.shape)} "
+        f"tokens: {verdict}"
+    )
     print(f"max abs logit difference: {difference:.3e}", flush=True)
     return 0 if difference <= args.tolerance else 1
 
 
 def describe(model) -> str:
     """One line on the converted model (active parameters too for MoE)."""
-    line = (f"{model.family}, {model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size}, "
-            f"{model.num_parameters / 1e6:.1f}M parameters")
+    line = (
+        f"{model.family}, {model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size}, "
+        f"{model.num_parameters / 1e6:.1f}M parameters"
+    )
     if model.is_moe:
         line += f" ({model.num_active_parameters / 1e6:.1f}M active, {model.num_experts} experts, top-{model.num_experts_per_tok})"
     return line

@@ -32,14 +32,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    from megatron_zcpo.checkpoint.io import read_model_config
     from megatron_zcpo.convert.checkpoint import check_parallel_layout, convert_megatron_to_hf
-    from megatron_zcpo.megatron.checkpoint import read_model_config
     from megatron_zcpo.megatron.initialize import setup_megatron
 
     check_parallel_layout(read_model_config(args.ckpt), args.tp, args.pp, args.ep, args.etp)
     setup_megatron()
-    model = convert_megatron_to_hf(args.ckpt, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None,
-                                   max_shard_bytes=int(args.max_shard_gb * 2**30))
+    model = convert_megatron_to_hf(
+        args.ckpt,
+        args.out,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        max_shard_bytes=int(args.max_shard_gb * 2**30),
+    )
     print(f"wrote {args.out}: {describe(model)}", flush=True)
     return verify_layout(args, args.ckpt, args.out, model) if args.verify else 0
 

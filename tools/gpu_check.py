@@ -37,7 +37,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 3
-GIB = 2 ** 30
+GIB = 2**30
 H200_MEMORY_GIB = 141.0  # planner capacity when no device can be asked
 
 # Max abs log-prob / logit differences accepted against the fp32 CPU reference. bf16 keeps 8
@@ -67,9 +67,17 @@ def model_config(size: str):
     from megatron_zcpo.megatron.model import ModelConfig
 
     vocab, hidden, ffn, layers, heads, kv = MODEL_SIZES[size]
-    return ModelConfig(family="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
-                       num_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                       max_position_embeddings=1024, tie_word_embeddings=False)
+    return ModelConfig(
+        family="qwen2",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
 
 
 def write_random_hf_model(directory: Path, model, seed: int = 0) -> None:
@@ -86,7 +94,7 @@ def write_random_hf_model(directory: Path, model, seed: int = 0) -> None:
 
 def rollout(model, seed: int = 0, groups: int = 4, group_size: int = 4) -> List:
     """Synthetic samples: groups of ``group_size`` responses with mixed +-1 rewards."""
-    from megatron_zcpo.megatron.batch import RolloutSample
+    from megatron_zcpo.training.batch import RolloutSample
 
     rng = random.Random(seed)
     samples = []
@@ -118,18 +126,25 @@ def _train_on_rank(rank, world_size, ckpt_dir, model, samples, bf16):
     """Experience log-probs, then two training steps, in one process (NCCL on a GPU, else gloo)."""
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
-    from megatron_zcpo.utils.devices import has_cuda
     from megatron_zcpo.megatron.model import have_transformer_engine
-    from megatron_zcpo.megatron.train_config import OptimizerSettings, ParallelConfig, TrainConfig
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
+    from megatron_zcpo.training.config import OptimizerSettings, ParallelConfig, TrainConfig
+    from megatron_zcpo.training.trainer import PolicyTrainer
+    from megatron_zcpo.utils.devices import has_cuda
 
     setup_megatron(seed=1)
     on_gpu = has_cuda()
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    train = TrainConfig(steps=2, bf16=bf16, micro_batch_tokens=1024, optimizer=OptimizerSettings(lr=1e-4, warmup_steps=0))
-    trainer = PolicyTrainer(model, AlgorithmConfig(name="zcpo"), train, ParallelConfig(sequence_parallel=False),
-                            initial_weights=str(ckpt_dir))
+    train = TrainConfig(
+        steps=2, bf16=bf16, micro_batch_tokens=1024, optimizer=OptimizerSettings(lr=1e-4, warmup_steps=0)
+    )
+    trainer = PolicyTrainer(
+        model,
+        AlgorithmConfig(name="zcpo"),
+        train,
+        ParallelConfig(sequence_parallel=False),
+        initial_weights=str(ckpt_dir),
+    )
     te_modules = sorted({type(m).__name__ for m in trainer.policy.modules() if type(m).__name__.startswith("TE")})
     experience = trainer.experience(samples, trainer.assign_minibatches(samples))
     before = {name: tensor.float().clone() for name, tensor in trainer.global_state_dict().items()}
@@ -138,21 +153,27 @@ def _train_on_rank(rank, world_size, ckpt_dir, model, samples, bf16):
     moved = max((after[name].float() - before[name]).abs().max().item() for name in before)
     return {
         "logprobs": [experience[i].old_logprob for i in range(len(samples))],
-        "metrics": metrics, "moved": moved, "te_modules": te_modules, "use_te": have_transformer_engine(),
+        "metrics": metrics,
+        "moved": moved,
+        "te_modules": te_modules,
+        "use_te": have_transformer_engine(),
         "peak_bytes": torch.cuda.max_memory_allocated() if on_gpu else None,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "micro_batch_tokens": train.micro_batch_tokens, "kl_chunk_size": train.kl_chunk_size,
+        "micro_batch_tokens": train.micro_batch_tokens,
+        "kl_chunk_size": train.kl_chunk_size,
     }
 
 
 def predicted_peak(model, samples, trained: dict, capacity_gib: float):
     """The planner's :class:`MemoryPlan` for the run :func:`_train_on_rank` made (TP1, one GPU)."""
-    from megatron_zcpo.megatron.planner import Hardware, Layout, Workload, plan_memory
+    from megatron_zcpo.planning.planner import Hardware, Layout, Workload, plan_memory
 
     layout = Layout(sequence_parallel=False, distributed_optimizer=False, recompute="none")
-    workload = Workload(micro_batch_tokens=trained["micro_batch_tokens"],
-                        max_sequence_length=max(s.sequence_length for s in samples),
-                        kl_chunk_tokens=trained["kl_chunk_size"])
+    workload = Workload(
+        micro_batch_tokens=trained["micro_batch_tokens"],
+        max_sequence_length=max(s.sequence_length for s in samples),
+        kl_chunk_tokens=trained["kl_chunk_size"],
+    )
     return plan_memory(model, layout, workload, Hardware(gpu_memory_gib=capacity_gib))
 
 
@@ -197,28 +218,36 @@ class GpuCheck:
 
         precision = "bf16" if self.on_gpu else "fp32"
         reference = reference_logprobs(self.hf_dir, self.samples)
-        self.trained = run_distributed(_train_on_rank, 1, str(self.ckpt_dir), self.model, self.samples,
-                                       self.on_gpu, timeout=600)[0]
-        difference = max((ours.float() - ref).abs().max().item()
-                         for ours, ref in zip(self.trained["logprobs"], reference))
+        self.trained = run_distributed(
+            _train_on_rank, 1, str(self.ckpt_dir), self.model, self.samples, self.on_gpu, timeout=600
+        )[0]
+        difference = max(
+            (ours.float() - ref).abs().max().item() for ours, ref in zip(self.trained["logprobs"], reference)
+        )
         tolerance = LOGPROB_TOLERANCE[precision]
         metrics = self.trained["metrics"]
         finite = all(torch.isfinite(torch.tensor(m["update/grad_norm"])) for m in metrics)
         ok = difference <= tolerance and finite and self.trained["moved"] > 0
         layer = "TE spec" if self.trained["use_te"] else "local spec"
-        return CheckRow(f"log-probs + 2 steps, {precision} TP1 ({layer})", "ok" if ok else "FAILED",
-                        f"max |dlogp| {difference:.2e}; grad norms "
-                        + ", ".join(f"{m['update/grad_norm']:.3g}" for m in metrics)
-                        + f"; max |dparam| {self.trained['moved']:.1e}",
-                        f"<= {tolerance:g} vs HF fp32 CPU; finite; params move")
+        return CheckRow(
+            f"log-probs + 2 steps, {precision} TP1 ({layer})",
+            "ok" if ok else "FAILED",
+            f"max |dlogp| {difference:.2e}; grad norms "
+            + ", ".join(f"{m['update/grad_norm']:.3g}" for m in metrics)
+            + f"; max |dparam| {self.trained['moved']:.1e}",
+            f"<= {tolerance:g} vs HF fp32 CPU; finite; params move",
+        )
 
     def te_spec(self) -> CheckRow:
         """The model the training run built used Transformer Engine modules."""
         modules = self.trained["te_modules"]
         ok = self.trained["use_te"] and bool(modules)
-        found = ", ".join(modules) or ("no TE modules" if self.trained["use_te"] else "Transformer Engine is not installed")
-        return CheckRow("TE layer spec model", "ok" if ok else "FAILED", found,
-                        f"TE modules on {self.trained['device']}")
+        found = ", ".join(modules) or (
+            "no TE modules" if self.trained["use_te"] else "Transformer Engine is not installed"
+        )
+        return CheckRow(
+            "TE layer spec model", "ok" if ok else "FAILED", found, f"TE modules on {self.trained['device']}"
+        )
 
     def verify(self) -> CheckRow:
         """``--verify``: the checkpoint's logits in Megatron (TE spec on a GPU) vs transformers."""
@@ -230,16 +259,29 @@ class GpuCheck:
         from megatron_zcpo.megatron.model import have_transformer_engine
 
         spec = "TE spec" if self.on_gpu and have_transformer_engine() else "local spec"
-        return CheckRow(f"--verify converted model ({spec})", "ok" if difference <= tolerance else "FAILED",
-                        f"max |dlogit| {difference:.2e}", f"<= {tolerance:g}")
+        return CheckRow(
+            f"--verify converted model ({spec})",
+            "ok" if difference <= tolerance else "FAILED",
+            f"max |dlogit| {difference:.2e}",
+            f"<= {tolerance:g}",
+        )
 
     def bench(self) -> CheckRow:
         """``bench_token_stats.py --gpu``: the Triton kernels checked on the GPU, then timed against the peer."""
-        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_token_stats.py"), "--gpu"],
-                                cwd=ROOT, capture_output=True, text=True, timeout=420)
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "bench_token_stats.py"), "--gpu"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=420,
+        )
         print(result.stdout + result.stderr, flush=True)
-        return CheckRow("bench_token_stats --gpu", "ok" if bench_passed(result) else "FAILED",
-                        bench_summary(result.stdout), "exit 0; every check PASS; see the tables above")
+        return CheckRow(
+            "bench_token_stats --gpu",
+            "ok" if bench_passed(result) else "FAILED",
+            bench_summary(result.stdout),
+            "exit 0; every check PASS; see the tables above",
+        )
 
     def train_end_to_end(self) -> CheckRow:
         """``zcpo train`` for 2 steps; a second run stopped after step 1 and resumed must repeat step 2."""
@@ -247,11 +289,17 @@ class GpuCheck:
         runs = [_zcpo_train(straight), _zcpo_train(resumed, "train.steps=1"), _zcpo_train(resumed)]
         codes = [run.returncode for run in runs]
         # The engine (HF, fp32) and the trainer must agree within the precision's tolerance at step 0.
-        engine_gap_warned = any("warning: the embedded engine's log-probs differ" in run.stdout + run.stderr for run in runs)
+        engine_gap_warned = any(
+            "warning: the embedded engine's log-probs differ" in run.stdout + run.stderr for run in runs
+        )
         expected, got = _trained_steps(straight.parent / "run"), _trained_steps(resumed.parent / "run")
         if codes != [0, 0, 0] or sorted(expected) != [1, 2] or sorted(got) != [1, 2]:
-            return CheckRow("zcpo train + resume", "FAILED", f"exit codes {codes}; steps {sorted(expected)}, {sorted(got)}",
-                            "exit 0; steps [1, 2]")
+            return CheckRow(
+                "zcpo train + resume",
+                "FAILED",
+                f"exit codes {codes}; steps {sorted(expected)}, {sorted(got)}",
+                "exit 0; steps [1, 2]",
+            )
         keys = ("rollout/reward_mean", "rollout/response_length_mean", "update/grad_norm")
         finite = all(torch.isfinite(torch.tensor(float(r.get(k, 0.0)))) for r in expected.values() for k in keys)
         same_samples = all(got[2][k] == expected[2][k] for k in keys[:2])
@@ -259,11 +307,14 @@ class GpuCheck:
         step_s = expected[2].get("time/step", float("nan"))
         engine_gap = max(float(r.get("rollout/logprob_diff_max", 0.0)) for r in expected.values())
         ok = finite and same_samples and not engine_gap_warned
-        return CheckRow("zcpo train + resume", "ok" if ok else "FAILED",
-                        f"step 2 s {step_s:.2f}; engine vs trainer max |dlogp| {engine_gap:.1e}"
-                        f"{' (warned)' if engine_gap_warned else ''}; resumed vs straight step 2: max |d| {gap:.1e} "
-                        f"over {', '.join(keys)}",
-                        "exit 0; finite; no engine/trainer gap warning; resumed step 2 draws the same samples")
+        return CheckRow(
+            "zcpo train + resume",
+            "ok" if ok else "FAILED",
+            f"step 2 s {step_s:.2f}; engine vs trainer max |dlogp| {engine_gap:.1e}"
+            f"{' (warned)' if engine_gap_warned else ''}; resumed vs straight step 2: max |d| {gap:.1e} "
+            f"over {', '.join(keys)}",
+            "exit 0; finite; no engine/trainer gap warning; resumed step 2 draws the same samples",
+        )
 
     def memory(self) -> CheckRow:
         """The planner's predicted peak beside the measured ``max_memory_allocated`` of the run."""
@@ -274,18 +325,25 @@ class GpuCheck:
         measured = self.trained["peak_bytes"]
         if measured is None:
             return CheckRow("planner peak memory", "ok", predicted, "measured: no GPU")
-        return CheckRow("planner peak memory", "ok", f"measured {measured / GIB:.3f} GiB; {predicted}",
-                        f"ratio measured/predicted {measured / without_overhead:.2f}")
+        return CheckRow(
+            "planner peak memory",
+            "ok",
+            f"measured {measured / GIB:.3f} GiB; {predicted}",
+            f"ratio measured/predicted {measured / without_overhead:.2f}",
+        )
 
 
 def bench_passed(result: subprocess.CompletedProcess) -> bool:
     """The benchmark exited 0 and printed its summary with no failed check or Triton case."""
-    return result.returncode == 0 and re.search(r"# token-stats GPU bench: 0 checks failed \[\], 0 Triton cases failed",
-                                                result.stdout) is not None
+    return (
+        result.returncode == 0
+        and re.search(r"# token-stats GPU bench: 0 checks failed \[\], 0 Triton cases failed", result.stdout)
+        is not None
+    )
 
 
 def bench_summary(stdout: str) -> str:
-    """"table: ours ms (x peer)" for each table of the benchmark's output, and the checks passed."""
+    """ "table: ours ms (x peer)" for each table of the benchmark's output, and the checks passed."""
     parts, table = [], None
     for line in stdout.splitlines():
         header = re.match(r"# (stats|update|experience) (\d+ x [\d x]+)", line)
@@ -324,8 +382,10 @@ def write_train_runs(directory: Path, names, bf16: bool) -> List[Path]:
     model_dir = directory / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     rows = {"train": addition_rows(256, seed=0), "eval": addition_rows(32, seed=1)}
-    records = [PromptRecord(uid=str(i), messages=[{"role": "user", "content": row["prompt"]}], answer=row["answer"])
-               for i, row in enumerate(rows["train"] + rows["eval"])]
+    records = [
+        PromptRecord(uid=str(i), messages=[{"role": "user", "content": row["prompt"]}], answer=row["answer"])
+        for i, row in enumerate(rows["train"] + rows["eval"])
+    ]
     spec = DemoSpec(vocab_size=300)
     tokenizer = train_tokenizer(spec, records)
     torch.manual_seed(0)
@@ -336,14 +396,28 @@ def write_train_runs(directory: Path, names, bf16: bool) -> List[Path]:
     config = {
         "model": {"path": str(model_dir)},
         "parallel": {"tensor": 1},
-        "train": {"steps": 2, "bf16": bf16, "mini_batches": 2, "micro_batch_tokens": 1024,
-                  "optimizer": {"lr": 1e-4, "warmup_steps": 0}},
+        "train": {
+            "steps": 2,
+            "bf16": bf16,
+            "mini_batches": 2,
+            "micro_batch_tokens": 1024,
+            "optimizer": {"lr": 1e-4, "warmup_steps": 0},
+        },
         "algorithm": {"name": "zcpo", "beta": 1.0},
-        "rollout": {"prompts_per_step": 8, "samples_per_prompt": 4, "max_new_tokens": 8,
-                    "dynamic_sampling": {"drop_tied_groups": False}},
+        "rollout": {
+            "prompts_per_step": 8,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 8,
+            "dynamic_sampling": {"drop_tied_groups": False},
+        },
         "data": {"train_files": [str(directory / "train.jsonl")]},
-        "eval": {"data": {"train_files": [str(directory / "eval.jsonl")]}, "num_prompts": 8, "k": 2,
-                 "at_start": False, "at_end": False},
+        "eval": {
+            "data": {"train_files": [str(directory / "eval.jsonl")]},
+            "num_prompts": 8,
+            "k": 2,
+            "at_start": False,
+            "at_end": False,
+        },
         "reward": {"num_workers": 1},
         "checkpoint": {"every": 1, "keep_last": 2},
         "logging": {"console": "plain", "tensorboard": False},
@@ -359,8 +433,13 @@ def write_train_runs(directory: Path, names, bf16: bool) -> List[Path]:
 
 def _zcpo_train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     """``zcpo train config overrides`` in a child process (its output is echoed)."""
-    done = subprocess.run([sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(config), *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=420)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(config), *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     print(done.stdout[-4000:] + done.stderr[-4000:], flush=True)
     return done
 
@@ -414,7 +493,9 @@ def run_checks(out: Path, size: str, on_gpu: bool) -> List[CheckRow]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(MODEL_SIZES), help="model size (default: small on a GPU, tiny without)")
+    parser.add_argument(
+        "--size", choices=sorted(MODEL_SIZES), help="model size (default: small on a GPU, tiny without)"
+    )
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
     from megatron_zcpo.utils.devices import has_cuda

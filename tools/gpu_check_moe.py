@@ -32,10 +32,23 @@ def make_tiny_qwen3_moe(directory: Path) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False))
+    model = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             scale = 0.5 if name.endswith("mlp.gate.weight") else 0.05
@@ -46,16 +59,16 @@ def make_tiny_qwen3_moe(directory: Path) -> None:
 def run(out: Path) -> list:
     """The checks as (name, ok, detail) rows."""
     from megatron_zcpo.algorithms import AlgorithmConfig
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint
     from megatron_zcpo.convert.checkpoint import convert_hf_to_megatron
     from megatron_zcpo.convert.verify import hf_logits, megatron_logits
-    from megatron_zcpo.megatron.batch import RolloutSample
-    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, have_transformer_engine, transformer_config
-    from megatron_zcpo.megatron.train_config import OptimizerSettings, ParallelConfig, TrainConfig
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
     from megatron_zcpo.rollout.embedded import EmbeddedEngine
     from megatron_zcpo.rollout.engine import SamplingParams
+    from megatron_zcpo.training.batch import RolloutSample
+    from megatron_zcpo.training.config import OptimizerSettings, ParallelConfig, TrainConfig
+    from megatron_zcpo.training.trainer import PolicyTrainer
     from megatron_zcpo.utils.devices import compute_device
 
     rows = []
@@ -77,23 +90,47 @@ def run(out: Path) -> list:
         engine.update_weights(((name, checkpoint.tensor(name)) for name in checkpoint.names()), version=0)
     prompts = [[5, 17, 42], [7, 7, 120, 3, 9], [11, 2], [250, 1, 8, 8]]
     completions = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=3), n=4)
-    samples = [RolloutSample(c.prompt_ids, c.output_ids, group, reward=float(i % 2), routed_experts=c.routed_experts)
-               for group, row in enumerate(completions) for i, c in enumerate(row)]
-    rows.append(("embedded engine records routed experts", all(
-        s.routed_experts.shape == (s.sequence_length, 2 * 2) for s in samples), f"{len(samples)} samples"))
+    samples = [
+        RolloutSample(c.prompt_ids, c.output_ids, group, reward=float(i % 2), routed_experts=c.routed_experts)
+        for group, row in enumerate(completions)
+        for i, c in enumerate(row)
+    ]
+    rows.append(
+        (
+            "embedded engine records routed experts",
+            all(s.routed_experts.shape == (s.sequence_length, 2 * 2) for s in samples),
+            f"{len(samples)} samples",
+        )
+    )
     for mode in ("experience", "rollout"):
-        train = TrainConfig(steps=2, mini_batches=2, micro_batch_tokens=64, routing_replay=mode,
-                            optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0))
-        trainer = PolicyTrainer(model, AlgorithmConfig(name="zcpo"), train, ParallelConfig(),
-                                initial_weights=str(out / "megatron"))
+        train = TrainConfig(
+            steps=2,
+            mini_batches=2,
+            micro_batch_tokens=64,
+            routing_replay=mode,
+            optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0),
+        )
+        trainer = PolicyTrainer(
+            model, AlgorithmConfig(name="zcpo"), train, ParallelConfig(), initial_weights=str(out / "megatron")
+        )
         metrics = trainer.train_step(samples)
         ok = metrics["routing/update_pair_mismatch"] == 0.0 and torch.isfinite(torch.tensor(metrics["update/loss"]))
         mismatch = metrics.get("routing/rollout_token_mismatch", float("nan"))
-        rows.append((f"train step, routing_replay={mode}", bool(ok),
-                     f"update mismatch {metrics['routing/update_pair_mismatch']}, router drift "
-                     f"{metrics.get('routing/update_router_drift', float('nan')):.3f}, loss {metrics['update/loss']:.4f}"))
-        rows.append((f"engine vs trainer routing ({mode} run)", mismatch <= ENGINE_MISMATCH_LIMIT,
-                     f"{mismatch:.4f} of tokens differ in some layer"))
+        rows.append(
+            (
+                f"train step, routing_replay={mode}",
+                bool(ok),
+                f"update mismatch {metrics['routing/update_pair_mismatch']}, router drift "
+                f"{metrics.get('routing/update_router_drift', float('nan')):.3f}, loss {metrics['update/loss']:.4f}",
+            )
+        )
+        rows.append(
+            (
+                f"engine vs trainer routing ({mode} run)",
+                mismatch <= ENGINE_MISMATCH_LIMIT,
+                f"{mismatch:.4f} of tokens differ in some layer",
+            )
+        )
     return rows
 
 

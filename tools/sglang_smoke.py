@@ -43,8 +43,12 @@ def _parse(argv):
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--log-dir", default="sglang_smoke_logs")
-    parser.add_argument("--logprob-tolerance", type=float, default=0.05,
-                        help="max mean |SGLang - HF| log-prob (bf16 kernels differ); fp8 reports only")
+    parser.add_argument(
+        "--logprob-tolerance",
+        type=float,
+        default=0.05,
+        help="max mean |SGLang - HF| log-prob (bf16 kernels differ); fp8 reports only",
+    )
     return parser.parse_args(argv)
 
 
@@ -72,7 +76,7 @@ def _hf_logprob_gap(model_path: str, results, temperature: float, device: str) -
         for completion in samples[:1]:
             sequence = torch.tensor([completion.prompt_ids + completion.output_ids], device=device)
             with torch.no_grad():
-                logits = model(input_ids=sequence).logits[0, len(completion.prompt_ids) - 1:-1].float()
+                logits = model(input_ids=sequence).logits[0, len(completion.prompt_ids) - 1 : -1].float()
             targets = torch.tensor(completion.output_ids, device=device)[:, None]
             expected = torch.log_softmax(logits / temperature, -1).gather(-1, targets)[:, 0]
             gaps.append((expected.cpu() - torch.tensor(completion.output_logprobs)).abs())
@@ -84,16 +88,22 @@ def _hf_logprob_gap(model_path: str, results, temperature: float, device: str) -
 def main(argv=None) -> int:
     from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint, read_hf_config
     from megatron_zcpo.rollout.engine import SamplingParams
-    from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, launch_sglang
+    from megatron_zcpo.rollout.sglang.server import SGLangLauncher, SGLangServerConfig, launch_sglang
 
     args = _parse(argv)
     gpus = torch.cuda.device_count()
     if gpus < args.tp_size * args.num_servers + 1:
-        raise SystemExit(f"need {args.tp_size * args.num_servers} GPUs for the servers plus one for the pusher, have {gpus}")
+        raise SystemExit(
+            f"need {args.tp_size * args.num_servers} GPUs for the servers plus one for the pusher, have {gpus}"
+        )
     pusher = f"cuda:{gpus - 1}"  # the "trainer" side: HF reference forward and NCCL source
     torch.cuda.set_device(pusher)
-    report = {"tp_size": args.tp_size, "num_servers": args.num_servers, "weight_sync": args.weight_sync,
-              "quantization": args.quantization}
+    report = {
+        "tp_size": args.tp_size,
+        "num_servers": args.num_servers,
+        "weight_sync": args.weight_sync,
+        "quantization": args.quantization,
+    }
     scratch = tempfile.mkdtemp(prefix="sglang_smoke_")
     served_path = args.model_path
     if args.quantization == "fp8":
@@ -101,14 +111,22 @@ def main(argv=None) -> int:
         served_path = _export_fp8(args.model_path, os.path.join(scratch, "fp8"), pusher)
         report["fp8_export_s"] = round(time.monotonic() - start, 1)
     config = SGLangServerConfig(
-        model_path=served_path, tp_size=args.tp_size, num_servers=args.num_servers, nodes=["127.0.0.1"],
-        gpus_per_node=gpus - 1, router=args.router, log_dir=args.log_dir,
+        model_path=served_path,
+        tp_size=args.tp_size,
+        num_servers=args.num_servers,
+        nodes=["127.0.0.1"],
+        gpus_per_node=gpus - 1,
+        router=args.router,
+        log_dir=args.log_dir,
         quantization="modelopt_fp8" if args.quantization == "fp8" else None,
     )
     start = time.monotonic()
     engine = launch_sglang(
-        SGLangLauncher(config), weight_sync=args.weight_sync, weight_dir=args.weight_dir or scratch,
-        master_address="127.0.0.1", quantization=args.quantization,
+        SGLangLauncher(config),
+        weight_sync=args.weight_sync,
+        weight_dir=args.weight_dir or scratch,
+        master_address="127.0.0.1",
+        quantization=args.quantization,
     )
     report["startup_s"] = round(time.monotonic() - start, 1)
     failures = []
@@ -122,8 +140,10 @@ def main(argv=None) -> int:
             report["status_without_key"] = error.code
         vocab = read_hf_config(args.model_path)["vocab_size"]
         gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist()
-                   for n in torch.randint(16, 256, (args.prompts,), generator=gen)]
+        prompts = [
+            torch.randint(0, vocab, (int(n),), generator=gen).tolist()
+            for n in torch.randint(16, 256, (args.prompts,), generator=gen)
+        ]
         params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=1)
         start = time.monotonic()
         results = engine.generate(prompts, params, n=args.samples)

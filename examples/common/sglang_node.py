@@ -1,7 +1,7 @@
 """Start this node's SGLang servers (and, on the first rollout node, the sglang router) for a Slurm job.
 
 The train.sbatch scripts run it as one srun step with one task per rollout node; every task computes
-the same layout (megatron_zcpo.rollout.sglang_server.server_specs: ``gpus_per_node // tp_size``
+the same layout (megatron_zcpo.rollout.sglang.server.server_specs: ``gpus_per_node // tp_size``
 servers per node, ports ``base_port + i * port_stride``) and starts the processes that belong to
 its node, then supervises them until the step is signalled. ``--print`` prints the plan's addresses
 instead: the server URLs as a JSON list on the first line and the router URL on the second, which
@@ -9,7 +9,7 @@ the scripts pass to ``zcpo train`` as ``rollout.sglang.server_urls=[...]`` and
 ``rollout.sglang.router_url=...``.
 
 ``--run-config`` (the run's resolved config, ``zcpo train --dry-run``) sets what must agree with
-the client (megatron_zcpo.rollout.sglang_server.server_config_for_run): ``--context-length`` that
+the client (megatron_zcpo.rollout.sglang.server.server_config_for_run): ``--context-length`` that
 serves ``data.max_prompt_length + max_new_tokens`` in full, the router's
 ``--request-timeout-secs`` from ``rollout.sglang.client.router_timeout_s``, deterministic inference
 when ``rollout.sglang.client.sampling_seeds``. Servers and router take requests only with the
@@ -30,35 +30,53 @@ import sys
 import time
 from typing import List, Optional
 
-from megatron_zcpo.rollout.sglang_config import API_KEY_ENV, SGLangEngineConfig
-from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig, server_config_for_run, server_specs
+from megatron_zcpo.rollout.sglang.config import API_KEY_ENV, SGLangEngineConfig
+from megatron_zcpo.rollout.sglang.server import SGLangLauncher, SGLangServerConfig, server_config_for_run, server_specs
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True, help="Hugging Face model directory the servers load")
-    parser.add_argument("--nodes", required=True,
-                        help="rollout nodes, comma-separated (the first also runs the router)")
+    parser.add_argument(
+        "--nodes", required=True, help="rollout nodes, comma-separated (the first also runs the router)"
+    )
     parser.add_argument("--tp-size", type=int, required=True, help="GPUs per SGLang server")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--python", default=sys.executable,
-                        help="interpreter with sglang and sglang-router (the image keeps them in their own venv)")
-    parser.add_argument("--context-length", type=int, default=None,
-                        help="--context-length of the servers (default with --run-config: what the run needs)")
-    parser.add_argument("--run-config", default=None,
-                        help="the run's resolved config (zcpo train --dry-run): context length, router timeout, "
-                             "deterministic inference")
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter with sglang and sglang-router (the image keeps them in their own venv)",
+    )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="--context-length of the servers (default with --run-config: what the run needs)",
+    )
+    parser.add_argument(
+        "--run-config",
+        default=None,
+        help="the run's resolved config (zcpo train --dry-run): context length, router timeout, "
+        "deterministic inference",
+    )
     parser.add_argument("--mem-fraction-static", type=float, default=0.85)
     parser.add_argument("--base-port", type=int, default=30000)
     parser.add_argument("--router-port", type=int, default=29000)
     parser.add_argument("--log-dir", default="sglang_logs")
     parser.add_argument("--quantization", default=None, help="e.g. modelopt_fp8 (with rollout.quantization=fp8)")
     parser.add_argument("--ep-size", type=int, default=1, help="MoE models: experts split over a server's TP ranks")
-    parser.add_argument("--return-routed-experts", action="store_true",
-                        help="MoE routing replay: --enable-return-routed-experts (SGLang >= 0.5.7)")
+    parser.add_argument(
+        "--return-routed-experts",
+        action="store_true",
+        help="MoE routing replay: --enable-return-routed-experts (SGLang >= 0.5.7)",
+    )
     parser.add_argument("--extra-args", default="", help="appended to every server command line (one string)")
-    parser.add_argument("--print", dest="show", action="store_true",
-                        help="print the plan's server URLs (a JSON list) and router URL on two lines, and exit")
+    parser.add_argument(
+        "--print",
+        dest="show",
+        action="store_true",
+        help="print the plan's server URLs (a JSON list) and router URL on two lines, and exit",
+    )
     return parser.parse_args(argv)
 
 
@@ -66,12 +84,21 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
     """The launcher config of ``args`` (explicit node list and GPU count: no dependence on the env
     but the API key), with the run config's settings (``--run-config``) where flags leave them."""
     launch = dict(
-        model_path=args.model_path, tp_size=args.tp_size, gpus_per_node=args.gpus_per_node,
-        nodes=[node for node in args.nodes.split(",") if node], base_port=args.base_port,
-        mem_fraction_static=args.mem_fraction_static, context_length=args.context_length,
-        quantization=args.quantization, ep_size=args.ep_size, return_routed_experts=args.return_routed_experts,
-        extra_args=args.extra_args.split(), router=True,
-        router_port=args.router_port, log_dir=args.log_dir, python=args.python,
+        model_path=args.model_path,
+        tp_size=args.tp_size,
+        gpus_per_node=args.gpus_per_node,
+        nodes=[node for node in args.nodes.split(",") if node],
+        base_port=args.base_port,
+        mem_fraction_static=args.mem_fraction_static,
+        context_length=args.context_length,
+        quantization=args.quantization,
+        ep_size=args.ep_size,
+        return_routed_experts=args.return_routed_experts,
+        extra_args=args.extra_args.split(),
+        router=True,
+        router_port=args.router_port,
+        log_dir=args.log_dir,
+        python=args.python,
     )
     if not args.run_config:
         return SGLangServerConfig(**launch, api_key=os.environ.get(API_KEY_ENV) or None)
@@ -87,8 +114,7 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
 def planned_addresses(config: SGLangServerConfig) -> dict:
     """{"server_urls": [...], "router_url": ...} of the whole job's plan."""
     specs = server_specs(config, env={})
-    return {"server_urls": [spec.url for spec in specs],
-            "router_url": f"http://{specs[0].node}:{config.router_port}"}
+    return {"server_urls": [spec.url for spec in specs], "router_url": f"http://{specs[0].node}:{config.router_port}"}
 
 
 def supervise(launcher: SGLangLauncher, poll_s: float = 5.0) -> int:

@@ -185,7 +185,7 @@ zcpo_job_main() {
 }
 
 # `zcpo train` exits with this after SIGUSR1/SIGTERM once its checkpoint is written
-# (megatron_zcpo/megatron/preemption.py).
+# (megatron_zcpo/training/preemption.py).
 PREEMPTED_EXIT_CODE=75
 
 # Wait for the training srun (pid $1); its exit code ends up in TRAINING_EXIT_CODE. Slurm's time-limit warning

@@ -51,8 +51,9 @@ def rpg_loss(
     Returns PolicyLossOutput (clip_high_fraction: A > 0 gated; clip_low_fraction: A <= 0 below
     1 - clip_low; dual_clip_fraction: A <= 0 at or above clip_c).
     """
-    check_token_tensors(mask, logprob=logprob, old_logprob=old_logprob, ref_logprob=ref_logprob,
-                        token_weight=token_weight)
+    check_token_tensors(
+        mask, logprob=logprob, old_logprob=old_logprob, ref_logprob=ref_logprob, token_weight=token_weight
+    )
     check_clip_range(clip_low, clip_high, clip_c)
     advantage = per_token("advantage", advantage, mask, logprob.dtype)
 
@@ -60,8 +61,11 @@ def rpg_loss(
     zeros = torch.zeros_like(logprob)
     with torch.no_grad():
         ratio = torch.exp(torch.where(selected, logprob - old_logprob, zeros))
-        reference_ratio = (torch.exp(torch.where(selected, ref_logprob - old_logprob, zeros))
-                           if ref_logprob is not None else torch.ones_like(ratio))
+        reference_ratio = (
+            torch.exp(torch.where(selected, ref_logprob - old_logprob, zeros))
+            if ref_logprob is not None
+            else torch.ones_like(ratio)
+        )
         weight = advantage * ratio + kl_coef * (reference_ratio - ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
         positive = advantage > 0
         clipped_high = positive & (ratio >= 1.0 + clip_high)
@@ -69,8 +73,9 @@ def rpg_loss(
         dual_clipped = ~positive & (ratio >= clip_c) if clip_c is not None else torch.zeros_like(selected)
         gate = selected & ~(clipped_high | clipped_low | dual_clipped)
     token_losses = torch.where(gate, -weight * logprob, zeros)
-    return gated_loss_output(token_losses, mask, agg, normalizer, token_weight, gate,
-                             clipped_low, clipped_high, dual_clipped)
+    return gated_loss_output(
+        token_losses, mask, agg, normalizer, token_weight, gate, clipped_low, clipped_high, dual_clipped
+    )
 
 
 def gvpo_loss(

@@ -43,7 +43,7 @@ _OWNER = {
     "drift": "it is a ZCPO ablation switch (name=zcpo)",
     "gate": "it is a ZCPO ablation switch (name=zcpo)",
     "kl_loss": "only the vanilla baselines dapo/grpo have a KL loss; ZCPO moves the reference into its "
-               "coefficients and has no separate KL loss term",
+    "coefficients and has no separate KL loss term",
     "kl_coef": "it weights the KL loss of the vanilla baselines dapo/grpo",
     "f1_control": "it controls the KL loss of the vanilla baselines dapo/grpo",
     "kl_in_reward_coef": "KL in the reward is a vanilla-baseline switch (dapo/grpo)",
@@ -94,7 +94,7 @@ class AlgorithmConfig:
     gvpo_beta: float = 0.1
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "AlgorithmConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> AlgorithmConfig:
         """Build from a mapping (YAML section); unknown keys raise naming ``algorithm.<key>``.
 
         Numbers given as strings (YAML reads ``1e-6`` as a string) are converted.
@@ -112,7 +112,7 @@ class AlgorithmConfig:
             converted[key] = value
         return cls(**converted)
 
-    def resolved(self) -> "AlgorithmConfig":
+    def resolved(self) -> AlgorithmConfig:
         """A validated copy with the preset-dependent switches (None) filled in for ``name``."""
         self.validate()
         return self._with_presets()
@@ -141,23 +141,33 @@ class AlgorithmConfig:
         defaults = AlgorithmConfig(name=self.name)._with_presets()
         for key in sorted(_OWNER):
             if key not in ALGORITHM_KEYS[self.name] and getattr(config, key) != getattr(defaults, key):
-                raise ValueError(f"algorithm.{key}={getattr(config, key)!r} does not apply to "
-                                 f"algorithm.name={self.name!r}: {_OWNER[key]}")
+                raise ValueError(
+                    f"algorithm.{key}={getattr(config, key)!r} does not apply to "
+                    f"algorithm.name={self.name!r}: {_OWNER[key]}"
+                )
         if config.kl_loss == "none" and config.kl_coef != defaults.kl_coef:
             raise ValueError(f"algorithm.kl_coef={config.kl_coef!r} is set but algorithm.kl_loss is 'none'")
         if config.f1_control != "none" and config.kl_loss == "none":
-            raise ValueError(f"algorithm.f1_control={config.f1_control!r} controls the KL loss, "
-                             "but algorithm.kl_loss is 'none'")
+            raise ValueError(
+                f"algorithm.f1_control={config.f1_control!r} controls the KL loss, but algorithm.kl_loss is 'none'"
+            )
         if config.f1_control == "match_masked_norm" and config.kl_loss not in KL_ESTIMATORS:
-            raise ValueError("algorithm.f1_control='match_masked_norm' measures the KL gradient with respect to "
-                             f"the sampled log-probs and needs algorithm.kl_loss in {KL_ESTIMATORS}, "
-                             f"got {config.kl_loss!r}")
+            raise ValueError(
+                "algorithm.f1_control='match_masked_norm' measures the KL gradient with respect to "
+                f"the sampled log-probs and needs algorithm.kl_loss in {KL_ESTIMATORS}, "
+                f"got {config.kl_loss!r}"
+            )
 
-    def _with_presets(self) -> "AlgorithmConfig":
+    def _with_presets(self) -> AlgorithmConfig:
         preset = PRESETS[self.name]
-        return dataclasses.replace(self, **{key: (preset[key] if getattr(self, key) is None else getattr(self, key))
-                                            for key in ("reward_norm", "kl_loss")},
-                                   clip_c=preset["clip_c"] if self.clip_c is None else self.clip_c)
+        return dataclasses.replace(
+            self,
+            **{
+                key: (preset[key] if getattr(self, key) is None else getattr(self, key))
+                for key in ("reward_norm", "kl_loss")
+            },
+            clip_c=preset["clip_c"] if self.clip_c is None else self.clip_c,
+        )
 
     def _check_types(self) -> None:
         for field in fields(self):
@@ -174,8 +184,17 @@ class AlgorithmConfig:
                 raise ValueError(f"algorithm.{field.name}: expected a string, got {value!r}")
 
 
-_FLOAT_KEYS = {"eps", "beta", "clip_low", "clip_high", "clip_c", "kl_coef", "kl_in_reward_coef", "rpg_kl_coef",
-               "gvpo_beta"}
+_FLOAT_KEYS = {
+    "eps",
+    "beta",
+    "clip_low",
+    "clip_high",
+    "clip_c",
+    "kl_coef",
+    "kl_in_reward_coef",
+    "rpg_kl_coef",
+    "gvpo_beta",
+}
 _BOOL_KEYS = {"center", "length_normalize", "gate"}
 
 
@@ -186,8 +205,9 @@ def _check_choice(key: str, value: Any, choices: tuple, optional: bool = False) 
         raise ValueError(f"algorithm.{key}: {value!r} is not one of {', '.join(choices)}")
 
 
-def _check_number(key: str, value: float, *, low: float, high: float = math.inf, low_inclusive: bool = True,
-                  finite: bool = True) -> None:
+def _check_number(
+    key: str, value: float, *, low: float, high: float = math.inf, low_inclusive: bool = True, finite: bool = True
+) -> None:
     if finite and not math.isfinite(value):
         raise ValueError(f"algorithm.{key}: must be finite, got {value!r}")
     below = value < low if low_inclusive else value <= low

@@ -26,7 +26,7 @@ class Groups:
     sizes: Tensor
 
     @classmethod
-    def of(cls, group_ids: Tensor) -> "Groups":
+    def of(cls, group_ids: Tensor) -> Groups:
         """Group responses by ``group_ids`` [N] (integer ids, any order, any values)."""
         if not isinstance(group_ids, Tensor) or group_ids.dim() != 1:
             raise ValueError(f"group_ids must be a 1-D tensor [N], got {_describe(group_ids)}")
@@ -38,8 +38,9 @@ class Groups:
     def check_rows(self, name: str, values: Tensor) -> None:
         """Raise unless ``values`` is a tensor of shape [N] matching the grouping."""
         if not isinstance(values, Tensor) or values.shape != self.index.shape:
-            raise ValueError(f"{name} must have shape {tuple(self.index.shape)} like group_ids, "
-                             f"got {_describe(values)}")
+            raise ValueError(
+                f"{name} must have shape {tuple(self.index.shape)} like group_ids, got {_describe(values)}"
+            )
 
     def check_finite(self, name: str, values: Tensor) -> None:
         """Raise naming the group id and row of the first NaN/inf in ``values`` [N]."""
@@ -47,8 +48,10 @@ class Groups:
         if bool(bad.any()):
             row = int(bad.nonzero()[0, 0])
             group = int(self.ids[self.index[row]])
-            raise ValueError(f"{name} of response row {row} in group id {group} is {values[row].item()}; "
-                             f"{int(bad.sum())} non-finite value(s) in total")
+            raise ValueError(
+                f"{name} of response row {row} in group id {group} is {values[row].item()}; "
+                f"{int(bad.sum())} non-finite value(s) in total"
+            )
 
     def sum(self, values: Tensor) -> Tensor:
         """[N] -> [Q] per-group sums (differentiable)."""

@@ -28,8 +28,9 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: str) -> Tensor:
     return torch.expm1(-log_ratio) + log_ratio
 
 
-def masked_gradient_norm_ratio(logprob: Tensor, ref_logprob: Tensor, kind: str, token_weights: Tensor,
-                               keep: Tensor) -> Tensor:
+def masked_gradient_norm_ratio(
+    logprob: Tensor, ref_logprob: Tensor, kind: str, token_weights: Tensor, keep: Tensor
+) -> Tensor:
     """F1-C's alpha = ||g masked|| / ||g||, measured in per-token log-prob space (detached scalar).
 
     logprob, ref_logprob: [N, T]; token_weights: [N, T] the aggregation weight of each token in

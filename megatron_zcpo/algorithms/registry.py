@@ -117,9 +117,19 @@ class Algorithm:
         """Group advantages (reward_norm) of non-empty responses; ZCPO and the KL-in-reward baselines override."""
         return group_advantages(stats.rewards, stats.group_ids, norm=self.config.reward_norm, eps=self.config.eps)
 
-    def loss(self, logprob: Tensor, old_logprob: Tensor, mask: Tensor, coefficients: Tensor, *,
-             normalizer: Normalizer, ref_logprob: Optional[Tensor] = None, current_kl: Optional[Tensor] = None,
-             token_weight: Optional[Tensor] = None, group_ids: Optional[Tensor] = None) -> AlgorithmLoss:
+    def loss(
+        self,
+        logprob: Tensor,
+        old_logprob: Tensor,
+        mask: Tensor,
+        coefficients: Tensor,
+        *,
+        normalizer: Normalizer,
+        ref_logprob: Optional[Tensor] = None,
+        current_kl: Optional[Tensor] = None,
+        token_weight: Optional[Tensor] = None,
+        group_ids: Optional[Tensor] = None,
+    ) -> AlgorithmLoss:
         """The loss of one micro-batch.
 
         logprob: [N, T] current log-probs (requires grad); old_logprob, ref_logprob, mask: [N, T];
@@ -131,8 +141,13 @@ class Algorithm:
         """
         raise NotImplementedError
 
-    def _check_inputs(self, ref_logprob: Optional[Tensor], current_kl: Optional[Tensor],
-                      token_weight: Optional[Tensor], group_ids: Optional[Tensor]) -> None:
+    def _check_inputs(
+        self,
+        ref_logprob: Optional[Tensor],
+        current_kl: Optional[Tensor],
+        token_weight: Optional[Tensor],
+        group_ids: Optional[Tensor],
+    ) -> None:
         if token_weight is not None and not self.supports_token_weight:
             raise ValueError(f"token_weight is not supported by algorithm {self.name!r}")
         if current_kl is not None and not self.needs_current_kl:
@@ -167,8 +182,19 @@ class ClippedSurrogateAlgorithm(Algorithm):
     def _needs_ref_logprob_in_loss(self) -> bool:
         return self.config.kl_loss in KL_ESTIMATORS
 
-    def loss(self, logprob, old_logprob, mask, coefficients, *, normalizer, ref_logprob=None, current_kl=None,
-             token_weight=None, group_ids=None) -> AlgorithmLoss:
+    def loss(
+        self,
+        logprob,
+        old_logprob,
+        mask,
+        coefficients,
+        *,
+        normalizer,
+        ref_logprob=None,
+        current_kl=None,
+        token_weight=None,
+        group_ids=None,
+    ) -> AlgorithmLoss:
         """policy_loss with the frozen coefficients, plus kl_coef * the KL loss if any (see Algorithm.loss).
 
         Metrics: policy_loss, clip_{low,high}_fraction, dual_clip_fraction, and with a KL loss
@@ -176,16 +202,28 @@ class ClippedSurrogateAlgorithm(Algorithm):
         """
         self._check_inputs(ref_logprob, current_kl, token_weight, group_ids)
         config = self.config
-        surrogate = policy_loss(logprob, old_logprob, coefficients, mask, clip_low=config.clip_low,
-                                clip_high=config.clip_high, clip_c=config.clip_c, agg=config.agg,
-                                normalizer=normalizer, token_weight=token_weight)
+        surrogate = policy_loss(
+            logprob,
+            old_logprob,
+            coefficients,
+            mask,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            clip_c=config.clip_c,
+            agg=config.agg,
+            normalizer=normalizer,
+            token_weight=token_weight,
+        )
         metrics = _surrogate_metrics(surrogate)
         loss = surrogate.loss
         if config.kl_loss != "none":
-            kl_term = self.kl_loss_term(logprob, ref_logprob, current_kl, mask, surrogate.clip_gate, normalizer, metrics)
+            kl_term = self.kl_loss_term(
+                logprob, ref_logprob, current_kl, mask, surrogate.clip_gate, normalizer, metrics
+            )
             loss = loss + kl_term
-        return AlgorithmLoss(loss=loss, metrics=metrics, clip_gate=surrogate.clip_gate,
-                             summed_metrics=("policy_loss", "kl_loss"))
+        return AlgorithmLoss(
+            loss=loss, metrics=metrics, clip_gate=surrogate.clip_gate, summed_metrics=("policy_loss", "kl_loss")
+        )
 
     def kl_loss_term(self, logprob, ref_logprob, current_kl, mask, clip_gate, normalizer, metrics) -> Tensor:
         """kl_coef * the aggregated per-token KL, masked (F1-B) or rescaled (F1-C) by the reward gate."""
@@ -225,8 +263,16 @@ class ZCPO(ClippedSurrogateAlgorithm):
     def _coefficients(self, stats: ResponseStats) -> Tensor:
         config = self.config
         drift = response_drift(stats, config.drift, config.length_normalize)
-        return zcpo_coefficients(stats.rewards, drift, stats.group_ids, config.beta, reward_norm=config.reward_norm,
-                                 center=config.center, gate=config.gate, eps=config.eps)
+        return zcpo_coefficients(
+            stats.rewards,
+            drift,
+            stats.group_ids,
+            config.beta,
+            reward_norm=config.reward_norm,
+            center=config.center,
+            gate=config.gate,
+            eps=config.eps,
+        )
 
     def _coefficient_metrics(self, stats: ResponseStats) -> Dict[str, float]:
         """drift_mean, drift_peak_mean, drift_peak_max (see :func:`megatron_zcpo.algorithms.zcpo.drift_metrics`)."""
@@ -265,17 +311,42 @@ class RPG(Algorithm):
     def _needs_ref_logprob_in_loss(self) -> bool:
         return self.needs_reference
 
-    def loss(self, logprob, old_logprob, mask, coefficients, *, normalizer, ref_logprob=None, current_kl=None,
-             token_weight=None, group_ids=None) -> AlgorithmLoss:
+    def loss(
+        self,
+        logprob,
+        old_logprob,
+        mask,
+        coefficients,
+        *,
+        normalizer,
+        ref_logprob=None,
+        current_kl=None,
+        token_weight=None,
+        group_ids=None,
+    ) -> AlgorithmLoss:
         """rpg_loss with the frozen advantages (see Algorithm.loss); metrics as the clipped surrogates'."""
         self._check_inputs(ref_logprob, current_kl, token_weight, group_ids)
         config = self.config
-        surrogate = rpg_loss(logprob, old_logprob, coefficients, mask, kl_coef=config.rpg_kl_coef,
-                             ref_logprob=ref_logprob if config.rpg_reference == "ref" else None,
-                             clip_low=config.clip_low, clip_high=config.clip_high, clip_c=config.clip_c,
-                             agg=config.agg, normalizer=normalizer, token_weight=token_weight)
-        return AlgorithmLoss(loss=surrogate.loss, metrics=_surrogate_metrics(surrogate), clip_gate=surrogate.clip_gate,
-                             summed_metrics=("policy_loss",))
+        surrogate = rpg_loss(
+            logprob,
+            old_logprob,
+            coefficients,
+            mask,
+            kl_coef=config.rpg_kl_coef,
+            ref_logprob=ref_logprob if config.rpg_reference == "ref" else None,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            clip_c=config.clip_c,
+            agg=config.agg,
+            normalizer=normalizer,
+            token_weight=token_weight,
+        )
+        return AlgorithmLoss(
+            loss=surrogate.loss,
+            metrics=_surrogate_metrics(surrogate),
+            clip_gate=surrogate.clip_gate,
+            summed_metrics=("policy_loss",),
+        )
 
 
 class GVPO(Algorithm):
@@ -294,12 +365,24 @@ class GVPO(Algorithm):
         """Always 'sequences': the loss is one term per response."""
         return "sequences"
 
-    def loss(self, logprob, old_logprob, mask, coefficients, *, normalizer, ref_logprob=None, current_kl=None,
-             token_weight=None, group_ids=None) -> AlgorithmLoss:
+    def loss(
+        self,
+        logprob,
+        old_logprob,
+        mask,
+        coefficients,
+        *,
+        normalizer,
+        ref_logprob=None,
+        current_kl=None,
+        token_weight=None,
+        group_ids=None,
+    ) -> AlgorithmLoss:
         """gvpo_loss over this micro-batch's whole groups (see Algorithm.loss); metric: policy_loss."""
         self._check_inputs(ref_logprob, current_kl, token_weight, group_ids)
-        loss = gvpo_loss(logprob, old_logprob, coefficients, mask, group_ids, beta=self.config.gvpo_beta,
-                         normalizer=normalizer)
+        loss = gvpo_loss(
+            logprob, old_logprob, coefficients, mask, group_ids, beta=self.config.gvpo_beta, normalizer=normalizer
+        )
         return AlgorithmLoss(loss=loss, metrics={"policy_loss": loss.detach()}, summed_metrics=("policy_loss",))
 
 

@@ -37,14 +37,17 @@ class ResponseStats:
             groups.check_rows(f"ResponseStats.{name}", value)
         if bool((self.lengths < 0).any()):
             row = int((self.lengths < 0).nonzero()[0, 0])
-            raise ValueError(f"ResponseStats.lengths[{row}] = {self.lengths[row].item()} is negative "
-                             f"(group id {int(self.group_ids[row])})")
+            raise ValueError(
+                f"ResponseStats.lengths[{row}] = {self.lengths[row].item()} is negative "
+                f"(group id {int(self.group_ids[row])})"
+            )
         nonempty = self.lengths > 0  # an empty response's drift is undefined and never used
         for name in ("rewards",) + tuple(required):
             value = getattr(self, name)
             groups.check_finite(f"ResponseStats.{name}", torch.where(nonempty, value, torch.zeros_like(value)))
 
-    def rows(self, keep: Tensor) -> "ResponseStats":
+    def rows(self, keep: Tensor) -> ResponseStats:
         """The responses where ``keep`` [N] bool is True."""
-        return ResponseStats(**{name: (value[keep] if value is not None else None)
-                                for name, value in vars(self).items()})
+        return ResponseStats(
+            **{name: (value[keep] if value is not None else None) for name, value in vars(self).items()}
+        )

@@ -161,13 +161,22 @@ def policy_loss(
     # into the backward pass
     live_ratio = torch.exp(torch.where(gate, logprob - old_logprob.detach(), torch.zeros_like(logprob)))
     token_losses = -coef * torch.where(gate, live_ratio, pinned_ratio)
-    return gated_loss_output(token_losses, mask, agg, normalizer, token_weight, gate,
-                             clipped_low, clipped_high, dual_clipped)
+    return gated_loss_output(
+        token_losses, mask, agg, normalizer, token_weight, gate, clipped_low, clipped_high, dual_clipped
+    )
 
 
-def gated_loss_output(token_losses: Tensor, mask: Tensor, agg: str, normalizer: Optional[Normalizer],
-                      token_weight: Optional[Tensor], gate: Tensor, clipped_low: Tensor, clipped_high: Tensor,
-                      dual_clipped: Tensor) -> PolicyLossOutput:
+def gated_loss_output(
+    token_losses: Tensor,
+    mask: Tensor,
+    agg: str,
+    normalizer: Optional[Normalizer],
+    token_weight: Optional[Tensor],
+    gate: Tensor,
+    clipped_low: Tensor,
+    clipped_high: Tensor,
+    dual_clipped: Tensor,
+) -> PolicyLossOutput:
     """Aggregate per-token losses [N, T] (times the detached ``token_weight``) into a
     PolicyLossOutput with the clip gate and the clip fractions over the masked tokens."""
     if token_weight is not None:
@@ -180,4 +189,3 @@ def gated_loss_output(token_losses: Tensor, mask: Tensor, agg: str, normalizer: 
         clip_high_fraction=masked_fraction(clipped_high, selected),
         dual_clip_fraction=masked_fraction(dual_clipped, selected),
     )
-

@@ -29,8 +29,9 @@ def sequence_drift(token_values: Tensor, mask: Tensor, length_normalize: bool = 
     float32, or float64 when token_values are float64.
     """
     if token_values.dim() != 2 or mask.shape != token_values.shape:
-        raise ValueError(f"token_values and mask must both be [N, T]; got {tuple(token_values.shape)} "
-                         f"and {tuple(mask.shape)}")
+        raise ValueError(
+            f"token_values and mask must both be [N, T]; got {tuple(token_values.shape)} and {tuple(mask.shape)}"
+        )
     selected = mask != 0
     values = token_values.to(float_dtype(token_values))
     totals = torch.where(selected, values, torch.zeros_like(values)).sum(dim=-1)

@@ -50,27 +50,39 @@ class DemoTask:
 
 
 TASKS: Dict[str, DemoTask] = {
-    "addition": DemoTask(DemoSpec(), {}, False,
-                         "two-digit addition, the boxed answer alone (~7-token responses)"),
+    "addition": DemoTask(DemoSpec(), {}, False, "two-digit addition, the boxed answer alone (~7-token responses)"),
     # Chains of 3-5 one-digit terms joined by + and -: the warm-up works a random half of its
     # responses out step by step ("4-1=3\n3-7=-4\n\\boxed{-4}", 15-45 tokens) and answers the other
     # half at once (~6 tokens), so a response's length follows the style the policy picks, and RL
     # can move it (the worked style is the more accurate one).
     "scratchpad": DemoTask(
-        DemoSpec(task_options=(("min_terms", 3), ("max_terms", 5), ("min_digits", 1), ("max_digits", 1),
-                               ("operators", ("+", "-")), ("allow_parentheses", False),
-                               ("allow_negation", False)),
-                 worked_fraction=0.5, max_response_tokens=48, size=20000, sft_max_steps=3000),
+        DemoSpec(
+            task_options=(
+                ("min_terms", 3),
+                ("max_terms", 5),
+                ("min_digits", 1),
+                ("max_digits", 1),
+                ("operators", ("+", "-")),
+                ("allow_parentheses", False),
+                ("allow_negation", False),
+            ),
+            worked_fraction=0.5,
+            max_response_tokens=48,
+            size=20000,
+            sft_max_steps=3000,
+        ),
         # [ours] lr 1e-4: at the addition task's 5e-4, DAPO's held-out accuracy fell on this task (0.150 ->
         # 0.068 on seed 1; 2.5e-4: 0.226, 1e-4: 0.300); benchmarks/RESULTS.md, the scratchpad task.
         {"rollout": {"max_new_tokens": 48}, "train": {"optimizer": {"lr": 1.0e-4}}},
         True,
-        "chains of 3-5 one-digit +/- terms, a worked scratchpad or the answer alone (6-45-token responses)"),
+        "chains of 3-5 one-digit +/- terms, a worked scratchpad or the answer alone (6-45-token responses)",
+    ),
 }
 
 
-def demo_config(assets: Path, run_dir: Path, changes: dict, steps: int = 0, task: str = DEFAULT_TASK,
-                diagnostics: bool = False) -> dict:
+def demo_config(
+    assets: Path, run_dir: Path, changes: dict, steps: int = 0, task: str = DEFAULT_TASK, diagnostics: bool = False
+) -> dict:
     """The demo's run config for ``task`` with ``assets`` (the cached model directory), as a plain dict:
     demo.yaml, the task's changes, the paths, ``steps`` (0: the config's), the F1-F7 diagnostics
     when ``diagnostics``, then ``changes``."""
@@ -90,8 +102,7 @@ def demo_config(assets: Path, run_dir: Path, changes: dict, steps: int = 0, task
 def seed_changes(seed: int) -> dict:
     """The config changes of demo seed ``seed``: the RL run's randomness (prompt order, rollout and
     evaluation sampling, trainer RNG); the warmed-up model and the held-out problems stay the same."""
-    return {"train": {"seed": seed}, "rollout": {"seed": seed}, "data": {"seed": seed},
-            "eval": {"seed": 10_000 + seed}}
+    return {"train": {"seed": seed}, "rollout": {"seed": seed}, "data": {"seed": seed}, "eval": {"seed": 10_000 + seed}}
 
 
 def run_summary(run_dir: Path) -> dict:
@@ -104,7 +115,7 @@ def run_summary(run_dir: Path) -> dict:
 
     records = read_metrics(run_dir)
     train = [r for r in records if "rollout/reward_mean" in r]
-    tail = train[-max(1, len(train) // 4):]
+    tail = train[-max(1, len(train) // 4) :]
 
     def mean(rows: Sequence[dict], key: str) -> float:
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
@@ -112,9 +123,14 @@ def run_summary(run_dir: Path) -> dict:
 
     measured = [r for r in records if any(key.startswith("diag/") for key in r)][1:]
     names = sorted({key for r in measured for key in r if key.startswith("diag/")})
-    return {**run_gain(run_dir), "reward": mean(tail, "rollout/reward_mean"), "kl": mean(tail, "experience/kl"),
-            "length": mean(tail, "rollout/response_length_mean"), "steps": int(train[-1]["step"]) if train else 0,
-            "diagnostics": {name[len("diag/"):]: mean(measured, name) for name in names}}
+    return {
+        **run_gain(run_dir),
+        "reward": mean(tail, "rollout/reward_mean"),
+        "kl": mean(tail, "experience/kl"),
+        "length": mean(tail, "rollout/response_length_mean"),
+        "steps": int(train[-1]["step"]) if train else 0,
+        "diagnostics": {name[len("diag/") :]: mean(measured, name) for name in names},
+    }
 
 
 def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
@@ -126,9 +142,17 @@ def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
     table = Table(title=f"{name}, seed {seed}: held-out accuracy on {summary['problems']} problems never trained on")
     for column in ("before", "after", "gain", "SE (paired)", "gain / SE", "reward", "KL to ref", "length", "steps"):
         table.add_column(column, justify="right")
-    table.add_row(f"{summary['before']:.3f}", f"{summary['after']:.3f}", f"{summary['gain']:+.3f}",
-                  f"{summary['se']:.3f}", f"{summary['z']:.1f}", f"{summary['reward']:.3f}",
-                  f"{summary['kl']:.2e}", f"{summary['length']:.1f}", str(summary["steps"]))
+    table.add_row(
+        f"{summary['before']:.3f}",
+        f"{summary['after']:.3f}",
+        f"{summary['gain']:+.3f}",
+        f"{summary['se']:.3f}",
+        f"{summary['z']:.1f}",
+        f"{summary['reward']:.3f}",
+        f"{summary['kl']:.2e}",
+        f"{summary['length']:.1f}",
+        str(summary["steps"]),
+    )
     console.print(table)
     console.print(verdict(summary["gain"], summary["se"]))
 
@@ -157,8 +181,14 @@ def write_accuracy_plot(runs: Dict[str, List[Path]], k: int, path: Path) -> Path
         else:
             stats = [mean_and_se([sum(c[s]) / len(c[s]) for c in curves]) for s in steps]
             label = f"{name} ({len(curves)} seeds)"
-        axes.errorbar(steps, [m for m, _ in stats], yerr=[0.0 if math.isnan(e) else e for _, e in stats],
-                      marker="o", capsize=3, label=label)
+        axes.errorbar(
+            steps,
+            [m for m, _ in stats],
+            yerr=[0.0 if math.isnan(e) else e for _, e in stats],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     axes.set_xlabel("training step")
     axes.set_ylabel(f"held-out avg@{k}")
     axes.set_title("held-out accuracy (error bars: one standard error)", fontsize=10)
@@ -169,33 +199,64 @@ def write_accuracy_plot(runs: Dict[str, List[Path]], k: int, path: Path) -> Path
 
 def add_parser(subparsers) -> None:
     """Register ``zcpo demo`` and its flags."""
-    parser = subparsers.add_parser("demo", help="run the embedded default (tiny model, CPU) end to end",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=sorted(TASKS), default=DEFAULT_TASK,
-                        help="; ".join(f"{name}: {task.about}" for name, task in TASKS.items())
-                        + f" (default {DEFAULT_TASK})")
-    parser.add_argument("--compare", action="store_true",
-                        help="run the arms of --arms with the same seeds, budget and held-out set, side by side")
-    parser.add_argument("--arms", default=None,
-                        help=f"--compare: comma-separated arms, each a name (dapo, dapo-k3, zcpo, zcpo-beta0, "
-                             f"zcpo-std, ...) optionally followed by :key=value overrides, e.g. "
-                             f"zcpo:algorithm.beta=1; the first is the baseline (default {DEFAULT_ARMS})")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                        help=f"seed of the RL run (default {DEFAULT_SEED}); with --seeds, the first seed")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds --seed, --seed+1, ...: with --compare per arm (default 3); without, "
-                             "the demo over that many seeds with one table (default 1: a single run)")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="training runs at once (default: 2 with --compare, else 1)")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="processes per run, its tensor-parallel size (default: 1 with --compare, else 2: "
-                             "TP=2 over gloo)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="--compare: keep a run whose folder under --out holds the same finished run "
-                             "(same config) instead of training it again")
-    parser.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=None,
-                        help="measure the F1-F7 diagnostics every 10 steps (default: on for the scratchpad "
-                             "task, off for addition)")
+    parser = subparsers.add_parser(
+        "demo",
+        help="run the embedded default (tiny model, CPU) end to end",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        default=DEFAULT_TASK,
+        help="; ".join(f"{name}: {task.about}" for name, task in TASKS.items()) + f" (default {DEFAULT_TASK})",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="run the arms of --arms with the same seeds, budget and held-out set, side by side",
+    )
+    parser.add_argument(
+        "--arms",
+        default=None,
+        help=f"--compare: comma-separated arms, each a name (dapo, dapo-k3, zcpo, zcpo-beta0, "
+        f"zcpo-std, ...) optionally followed by :key=value overrides, e.g. "
+        f"zcpo:algorithm.beta=1; the first is the baseline (default {DEFAULT_ARMS})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help=f"seed of the RL run (default {DEFAULT_SEED}); with --seeds, the first seed",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds --seed, --seed+1, ...: with --compare per arm (default 3); without, "
+        "the demo over that many seeds with one table (default 1: a single run)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="training runs at once (default: 2 with --compare, else 1)"
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes per run, its tensor-parallel size (default: 1 with --compare, else 2: TP=2 over gloo)",
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="--compare: keep a run whose folder under --out holds the same finished run "
+        "(same config) instead of training it again",
+    )
+    parser.add_argument(
+        "--diagnostics",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the F1-F7 diagnostics every 10 steps (default: on for the scratchpad task, off for addition)",
+    )
     parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=0, help="training steps (default: the demo config's)")
     parser.set_defaults(func=run)
@@ -204,8 +265,14 @@ def add_parser(subparsers) -> None:
 def _settings(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the mode's defaults filled in: seeds, jobs and nproc (see add_parser)."""
     compare = args.compare
-    return argparse.Namespace(**{**vars(args), "seeds": args.seeds or (3 if compare else 1),
-                                 "jobs": args.jobs or (2 if compare else 1), "nproc": args.nproc or (1 if compare else 2)})
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "seeds": args.seeds or (3 if compare else 1),
+            "jobs": args.jobs or (2 if compare else 1),
+            "nproc": args.nproc or (1 if compare else 2),
+        }
+    )
 
 
 def demo_jobs(args: argparse.Namespace, assets: Path, arms: Sequence[Arm], seeds: Sequence[int]) -> List[tuple]:
@@ -221,8 +288,14 @@ def demo_jobs(args: argparse.Namespace, assets: Path, arms: Sequence[Arm], seeds
     for seed in seeds:
         for arm in arms:
             run_dir = out / arm.directory / f"seed_{seed}" if len(seeds) > 1 or args.compare else out / arm.directory
-            base = demo_config(assets, run_dir, merge(seed_changes(seed), {"parallel": {"tensor": args.nproc}}),
-                               args.steps, args.task, diagnostics)
+            base = demo_config(
+                assets,
+                run_dir,
+                merge(seed_changes(seed), {"parallel": {"tensor": args.nproc}}),
+                args.steps,
+                args.task,
+                diagnostics,
+            )
             config = arm.config(base)
             try:
                 build_run_config(copy.deepcopy(config))  # fail here, with the arm and key named, not in the workers
@@ -266,8 +339,10 @@ def run(args: argparse.Namespace) -> int:
             from megatron_zcpo.cli.demo_stats import sweep_markdown
 
             rows, summary = sweep_rows(planned, summaries)
-            console.print(f"seed {seed}: {rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f} "
-                          f"({rows[-1]['z']:+.1f} SE) in {job.wall_s:.0f} s")
+            console.print(
+                f"seed {seed}: {rows[-1]['before']:.3f} -> {rows[-1]['after']:.3f} "
+                f"({rows[-1]['z']:+.1f} SE) in {job.wall_s:.0f} s"
+            )
             (out / "sweep.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
             (out / "sweep.md").write_text(sweep_markdown(rows, summary) + "\n")
 
@@ -278,25 +353,47 @@ def run(args: argparse.Namespace) -> int:
     if code:
         return code
     by_arm = {arm.label: [job for a, _, job in planned if a == arm] for arm in arms}
-    plot = write_accuracy_plot({label: [job.run_dir for job in arm_jobs] for label, arm_jobs in by_arm.items()},
-                               int(jobs[0].config["eval"]["k"]), out / "heldout_accuracy.png")
-    write_report([job.run_dir for job in jobs], out, names=[job.name for job in jobs],
-                 methods=[arm.label for arm, _, _ in planned])
+    plot = write_accuracy_plot(
+        {label: [job.run_dir for job in arm_jobs] for label, arm_jobs in by_arm.items()},
+        int(jobs[0].config["eval"]["k"]),
+        out / "heldout_accuracy.png",
+    )
+    write_report(
+        [job.run_dir for job in jobs],
+        out,
+        names=[job.name for job in jobs],
+        methods=[arm.label for arm, _, _ in planned],
+    )
     if args.compare:
         from megatron_zcpo.cli.demo_stats import compare_methods
         from megatron_zcpo.cli.demo_tables import comparison_markdown, print_comparison, seed_metrics
 
-        per_seed = {label: [seed_metrics(summaries[job.name]) for job in arm_jobs] for label, arm_jobs in by_arm.items()}
+        per_seed = {
+            label: [seed_metrics(summaries[job.name]) for job in arm_jobs] for label, arm_jobs in by_arm.items()
+        }
         shared = set.intersection(*(set(values) for arm_seeds in per_seed.values() for values in arm_seeds))
-        keys = [key for key in ("before", "after", "gain", "reward", "kl", "length") if key in shared] \
-            + sorted(key for key in shared if key.startswith("diag/"))
+        keys = [key for key in ("before", "after", "gain", "reward", "kl", "length") if key in shared] + sorted(
+            key for key in shared if key.startswith("diag/")
+        )
         rows, differences = compare_methods(per_seed, keys, baseline=arms[0].label)
         print_comparison(rows, differences, console)
         (out / "comparison.md").write_text(comparison_markdown(rows, differences) + "\n")
-        (out / "summary.json").write_text(json.dumps({
-            "task": args.task, "seeds": seeds, "arms": describe_arms(arms), "jobs": args.jobs, "nproc": args.nproc,
-            "wall_s": time.perf_counter() - started, "per_seed": per_seed, "methods": rows,
-            "differences": differences}, indent=2))
+        (out / "summary.json").write_text(
+            json.dumps(
+                {
+                    "task": args.task,
+                    "seeds": seeds,
+                    "arms": describe_arms(arms),
+                    "jobs": args.jobs,
+                    "nproc": args.nproc,
+                    "wall_s": time.perf_counter() - started,
+                    "per_seed": per_seed,
+                    "methods": rows,
+                    "differences": differences,
+                },
+                indent=2,
+            )
+        )
         written = out / "summary.json"
     elif sweep:
         from megatron_zcpo.cli.demo_stats import print_sweep
@@ -308,9 +405,12 @@ def run(args: argparse.Namespace) -> int:
         print_run_summary("zcpo", args.seed, summary, console)
         (out / "summary.json").write_text(json.dumps({"seed": args.seed, "task": args.task, **summary}, indent=2))
         written = out / "summary.json"
-    console.print(f"plots: {plot}, {out / 'report.html'}; summary: {written}"
-                  + (f", {out / 'comparison.md'}" if args.compare else "") + "; "
-                  f"took {time.perf_counter() - started:.0f} s")
+    console.print(
+        f"plots: {plot}, {out / 'report.html'}; summary: {written}"
+        + (f", {out / 'comparison.md'}" if args.compare else "")
+        + "; "
+        f"took {time.perf_counter() - started:.0f} s"
+    )
     return 0
 
 
@@ -320,4 +420,3 @@ def sweep_rows(planned: Sequence[tuple], summaries: Dict[str, dict]) -> Tuple[Li
 
     done = [(seed, job) for _, seed, job in planned if job.name in summaries]
     return seed_sweep_rows({seed: job.run_dir for seed, job in done}, {seed: job.wall_s for seed, job in done})
-

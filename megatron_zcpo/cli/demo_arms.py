@@ -20,17 +20,28 @@ from megatron_zcpo.utils.config_loader import ConfigError, apply_overrides, pars
 # the zcpo-no-* and zcpo-k1 arms are SPEC section 1's one-switch ablations.
 ARMS: Dict[str, Tuple[dict, str]] = {
     "dapo": ({"algorithm": {"name": "dapo"}}, "DAPO without KL: std-normalised advantages"),
-    "dapo-k3": ({"algorithm": {"name": "dapo", "kl_loss": "k3", "kl_coef": 0.04}},
-                "DAPO + a k3 KL loss (kl_coef 0.04)"),
+    "dapo-k3": (
+        {"algorithm": {"name": "dapo", "kl_loss": "k3", "kl_coef": 0.04}},
+        "DAPO + a k3 KL loss (kl_coef 0.04)",
+    ),
     "zcpo": ({"algorithm": {"name": "zcpo"}}, "ZCPO: max-abs normalisation + the drift term (the demo's beta)"),
-    "zcpo-beta0": ({"algorithm": {"name": "zcpo", "beta": 0.0}},
-                   "ZCPO with beta 0: max-abs normalisation alone, no drift (= dapo with reward_norm=max_abs)"),
-    "zcpo-std": ({"algorithm": {"name": "zcpo", "reward_norm": "std"}},
-                 "ZCPO with std normalisation: the drift term alone"),
-    "zcpo-k1": ({"algorithm": {"name": "zcpo", "drift": "k1"}}, "ZCPO with the sampled k1 drift for the conditional KL"),
+    "zcpo-beta0": (
+        {"algorithm": {"name": "zcpo", "beta": 0.0}},
+        "ZCPO with beta 0: max-abs normalisation alone, no drift (= dapo with reward_norm=max_abs)",
+    ),
+    "zcpo-std": (
+        {"algorithm": {"name": "zcpo", "reward_norm": "std"}},
+        "ZCPO with std normalisation: the drift term alone",
+    ),
+    "zcpo-k1": (
+        {"algorithm": {"name": "zcpo", "drift": "k1"}},
+        "ZCPO with the sampled k1 drift for the conditional KL",
+    ),
     "zcpo-no-center": ({"algorithm": {"name": "zcpo", "center": False}}, "ZCPO without within-group centring"),
-    "zcpo-no-length-norm": ({"algorithm": {"name": "zcpo", "length_normalize": False}},
-                            "ZCPO without length normalisation of the drift"),
+    "zcpo-no-length-norm": (
+        {"algorithm": {"name": "zcpo", "length_normalize": False}},
+        "ZCPO without length normalisation of the drift",
+    ),
     "zcpo-no-gate": ({"algorithm": {"name": "zcpo", "gate": False}}, "ZCPO without the tied-group gate"),
 }
 DEFAULT_ARMS = "dapo,dapo-k3,zcpo"
@@ -97,8 +108,10 @@ def parse_arm(text: str) -> Arm:
         raise ConfigError(f"arm {text!r}: {head[1:]!r} after {name + ':'!r} is not a key=value override")
     if name not in ARMS:
         known = ", ".join(ARMS)
-        raise ConfigError(f"arm {text!r}: unknown arm {name!r}; known arms: {known} "
-                          f"(each optionally followed by :key=value overrides)")
+        raise ConfigError(
+            f"arm {text!r}: unknown arm {name!r}; known arms: {known} "
+            f"(each optionally followed by :key=value overrides)"
+        )
     for override in overrides:
         try:
             path, _ = parse_override(override)
@@ -124,13 +137,17 @@ def parse_arms(text: str) -> List[Arm]:
         for arm in arms:
             value = getattr(arm, key)
             if value in seen:
-                raise ConfigError(f"--arms {text!r}: arms {seen[value]!r} and {arm.label!r} share the "
-                                  f"{'folder ' if key == 'directory' else ''}name {value!r}; give each arm once")
+                raise ConfigError(
+                    f"--arms {text!r}: arms {seen[value]!r} and {arm.label!r} share the "
+                    f"{'folder ' if key == 'directory' else ''}name {value!r}; give each arm once"
+                )
             seen[value] = arm.label
     return arms
 
 
 def describe_arms(arms: Sequence[Arm]) -> List[str]:
     """One line per arm: its label and what it is (the table's description, then its overrides)."""
-    return [f"{arm.label}: {ARMS[arm.name][1]}" + (f", with {', '.join(arm.overrides)}" if arm.overrides else "")
-            for arm in arms]
+    return [
+        f"{arm.label}: {ARMS[arm.name][1]}" + (f", with {', '.join(arm.overrides)}" if arm.overrides else "")
+        for arm in arms
+    ]

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, IO, List, Optional, Sequence
+from typing import IO, Callable, List, Optional, Sequence
 
 import yaml
 
@@ -46,12 +46,20 @@ class TrainingJob:
 
     def finished_before(self) -> bool:
         """Whether ``run_dir`` holds this very run already: summarised (DONE_FILE) with the same config."""
-        return (self.run_dir / DONE_FILE).is_file() and self.config_path.is_file() \
+        return (
+            (self.run_dir / DONE_FILE).is_file()
+            and self.config_path.is_file()
             and self.config_path.read_text() == self.config_text()
+        )
 
 
-def run_jobs(jobs: Sequence[TrainingJob], at_once: int = 1, reuse: bool = False,
-             on_done: Optional[Callable[[TrainingJob], None]] = None, log: Callable[[str], None] = print) -> int:
+def run_jobs(
+    jobs: Sequence[TrainingJob],
+    at_once: int = 1,
+    reuse: bool = False,
+    on_done: Optional[Callable[[TrainingJob], None]] = None,
+    log: Callable[[str], None] = print,
+) -> int:
     """Run ``jobs`` in order, at most ``at_once`` at a time; returns 0 or the first failure's exit code.
 
     reuse: skip a job whose run directory holds the same finished run (TrainingJob.finished_before);
@@ -84,8 +92,10 @@ def run_jobs(jobs: Sequence[TrainingJob], at_once: int = 1, reuse: bool = False,
                 handle.close()
             code = process.returncode
             if code:
-                log(f"[red]{job.name}: training failed (exit code {code})"
-                    + (f"; its log: {job.log_path}" if handle is not None else ""))
+                log(
+                    f"[red]{job.name}: training failed (exit code {code})"
+                    + (f"; its log: {job.log_path}" if handle is not None else "")
+                )
                 failure = failure or code
             else:
                 job.wall_s = time.perf_counter() - started
@@ -95,7 +105,7 @@ def run_jobs(jobs: Sequence[TrainingJob], at_once: int = 1, reuse: bool = False,
             if failure:
                 pending.clear()
     finally:
-        for job, process, handle, _ in running:  # only after an interrupt or an error here
+        for _job, process, handle, _ in running:  # only after an interrupt or an error here
             process.wait()
             if handle is not None:
                 handle.close()
@@ -109,12 +119,18 @@ def _start(job: TrainingJob, quiet: bool, log: Callable[[str], None]):
     job.config_path.write_text(job.config_text())
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: a second one costs more than it gains here
-    handle: Optional[IO] = open(job.log_path, "w") if quiet else None
+    handle: Optional[IO] = open(job.log_path, "w") if quiet else None  # noqa: SIM115 -- closed when the job ends
     tensor = (job.config.get("parallel") or {}).get("tensor", 1)
-    log(f"[bold]{job.name}[/bold]: training with {job.config_path} ({tensor} process(es))"
-        + (f", log {job.log_path}" if quiet else ""))
-    process = subprocess.Popen([sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(job.config_path)],
-                               stdout=handle, stderr=subprocess.STDOUT if quiet else None, env=env)
+    log(
+        f"[bold]{job.name}[/bold]: training with {job.config_path} ({tensor} process(es))"
+        + (f", log {job.log_path}" if quiet else "")
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(job.config_path)],
+        stdout=handle,
+        stderr=subprocess.STDOUT if quiet else None,
+        env=env,
+    )
     return process, handle, time.perf_counter()
 
 

@@ -43,8 +43,10 @@ def paired_gain(before: Mapping[str, float], after: Mapping[str, float]) -> Dict
     the noise, so the SE is that of the change, not of two independent means.
     """
     if set(before) != set(after):
-        raise ValueError(f"before and after must cover the same problems ({len(before)} vs {len(after)}, "
-                         f"{len(set(before) ^ set(after))} differ)")
+        raise ValueError(
+            f"before and after must cover the same problems ({len(before)} vs {len(after)}, "
+            f"{len(set(before) ^ set(after))} differ)"
+        )
     uids = sorted(before)
     gain, se = mean_and_se([after[u] - before[u] for u in uids])
     return {
@@ -75,8 +77,9 @@ def run_gain(run_dir: Path) -> Dict[str, float]:
     return paired_gain(first, last)
 
 
-def compare_methods(per_seed: Mapping[str, Sequence[Mapping[str, float]]], keys: Sequence[str],
-                    baseline: str) -> Tuple[List[dict], List[dict]]:
+def compare_methods(
+    per_seed: Mapping[str, Sequence[Mapping[str, float]]], keys: Sequence[str], baseline: str
+) -> Tuple[List[dict], List[dict]]:
     """Summaries of a method comparison run with the same seeds.
 
     per_seed: {method: [one dict of metrics per seed]}, seeds in the same order for every method.
@@ -121,8 +124,11 @@ def run_trajectory(run_dir: Path) -> Dict[str, object]:
     accuracies = [per_problem_accuracy(json.loads(f.read_text())) for f in files]
     points = [paired_gain(accuracies[0], accuracy) for accuracy in accuracies]
     later = points[1:] or points
-    return {"steps": [int(f.stem.split("_")[1]) for f in files], "points": points,
-            "lowest": min(later, key=lambda point: point["gain"])}
+    return {
+        "steps": [int(f.stem.split("_")[1]) for f in files],
+        "points": points,
+        "lowest": min(later, key=lambda point: point["gain"]),
+    }
 
 
 def seed_sweep_rows(runs: Mapping[int, Path], wall_s: Mapping[int, float]) -> Tuple[List[dict], dict]:
@@ -142,27 +148,47 @@ def seed_sweep_rows(runs: Mapping[int, Path], wall_s: Mapping[int, float]) -> Tu
     for seed in sorted(runs):
         trajectory = run_trajectory(runs[seed])
         last, lowest = trajectory["points"][-1], trajectory["lowest"]
-        rows.append({"seed": seed, **{k: last[k] for k in ("before", "after", "gain", "se", "z")},
-                     "lowest": lowest["gain"], "lowest_z": lowest["z"], "eval_steps": trajectory["steps"],
-                     "wall_s": float(wall_s.get(seed, math.nan))})
+        rows.append(
+            {
+                "seed": seed,
+                **{k: last[k] for k in ("before", "after", "gain", "se", "z")},
+                "lowest": lowest["gain"],
+                "lowest_z": lowest["z"],
+                "eval_steps": trajectory["steps"],
+                "wall_s": float(wall_s.get(seed, math.nan)),
+            }
+        )
     gain, gain_se = mean_and_se([row["gain"] for row in rows])
     shown = sum(row["z"] >= Z_SHOWN for row in rows)
     never_below = sum(row["lowest"] >= 0 for row in rows)
-    summary = {"seeds": len(rows), "min_z": min(row["z"] for row in rows), "gain": gain, "gain_se": gain_se,
-               "shown": shown, "never_below_start": never_below, "ok": shown == never_below == len(rows)}
+    summary = {
+        "seeds": len(rows),
+        "min_z": min(row["z"] for row in rows),
+        "gain": gain,
+        "gain_se": gain_se,
+        "shown": shown,
+        "never_below_start": never_below,
+        "ok": shown == never_below == len(rows),
+    }
     return rows, summary
 
 
 def sweep_markdown(rows: Sequence[Mapping], summary: Mapping) -> str:
     """:func:`seed_sweep_rows`'s table as Markdown (the layout of benchmarks/RESULTS.md)."""
-    lines = ["| seed | held-out before | after | gain | SE (paired) | z = gain / SE | lowest later point - start (z) | wall |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| seed | held-out before | after | gain | SE (paired) | z = gain / SE | lowest later point - start (z) | wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append(f"| {row['seed']} | {row['before']:.3f} | {row['after']:.3f} | {row['gain']:+.3f} | {row['se']:.3f} "
-                     f"| {row['z']:.1f} | {row['lowest']:+.3f} ({row['lowest_z']:+.1f}) | {row['wall_s']:.0f} s |")
-    lines.append(f"\n{summary['seeds']} seeds: min z {summary['min_z']:.1f}; mean gain {summary['gain']:+.3f} "
-                 f"(SE over seeds {summary['gain_se']:.3f}); {summary['shown']} gain >= {Z_SHOWN:g} SE; "
-                 f"{summary['never_below_start']} never below their start at any evaluation")
+        lines.append(
+            f"| {row['seed']} | {row['before']:.3f} | {row['after']:.3f} | {row['gain']:+.3f} | {row['se']:.3f} "
+            f"| {row['z']:.1f} | {row['lowest']:+.3f} ({row['lowest_z']:+.1f}) | {row['wall_s']:.0f} s |"
+        )
+    lines.append(
+        f"\n{summary['seeds']} seeds: min z {summary['min_z']:.1f}; mean gain {summary['gain']:+.3f} "
+        f"(SE over seeds {summary['gain_se']:.3f}); {summary['shown']} gain >= {Z_SHOWN:g} SE; "
+        f"{summary['never_below_start']} never below their start at any evaluation"
+    )
     return "\n".join(lines)
 
 
@@ -170,16 +196,27 @@ def print_sweep(rows: Sequence[Mapping], summary: Mapping, console) -> None:
     """:func:`seed_sweep_rows`'s table on a rich ``console``, then one line of verdict."""
     from rich.table import Table
 
-    table = Table(title=f"the demo over {summary['seeds']} seeds: held-out accuracy, first vs last evaluation "
-                        "(paired per problem)")
+    table = Table(
+        title=f"the demo over {summary['seeds']} seeds: held-out accuracy, first vs last evaluation "
+        "(paired per problem)"
+    )
     for column in ("seed", "before", "after", "gain", "SE", "z", "lowest later - start (z)", "wall"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(str(row["seed"]), f"{row['before']:.3f}", f"{row['after']:.3f}", f"{row['gain']:+.3f}",
-                      f"{row['se']:.3f}", f"{row['z']:.1f}", f"{row['lowest']:+.3f} ({row['lowest_z']:+.1f})",
-                      f"{row['wall_s']:.0f} s")
+        table.add_row(
+            str(row["seed"]),
+            f"{row['before']:.3f}",
+            f"{row['after']:.3f}",
+            f"{row['gain']:+.3f}",
+            f"{row['se']:.3f}",
+            f"{row['z']:.1f}",
+            f"{row['lowest']:+.3f} ({row['lowest_z']:+.1f})",
+            f"{row['wall_s']:.0f} s",
+        )
     console.print(table)
-    console.print(f"min z {summary['min_z']:.1f}; mean gain {summary['gain']:+.3f} (SE over seeds "
-                  f"{summary['gain_se']:.3f}); {summary['shown']} of {summary['seeds']} seeds gain >= {Z_SHOWN:g} "
-                  f"SE, {summary['never_below_start']} of {summary['seeds']} never fall below their start: "
-                  + ("learning shown on every seed" if summary["ok"] else "[red]not shown on every seed"))
+    console.print(
+        f"min z {summary['min_z']:.1f}; mean gain {summary['gain']:+.3f} (SE over seeds "
+        f"{summary['gain_se']:.3f}); {summary['shown']} of {summary['seeds']} seeds gain >= {Z_SHOWN:g} "
+        f"SE, {summary['never_below_start']} of {summary['seeds']} never fall below their start: "
+        + ("learning shown on every seed" if summary["ok"] else "[red]not shown on every seed")
+    )

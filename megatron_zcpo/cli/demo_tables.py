@@ -47,22 +47,29 @@ def print_comparison(rows: List[dict], differences: List[dict], console) -> None
     for column in ("arm", "held-out after", "held-out gain", "reward", "KL to ref"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(row["method"], *(cell(row[k], row[k + "_se"]) for k in ("after", "gain", "reward")),
-                      f"{row['kl']:.2e} +- {row['kl_se']:.1e}")
+        table.add_row(
+            row["method"],
+            *(cell(row[k], row[k + "_se"]) for k in ("after", "gain", "reward")),
+            f"{row['kl']:.2e} +- {row['kl_se']:.1e}",
+        )
     console.print(table)
     diffs = Table(title="differences, paired by seed (arm - first arm)")
     for column in ("difference", "held-out after", "reward", "KL to ref", "length"):
         diffs.add_column(column, justify="right")
     for (method, baseline), cells in _by_pair(differences).items():
-        diffs.add_row(f"{method} - {baseline}",
-                      *(cell(cells[k]["diff"], cells[k]["se"], signed=True) for k in ("after", "reward")),
-                      f"{cells['kl']['diff']:+.2e} +- {cells['kl']['se']:.1e}",
-                      cell(cells["length"]["diff"], cells["length"]["se"], digits=1, signed=True))
+        diffs.add_row(
+            f"{method} - {baseline}",
+            *(cell(cells[k]["diff"], cells[k]["se"], signed=True) for k in ("after", "reward")),
+            f"{cells['kl']['diff']:+.2e} +- {cells['kl']['se']:.1e}",
+            cell(cells["length"]["diff"], cells["length"]["se"], digits=1, signed=True),
+        )
     console.print(diffs)
     shown = [(key, title) for key, title in DIAGNOSTIC_COLUMNS if key in rows[0]]
     if len(shown) > 1:
-        diagnostics = Table(title="diagnostics per arm (means over the diagnostic steps, then over seeds; "
-                                  "all F1-F7 values in summary.json)")
+        diagnostics = Table(
+            title="diagnostics per arm (means over the diagnostic steps, then over seeds; "
+            "all F1-F7 values in summary.json)"
+        )
         for column in ("arm", *(title for _, title in shown)):
             diagnostics.add_column(column, justify="right")
         for row in rows:
@@ -81,27 +88,47 @@ def comparison_markdown(rows: List[dict], differences: List[dict]) -> str:
     """The comparison as Markdown tables: arms (mean +- SE over seeds), differences paired by seed
     against the first arm (mean +- SE of the per-seed differences), and every measured diagnostic."""
     before = [row.get("before") for row in rows if "before" in row]
-    lines = [f"{rows[0]['seeds']} seeds; mean +- standard error over seeds"
-             + (f"; held-out before training {before[0]:.3f}" if before else ""), "",
-             "| arm | held-out after | gain | training reward | KL to ref | response length |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"{rows[0]['seeds']} seeds; mean +- standard error over seeds"
+        + (f"; held-out before training {before[0]:.3f}" if before else ""),
+        "",
+        "| arm | held-out after | gain | training reward | KL to ref | response length |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append(f"| {row['method']} | " + " | ".join(
-            cell(row[k], row[k + "_se"], digits) if k in row else "n/a"
-            for k, digits in (("after", 3), ("gain", 3), ("reward", 3), ("kl", 3), ("length", 1))) + " |")
+        lines.append(
+            f"| {row['method']} | "
+            + " | ".join(
+                cell(row[k], row[k + "_se"], digits) if k in row else "n/a"
+                for k, digits in (("after", 3), ("gain", 3), ("reward", 3), ("kl", 3), ("length", 1))
+            )
+            + " |"
+        )
     pairs = _by_pair(differences)
     if pairs:
-        lines += ["", "| difference (paired by seed) | held-out after | training reward | KL to ref | response length |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| difference (paired by seed) | held-out after | training reward | KL to ref | response length |",
+            "|---|---|---|---|---|",
+        ]
         for (method, baseline), cells in pairs.items():
-            lines.append(f"| {method} - {baseline} | " + " | ".join(
-                cell(cells[k]["diff"], cells[k]["se"], digits, signed=True) if k in cells else "n/a"
-                for k, digits in (("after", 3), ("reward", 3), ("kl", 3), ("length", 1))) + " |")
+            lines.append(
+                f"| {method} - {baseline} | "
+                + " | ".join(
+                    cell(cells[k]["diff"], cells[k]["se"], digits, signed=True) if k in cells else "n/a"
+                    for k, digits in (("after", 3), ("reward", 3), ("kl", 3), ("length", 1))
+                )
+                + " |"
+            )
     names = [key for key in rows[0] if key.startswith("diag/") and not key.endswith("_se")]
     if names:
-        lines += ["", "| diagnostic (mean over its steps, then seeds) | " + " | ".join(r["method"] for r in rows) + " |",
-                  "|---|" + "---|" * len(rows)]
+        lines += [
+            "",
+            "| diagnostic (mean over its steps, then seeds) | " + " | ".join(r["method"] for r in rows) + " |",
+            "|---|" + "---|" * len(rows),
+        ]
         for name in names:
-            lines.append(f"| {name[len('diag/'):]} | "
-                         + " | ".join(cell(r[name], r[name + "_se"], 3) for r in rows) + " |")
+            lines.append(
+                f"| {name[len('diag/') :]} | " + " | ".join(cell(r[name], r[name + "_se"], 3) for r in rows) + " |"
+            )
     return "\n".join(lines)

@@ -11,23 +11,29 @@ from megatron_zcpo.utils.config_loader import ConfigError
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("eval", help="evaluate a policy: avg@k and pass@k on held-out data",
-                                   description="Evaluate CONFIG's model (or --checkpoint) with CONFIG's "
-                                               "eval section (data, k, temperature, top-p) and rollout engine.")
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate a policy: avg@k and pass@k on held-out data",
+        description="Evaluate CONFIG's model (or --checkpoint) with CONFIG's "
+        "eval section (data, k, temperature, top-p) and rollout engine.",
+    )
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.k=32 eval.top_p=0.7")
-    parser.add_argument("--checkpoint", default=None,
-                        help="weights to evaluate (HF directory, Megatron checkpoint or a training step_* "
-                             "directory; default: model.path). Ignored with an attached SGLang engine, "
-                             "which serves its own weights.")
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        help="weights to evaluate (HF directory, Megatron checkpoint or a training step_* "
+        "directory; default: model.path). Ignored with an attached SGLang engine, "
+        "which serves its own weights.",
+    )
     parser.add_argument("--output", default=None, help="JSON results (default: <run_dir>/eval/eval.json)")
     parser.set_defaults(func=run)
 
 
 def check_checkpoint_path(path: Path, config_checkpoint_dir: Path) -> None:
     """Raise ``ConfigError`` when ``--checkpoint`` names nothing loadable, saying which checkpoints exist."""
+    from megatron_zcpo.checkpoint.io import list_checkpoints
     from megatron_zcpo.convert.checkpoint import megatron_checkpoint_dir
-    from megatron_zcpo.megatron.checkpoint import list_checkpoints
 
     if path.exists() and (megatron_checkpoint_dir(path) is not None or (path / "config.json").is_file()):
         return
@@ -37,8 +43,11 @@ def check_checkpoint_path(path: Path, config_checkpoint_dir: Path) -> None:
         problem = f"{path} holds no model: neither a Hugging Face directory (config.json) nor a Megatron checkpoint"
     else:
         problem = f"{path} does not exist"
-    known = (f"the checkpoints under {steps[0]} are {', '.join(p.name for p in steps[1])}" if steps
-             else f"no training checkpoints under {config_checkpoint_dir} either")
+    known = (
+        f"the checkpoints under {steps[0]} are {', '.join(p.name for p in steps[1])}"
+        if steps
+        else f"no training checkpoints under {config_checkpoint_dir} either"
+    )
     raise ConfigError(f"--checkpoint: {problem}; {known}")
 
 

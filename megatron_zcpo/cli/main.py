@@ -21,11 +21,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``zcpo`` console script; returns the process exit code.
 
     Called without ``argv`` (as a process's entry point), ``zcpo train`` holds stop signals from its
-    first moment to its last (see :mod:`megatron_zcpo.megatron.preemption`)."""
+    first moment to its last (see :mod:`megatron_zcpo.training.preemption`)."""
     training_process = argv is None and sys.argv[1:2] == ["train"]
     if not training_process:
         return _dispatch(argv)
-    from megatron_zcpo.megatron import preemption
+    from megatron_zcpo.training import preemption
 
     preemption.record_stop_signals()  # before the heavy imports: a preemption during start-up must not kill training
     code = _dispatch(argv)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Optional
 
 from megatron_zcpo.recipe.config import RunConfig
@@ -43,44 +42,67 @@ def model_config_of(config: RunConfig, model_config: Optional[str] = None, prese
 def step_load_of(config: RunConfig, response_fraction: float, prompt_fraction: float):
     """The :class:`StepLoad` of ``config``: mean lengths as fractions of the caps; dynamic
     sampling's over-sampling factor multiplies what is generated when tied groups are dropped."""
-    from megatron_zcpo.megatron.step_time import StepLoad
+    from megatron_zcpo.planning.step_time import StepLoad
 
     rollout = config.rollout
     trained = rollout.prompts_per_step * rollout.samples_per_prompt
     sampling = rollout.dynamic_sampling
     oversample = sampling.oversample_factor if sampling.drop_tied_groups else 1.0
-    return StepLoad(generated_sequences=trained * oversample, trained_sequences=trained,
-                    prompt_tokens=prompt_fraction * config.data.max_prompt_length,
-                    response_tokens=response_fraction * rollout.max_new_tokens)
+    return StepLoad(
+        generated_sequences=trained * oversample,
+        trained_sequences=trained,
+        prompt_tokens=prompt_fraction * config.data.max_prompt_length,
+        response_tokens=response_fraction * rollout.max_new_tokens,
+    )
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("plan", help="per-GPU memory and step time of a config; smallest fitting layout",
-                                   description=__doc__)
+    parser = subparsers.add_parser(
+        "plan", help="per-GPU memory and step time of a config; smallest fitting layout", description=__doc__
+    )
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tensor=4")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="GPUs for training (default: the fewest, TP*PP*CP times the data-parallel size, on "
-                             "which the layout fits)")
-    parser.add_argument("--gpu-memory", type=float, default=None,
-                        help="GiB per GPU, training and rollout (default: H100 80GB)")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs for training (default: the fewest, TP*PP*CP times the data-parallel size, on which the layout fits)",
+    )
+    parser.add_argument(
+        "--gpu-memory", type=float, default=None, help="GiB per GPU, training and rollout (default: H100 80GB)"
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model-config", default=None, help="the model's Hugging Face config.json (or its directory)")
-    source.add_argument("--preset", default=None,
-                        help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B, Qwen3-30B-A3B, Qwen3-235B-A22B")
-    timing = parser.add_argument_group("step time (see megatron_zcpo/megatron/step_time.py)")
+    source.add_argument(
+        "--preset",
+        default=None,
+        help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B, Qwen3-30B-A3B, Qwen3-235B-A22B",
+    )
+    timing = parser.add_argument_group("step time (see megatron_zcpo/planning/step_time.py)")
     timing.add_argument("--rollout-gpus", type=int, default=None, help="GPUs of the SGLang servers (default: --gpus)")
-    timing.add_argument("--decode-tokens-per-s", type=float, default=None,
-                        help="generated tokens per second per rollout GPU (measure yours; default: the "
-                             "roofline of megatron_zcpo/megatron/decode_rate.py, calibrated on SGLang's "
-                             "published Llama-3.1-70B 4x H100 throughput)")
-    timing.add_argument("--rollout-tp", type=int, default=None,
-                        help="GPUs per SGLang server for the modelled decode rate (default: "
-                             "rollout.sglang.launch.tp_size when the config launches the servers, else 4 "
-                             "up to 40B parameters and 8 above)")
+    timing.add_argument(
+        "--decode-tokens-per-s",
+        type=float,
+        default=None,
+        help="generated tokens per second per rollout GPU (measure yours; default: the "
+        "roofline of megatron_zcpo/planning/decode_rate.py, calibrated on SGLang's "
+        "published Llama-3.1-70B 4x H100 throughput)",
+    )
+    timing.add_argument(
+        "--rollout-tp",
+        type=int,
+        default=None,
+        help="GPUs per SGLang server for the modelled decode rate (default: "
+        "rollout.sglang.launch.tp_size when the config launches the servers, else 4 "
+        "up to 40B parameters and 8 above)",
+    )
     timing.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of training")
-    timing.add_argument("--response-fraction", type=float, default=0.5,
-                        help="mean response length as a fraction of rollout.max_new_tokens")
+    timing.add_argument(
+        "--response-fraction",
+        type=float,
+        default=0.5,
+        help="mean response length as a fraction of rollout.max_new_tokens",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
 
@@ -93,7 +115,7 @@ def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None
     """(GPUs per SGLang server, its mem_fraction_static): ``rollout_tp`` when given, else the
     config's ``rollout.sglang.launch`` values when it launches the servers, else 4 GPUs up to
     :data:`SMALL_SERVER_MAX_PARAMETERS` and 8 above, with the launcher's default memory fraction."""
-    from megatron_zcpo.rollout.sglang_server import SGLangServerConfig
+    from megatron_zcpo.rollout.sglang.server import SGLangServerConfig
 
     launch = config.rollout.sglang.launch
     if rollout_tp is None and launch is not None:
@@ -108,26 +130,41 @@ def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None
 def decode_rate_of(args, config: RunConfig, model, load, hardware):
     """(generated tokens/s per rollout GPU, a phrase saying where it comes from): the given
     ``--decode-tokens-per-s``, else the calibrated roofline for ``load``'s mean lengths."""
-    from megatron_zcpo.megatron.decode_rate import decode_tokens_per_s_per_gpu
+    from megatron_zcpo.planning.decode_rate import decode_tokens_per_s_per_gpu
 
     if args.decode_tokens_per_s is not None:
         return args.decode_tokens_per_s, "given (--decode-tokens-per-s)"
     rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
-    rate = decode_tokens_per_s_per_gpu(model, load.prompt_tokens, load.response_tokens, rollout_tp,
-                                       mem_fraction=mem_fraction, gpu_memory_bytes=hardware.gpu_memory_gib * 2**30)
-    return rate, (f"modelled for TP{rollout_tp} servers (mem_fraction_static {mem_fraction}) from SGLang's "
-                  f"published Llama-3.1-70B 4x H100 throughput, see megatron_zcpo/megatron/decode_rate.py")
+    rate = decode_tokens_per_s_per_gpu(
+        model,
+        load.prompt_tokens,
+        load.response_tokens,
+        rollout_tp,
+        mem_fraction=mem_fraction,
+        gpu_memory_bytes=hardware.gpu_memory_gib * 2**30,
+    )
+    return rate, (
+        f"modelled for TP{rollout_tp} servers (mem_fraction_static {mem_fraction}) from SGLang's "
+        f"published Llama-3.1-70B 4x H100 throughput, see megatron_zcpo/planning/decode_rate.py"
+    )
 
 
 def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
-    from megatron_zcpo.megatron.step_time import Cluster, predict_step_time
+    from megatron_zcpo.planning.step_time import Cluster, predict_step_time
 
     load = step_load_of(config, args.response_fraction, prompt_fraction=0.5)
     rate, source = decode_rate_of(args, config, model, load, hardware)
-    cluster = Cluster(train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus,
-                      decode_tokens_per_s_per_gpu=rate, mfu=args.mfu)
-    timing = predict_step_time(model, load, cluster, pipeline_parallel=layout.pipeline_parallel,
-                               recompute=layout.recompute, expert_parallel=layout.expert_parallel)
+    cluster = Cluster(
+        train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus, decode_tokens_per_s_per_gpu=rate, mfu=args.mfu
+    )
+    timing = predict_step_time(
+        model,
+        load,
+        cluster,
+        pipeline_parallel=layout.pipeline_parallel,
+        recompute=layout.recompute,
+        expert_parallel=layout.expert_parallel,
+    )
     return timing, rate, source
 
 
@@ -137,8 +174,12 @@ def timeout_checks_of(args, config: RunConfig, model, gpus: int, decode_rate: fl
     from megatron_zcpo.recipe.timeouts import RolloutServers, timeout_checks
 
     rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
-    servers = RolloutServers(count=max(1, (args.rollout_gpus or gpus) // rollout_tp), tp_size=rollout_tp,
-                             mem_fraction=mem_fraction, decode_tokens_per_s_per_gpu=decode_rate)
+    servers = RolloutServers(
+        count=max(1, (args.rollout_gpus or gpus) // rollout_tp),
+        tp_size=rollout_tp,
+        mem_fraction=mem_fraction,
+        decode_tokens_per_s_per_gpu=decode_rate,
+    )
     return timeout_checks(config, model, servers)
 
 
@@ -161,7 +202,7 @@ def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
     """(GPUs, data-parallel size) of the fewest replicas of the config's layout that fit; the smallest
     world (:func:`smallest_world`) when none up to :data:`MAX_SEARCHED_DATA_PARALLEL` does (the
     distributed optimizer is what shards with DP)."""
-    from megatron_zcpo.megatron.planner import plan_memory
+    from megatron_zcpo.planning.planner import plan_memory
 
     parallel = config.parallel
     replica = parallel.tensor * parallel.pipeline * parallel.context
@@ -174,13 +215,13 @@ def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zcpo.megatron.memory_model import Hardware
-    from megatron_zcpo.megatron.planner import format_count as count, plan_memory, render_plan, suggest_layout
+    from megatron_zcpo.planning.memory_model import Hardware
+    from megatron_zcpo.planning.planner import format_count as count
+    from megatron_zcpo.planning.planner import plan_memory, render_plan, suggest_layout
 
     try:
         config = load_plan_config(args.config, args.overrides)
         model = model_config_of(config, args.model_config, args.preset)
-        parallel = config.parallel
         hardware = Hardware() if args.gpu_memory is None else Hardware(gpu_memory_gib=args.gpu_memory)
         problems = layout_problems(config, model, args.gpus or smallest_world(config), world_source="GPUs (--gpus)")
         if problems:
@@ -199,33 +240,57 @@ def run(args: argparse.Namespace) -> int:
     cluster_given = bool(args.gpus or args.rollout_gpus)
     timeouts_ok = all(check.ok for check in timeouts) or not cluster_given
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "suggested": best.to_dict() if best else None,
-                          "rollout_mode": "overlapped" if overlap else "sequential",
-                          "step_time": timing.to_dict(), "decode_tokens_per_s_per_gpu": decode_rate,
-                          "decode_source": decode_source,
-                          "timeouts": [{**vars(check), "ok": check.ok} for check in timeouts],
-                          "timeouts_checked_for_rollout_gpus": args.rollout_gpus or gpus,
-                          "cluster_given": cluster_given}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "plan": plan.to_dict(),
+                    "suggested": best.to_dict() if best else None,
+                    "rollout_mode": "overlapped" if overlap else "sequential",
+                    "step_time": timing.to_dict(),
+                    "decode_tokens_per_s_per_gpu": decode_rate,
+                    "decode_source": decode_source,
+                    "timeouts": [{**vars(check), "ok": check.ok} for check in timeouts],
+                    "timeouts_checked_for_rollout_gpus": args.rollout_gpus or gpus,
+                    "cluster_given": cluster_given,
+                },
+                indent=2,
+            )
+        )
         return 0 if plan.fits and timeouts_ok else 1
-    active = (f" ({count(model.num_active_parameters)} active: {model.num_experts} experts, "
-              f"{model.num_experts_per_tok} per token)" if model.is_moe else "")
-    print(f"{count(model.num_parameters)} parameters{active}, {layout.describe()}, "
-          f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}")
+    active = (
+        f" ({count(model.num_active_parameters)} active: {model.num_experts} experts, "
+        f"{model.num_experts_per_tok} per token)"
+        if model.is_moe
+        else ""
+    )
+    print(
+        f"{count(model.num_parameters)} parameters{active}, {layout.describe()}, "
+        f"micro-batch {workload.micro_batch_tokens} tokens, sequences up to {workload.max_sequence_length}"
+    )
     if data_parallel and data_parallel > 1:
         print(f"(no --gpus: planned on {gpus} GPUs, the fewest on which this layout fits: DP{data_parallel})")
     print(render_plan(plan))
     if args.gpus:
-        print("smallest fitting layout on", gpus, "GPUs:",
-              best.layout.describe() + f" ({best.total_bytes / 2**30:.1f} GiB)" if best else "none fits")
-    mode = (f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})" if overlap
-            else "sequential, on-policy (rollout.overlap=false)")
+        print(
+            "smallest fitting layout on",
+            gpus,
+            "GPUs:",
+            best.layout.describe() + f" ({best.total_bytes / 2**30:.1f} GiB)" if best else "none fits",
+        )
+    mode = (
+        f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})"
+        if overlap
+        else "sequential, on-policy (rollout.overlap=false)"
+    )
     other = "overlapped" if not overlap else "sequential"
-    from megatron_zcpo.megatron.step_time import format_seconds as duration
+    from megatron_zcpo.planning.step_time import format_seconds as duration
 
-    print(f"rollout mode: {mode}; predicted step {duration(timing.step_s(overlap))} "
-          f"(rollout {duration(timing.rollout_s)}, training {duration(timing.train_s)}, weight push "
-          f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "
-          f"{other}: {duration(timing.step_s(not overlap))}")
+    print(
+        f"rollout mode: {mode}; predicted step {duration(timing.step_s(overlap))} "
+        f"(rollout {duration(timing.rollout_s)}, training {duration(timing.train_s)}, weight push "
+        f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "
+        f"{other}: {duration(timing.step_s(not overlap))}"
+    )
     if model.is_moe:
         print(f"expert all-to-all: {duration(timing.all_to_all_s)} of the training time at EP{layout.expert_parallel}")
     print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
@@ -233,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(render_timeout_checks(timeouts))
     if not cluster_given:
-        print(f"(timeouts checked for {gpus} rollout GPUs, a guess: give --gpus N and --rollout-gpus N of your cluster "
-              "to check them for it; only then does a short timeout fail the plan)")
+        print(
+            f"(timeouts checked for {gpus} rollout GPUs, a guess: give --gpus N and --rollout-gpus N of your cluster "
+            "to check them for it; only then does a short timeout fail the plan)"
+        )
     return 0 if plan.fits and timeouts_ok else 1

@@ -20,7 +20,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_zcpo.cli.report_curves import matching_keys, write_curves
 from megatron_zcpo.diagnostics.compare import (
-    common_budget, cumulative_gpu_hours, group_by_method, mean_and_standard_error, value_at,
+    common_budget,
+    cumulative_gpu_hours,
+    group_by_method,
+    mean_and_standard_error,
+    value_at,
 )
 
 ALIGN_CHOICES = ("step", "gpu-hours")
@@ -40,6 +44,7 @@ SUMMARY = (
     ("diag/*", "mean"),
 )
 
+
 @dataclass
 class RunData:
     """One run directory's metrics: ``records`` are one dict per step (train, eval and diag keys merged).
@@ -57,8 +62,14 @@ class RunData:
 
     def keys(self) -> List[str]:
         """The metric names with at least one finite value."""
-        return sorted({key for record in self.records for key, value in record.items()
-                       if key not in ("step", "time") and math.isfinite(value)})
+        return sorted(
+            {
+                key
+                for record in self.records
+                for key, value in record.items()
+                if key not in ("step", "time") and math.isfinite(value)
+            }
+        )
 
     def positions(self) -> List[float]:
         """Each record's x: cumulative GPU-hours when set, else its step."""
@@ -66,33 +77,53 @@ class RunData:
 
     def series(self, key: str, budget: float = math.inf) -> Tuple[List[float], List[float]]:
         """(positions, values) of ``key`` up to ``budget``, skipping records without a finite value."""
-        pairs = [(x, r[key]) for x, r in zip(self.positions(), self.records)
-                 if x <= budget and math.isfinite(r.get(key, math.nan))]
+        pairs = [
+            (x, r[key])
+            for x, r in zip(self.positions(), self.records)
+            if x <= budget and math.isfinite(r.get(key, math.nan))
+        ]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``zcpo report`` on the ``zcpo`` parser's subparsers."""
     parser = subparsers.add_parser(
-        "report", help="summarise runs: a terminal table and a PNG / HTML page of curves",
+        "report",
+        help="summarise runs: a terminal table and a PNG / HTML page of curves",
         description="Summarise one or several run directories (metrics.jsonl + config.yaml): final and best "
-                    "values in a terminal table, and curves of reward, accuracy, KL, length, coefficient "
-                    "statistics and the F1-F7 diagnostics in report.png and report.html; several runs are "
-                    "drawn side by side in the same panels.")
+        "values in a terminal table, and curves of reward, accuracy, KL, length, coefficient "
+        "statistics and the F1-F7 diagnostics in report.png and report.html; several runs are "
+        "drawn side by side in the same panels.",
+    )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (logging.run_dir)")
-    parser.add_argument("--out", default=None,
-                        help="where report.png / report.html go (default: the run directory, or the runs' "
-                             "common parent)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="where report.png / report.html go (default: the run directory, or the runs' common parent)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="only print the table")
-    parser.add_argument("--align-by", choices=ALIGN_CHOICES, default="step",
-                        help="x-axis and comparison point: steps, or cumulative GPU-hours (time/step x GPUs; "
-                             "every run is read at the GPU time all of them reached)")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="GPUs a run holds, for --align-by gpu-hours (default: its logged time/world_size, "
-                             "the training ranks; give the whole job's count to include rollout nodes)")
-    parser.add_argument("--label", action="append", default=None, metavar="METHOD",
-                        help="method name of each RUN_DIR, in order (runs of one method are seeds: mean and "
-                             "standard error); default: the algorithm in the run's config.yaml")
+    parser.add_argument(
+        "--align-by",
+        choices=ALIGN_CHOICES,
+        default="step",
+        help="x-axis and comparison point: steps, or cumulative GPU-hours (time/step x GPUs; "
+        "every run is read at the GPU time all of them reached)",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs a run holds, for --align-by gpu-hours (default: its logged time/world_size, "
+        "the training ranks; give the whole job's count to include rollout nodes)",
+    )
+    parser.add_argument(
+        "--label",
+        action="append",
+        default=None,
+        metavar="METHOD",
+        help="method name of each RUN_DIR, in order (runs of one method are seeds: mean and "
+        "standard error); default: the algorithm in the run's config.yaml",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -103,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
 
     console = make_console()
     if args.label is not None and len(args.label) != len(args.run_dirs):
-        print(f"zcpo report: --label given {len(args.label)} times for {len(args.run_dirs)} run directories",
-              file=sys.stderr)
+        print(
+            f"zcpo report: --label given {len(args.label)} times for {len(args.run_dirs)} run directories",
+            file=sys.stderr,
+        )
         return 2
     runs = load_runs(args.run_dirs, methods=args.label)
     if not runs:
@@ -118,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(summary_table(runs, summary_rows(runs, budget), _budget_text(runs, budget)))
     seeds = seed_rows(runs)
     if seeds:
-        console.print(seed_table(seeds, _budget_text(runs, common_budget([r.positions()[-1] for r in runs])),
-                                 _methods(runs)))
+        console.print(
+            seed_table(seeds, _budget_text(runs, common_budget([r.positions()[-1] for r in runs])), _methods(runs))
+        )
     if not args.no_plots:
         out = Path(args.out) if args.out else default_output_dir([r.directory for r in runs])
         png, page = _write_pages(runs, out, budget)
@@ -153,8 +187,9 @@ def _budget_text(runs: Sequence[RunData], budget: float) -> str:
     return f"at {budget:.4g} {unit} (reached by every run)"
 
 
-def write_report(run_dirs: Sequence, out, names: Optional[Sequence[str]] = None,
-                 methods: Optional[Sequence[str]] = None) -> List[Path]:
+def write_report(
+    run_dirs: Sequence, out, names: Optional[Sequence[str]] = None, methods: Optional[Sequence[str]] = None
+) -> List[Path]:
     """report.png and report.html of ``run_dirs`` (side by side) in ``out``; returns their paths.
 
     names: the runs' labels (default: the directory names); methods: what groups them as seeds
@@ -173,8 +208,9 @@ def _write_pages(runs: Sequence[RunData], out: Path, budget: float = math.inf) -
 # ------------------------------------------------------------------------------------------ loading
 
 
-def load_runs(run_dirs: Sequence, names: Optional[Sequence[str]] = None,
-              methods: Optional[Sequence[str]] = None) -> List[RunData]:
+def load_runs(
+    run_dirs: Sequence, names: Optional[Sequence[str]] = None, methods: Optional[Sequence[str]] = None
+) -> List[RunData]:
     """The runs of ``run_dirs`` that hold metrics (the others are named on stderr and skipped).
 
     names / methods: per directory, its display name and its method (default: see RunData).
@@ -212,8 +248,12 @@ def load_run(directory, name: Optional[str] = None) -> Optional[RunData]:
         by_step.setdefault(step, {}).update(numbers, step=step)
     if not by_step:
         return None
-    return RunData(name=name or directory.resolve().name, directory=directory, label=_algorithm_label(directory),
-                   records=[by_step[s] for s in sorted(by_step)])
+    return RunData(
+        name=name or directory.resolve().name,
+        directory=directory,
+        label=_algorithm_label(directory),
+        records=[by_step[s] for s in sorted(by_step)],
+    )
 
 
 def _algorithm_label(directory: Path) -> str:
@@ -230,9 +270,17 @@ def _algorithm_label(directory: Path) -> str:
     parts = [config.name]
     if config.name == "zcpo":
         parts.append(f"beta={config.beta:g}")
-        parts += [f"{key}={getattr(config, key)}" for key, default in
-                  (("center", True), ("length_normalize", True), ("drift", "conditional_kl"), ("gate", True),
-                   ("reward_norm", "max_abs")) if getattr(config, key) != default]
+        parts += [
+            f"{key}={getattr(config, key)}"
+            for key, default in (
+                ("center", True),
+                ("length_normalize", True),
+                ("drift", "conditional_kl"),
+                ("gate", True),
+                ("reward_norm", "max_abs"),
+            )
+            if getattr(config, key) != default
+        ]
     elif config.name in ("dapo", "grpo"):
         if config.kl_loss != "none":
             parts.append(f"{config.kl_loss} KL {config.kl_coef:g}")
@@ -319,7 +367,9 @@ def seed_rows(runs: Sequence[RunData]) -> List[SeedRow]:
     rows = []
     for key, _ in _summary_keys(runs):
         values = [value_at(*runs[i].series(key), budget)[0] for i in range(len(runs))]
-        rows.append(SeedRow(key, [mean_and_standard_error([values[i] for i in indices]) for indices in groups.values()]))
+        rows.append(
+            SeedRow(key, [mean_and_standard_error([values[i] for i in indices]) for indices in groups.values()])
+        )
     return rows
 
 
@@ -368,8 +418,9 @@ def summary_table(runs: Sequence[RunData], rows: Sequence[SummaryRow], budget_te
     table = Table(title=f"zcpo report: final values (best or mean) {budget_text}".rstrip(), title_justify="left")
     table.add_column("metric", style="bold")
     for r in runs:
-        table.add_column(f"{r.name}\n{r.label}\n{len(r.records)} steps, last {int(r.records[-1]['step'])}",
-                         justify="right")
+        table.add_column(
+            f"{r.name}\n{r.label}\n{len(r.records)} steps, last {int(r.records[-1]['step'])}", justify="right"
+        )
     for row in rows:
         cells = []
         for cell in row.cells:
@@ -382,35 +433,46 @@ def summary_table(runs: Sequence[RunData], rows: Sequence[SummaryRow], budget_te
 # ------------------------------------------------------------------------------------------ curves and page
 
 
-def write_html(runs: Sequence[RunData], rows: Sequence[SummaryRow], png: Path, path: Path,
-               seeds: Sequence[SeedRow] = ()) -> Path:
+def write_html(
+    runs: Sequence[RunData], rows: Sequence[SummaryRow], png: Path, path: Path, seeds: Sequence[SeedRow] = ()
+) -> Path:
     """A self-contained page: the runs, the summary table, the seed table when any, the curves (PNG inlined)."""
     image = base64.b64encode(Path(png).read_bytes()).decode("ascii")
-    head = "".join(f"<th>{html.escape(r.name)}<br><small>{html.escape(r.label)}<br>{len(r.records)} steps"
-                   f"</small></th>" for r in runs)
+    head = "".join(
+        f"<th>{html.escape(r.name)}<br><small>{html.escape(r.label)}<br>{len(r.records)} steps</small></th>"
+        for r in runs
+    )
     body = []
     for row in rows:
-        cells = "".join(f"<td>{html.escape(final)}" + (f" <small>({html.escape(note)})</small>" if note else "")
-                        + "</td>" for final, note in (_cell_text(row, c) for c in row.cells))
+        cells = "".join(
+            f"<td>{html.escape(final)}" + (f" <small>({html.escape(note)})</small>" if note else "") + "</td>"
+            for final, note in (_cell_text(row, c) for c in row.cells)
+        )
         body.append(f"<tr><th>{html.escape(row.key)}</th>{cells}</tr>")
-    directories = "".join(f"<li>{html.escape(r.name)} ({html.escape(r.method)}): {html.escape(str(r.directory))}</li>"
-                          for r in runs)
+    directories = "".join(
+        f"<li>{html.escape(r.name)} ({html.escape(r.method)}): {html.escape(str(r.directory))}</li>" for r in runs
+    )
     seed_html = ""
     if seeds:
         methods = "".join(f"<th>{html.escape(m)}</th>" for m in _methods(runs))
-        seed_body = "".join(f"<tr><th>{html.escape(row.key)}</th>"
-                            + "".join(f"<td>{html.escape(_seed_text(c))}</td>" for c in row.cells) + "</tr>"
-                            for row in seeds)
-        seed_html = (f"<h2>Mean ± standard error over seeds</h2><table><thead><tr><th>metric</th>{methods}</tr>"
-                     f"</thead><tbody>{seed_body}</tbody></table>")
+        seed_body = "".join(
+            f"<tr><th>{html.escape(row.key)}</th>"
+            + "".join(f"<td>{html.escape(_seed_text(c))}</td>" for c in row.cells)
+            + "</tr>"
+            for row in seeds
+        )
+        seed_html = (
+            f"<h2>Mean ± standard error over seeds</h2><table><thead><tr><th>metric</th>{methods}</tr>"
+            f"</thead><tbody>{seed_body}</tbody></table>"
+        )
     page = f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>zcpo report: {html.escape(', '.join(r.name for r in runs))}</title>
+<html><head><meta charset="utf-8"><title>zcpo report: {html.escape(", ".join(r.name for r in runs))}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} tbody th{{text-align:left}}
 small{{color:#666}} img{{max-width:100%}}</style></head>
 <body><h1>zcpo report</h1><ul>{directories}</ul>
 <h2>Final values <small>(best with its step, or mean over the diagnosed steps)</small></h2>
-<table><thead><tr><th>metric</th>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>
+<table><thead><tr><th>metric</th>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>
 {seed_html}<h2>Curves</h2><img src="data:image/png;base64,{image}" alt="curves"></body></html>
 """
     path.write_text(page)

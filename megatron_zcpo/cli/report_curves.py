@@ -24,8 +24,10 @@ PANELS = (
     ("F1 closed-gate fraction", ("diag/f1_closed_fraction",)),
     ("F1 KL share at closed gates", ("diag/f1_kl_share_closed",)),
     ("F2 reward cancellation", ("diag/f2_cancellation", "diag/f2_group_cancellation_mean")),
-    ("F2 KL share: low / high cancellation",
-     ("diag/f2_kl_share_low_cancellation", "diag/f2_kl_share_high_cancellation")),
+    (
+        "F2 KL share: low / high cancellation",
+        ("diag/f2_kl_share_low_cancellation", "diag/f2_kl_share_high_cancellation"),
+    ),
     ("F3 tied groups", ("diag/f3_tied_group_fraction",)),
     ("F3 tied-group gradient share", ("diag/f3_tied_grad_share",)),
     ("F4 corr(length, drift)", ("diag/f4_corr_length_kl_sum", "diag/f4_corr_length_penalty")),
@@ -45,7 +47,7 @@ PANELS = (
 
 def matching_keys(runs: Sequence, pattern: str) -> List[str]:
     """The metric names of any of ``runs`` that match the glob ``pattern``, sorted."""
-    return sorted({key for r in runs for key in r.keys() if fnmatch.fnmatchcase(key, pattern)})
+    return sorted({key for r in runs for key in r if fnmatch.fnmatchcase(key, pattern)})
 
 
 Curve = Tuple[str, List[float], List[float], Optional[List[float]]]  # label, x, y, standard error
@@ -65,8 +67,14 @@ def curves_of(runs: Sequence, key: str) -> List[Curve]:
                 at_step.setdefault(step, []).append(value)
         steps = sorted(at_step)
         stats = [mean_and_standard_error(at_step[step]) for step in steps]
-        curves.append((f"{method} (n={len(indices)})", steps, [m for m, _, _ in stats],
-                       [e if math.isfinite(e) else 0.0 for _, e, _ in stats]))
+        curves.append(
+            (
+                f"{method} (n={len(indices)})",
+                steps,
+                [m for m, _, _ in stats],
+                [e if math.isfinite(e) else 0.0 for _, e, _ in stats],
+            )
+        )
     return curves
 
 
@@ -93,12 +101,24 @@ def write_curves(runs: Sequence, path: Path) -> Path:
                 if not values:
                     continue
                 label = " ".join(part for part in (name, key.split("/", 1)[1] if len(keys) > 1 else "") if part)
-                axes.plot(steps, values, color=f"C{c % 10}", linestyle=styles[k % len(styles)],
-                          marker="o" if key.startswith("eval/") or len(values) < 3 else None, markersize=3,
-                          linewidth=1.2, label=label or None)
+                axes.plot(
+                    steps,
+                    values,
+                    color=f"C{c % 10}",
+                    linestyle=styles[k % len(styles)],
+                    marker="o" if key.startswith("eval/") or len(values) < 3 else None,
+                    markersize=3,
+                    linewidth=1.2,
+                    label=label or None,
+                )
                 if errors is not None:
-                    axes.fill_between(steps, [v - e for v, e in zip(values, errors)],
-                                      [v + e for v, e in zip(values, errors)], color=f"C{c % 10}", alpha=0.2)
+                    axes.fill_between(
+                        steps,
+                        [v - e for v, e in zip(values, errors)],
+                        [v + e for v, e in zip(values, errors)],
+                        color=f"C{c % 10}",
+                        alpha=0.2,
+                    )
         axes.set_xlabel("GPU-hours" if runs[0].gpu_hours is not None else "step", fontsize=8)
         axes.tick_params(labelsize=7)
         if axes.get_legend_handles_labels()[1]:

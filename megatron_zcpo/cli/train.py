@@ -12,27 +12,41 @@ STARTUP_CHECKED = "ZCPO_STARTUP_CHECKED"  # set once the start-up checks passed 
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="train a policy with the configured RL algorithm",
-                                   description="Run the RL recipe of CONFIG (YAML); key=value overrides "
-                                               "any field, e.g. algorithm.beta=4 train.steps=100.")
+    parser = subparsers.add_parser(
+        "train",
+        help="train a policy with the configured RL algorithm",
+        description="Run the RL recipe of CONFIG (YAML); key=value overrides "
+        "any field, e.g. algorithm.beta=4 train.steps=100.",
+    )
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys)")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="processes to start on this machine when not launched by torchrun/srun "
-                             "(default: TP*PP*CP)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="validate the config and its layout (as the ranks would), print it with every "
-                             "default filled in, and exit")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete the run that logging.run_dir holds (checkpoints, metrics) and start a new one "
-                             "there (without it, checkpoint.resume=never into such a directory is refused)")
-    parser.add_argument("--skip-memory-check", action="store_true",
-                        help="start even when the memory planner says the layout does not fit this node's GPUs")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes to start on this machine when not launched by torchrun/srun (default: TP*PP*CP)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config and its layout (as the ranks would), print it with every default filled in, and exit",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run that logging.run_dir holds (checkpoints, metrics) and start a new one "
+        "there (without it, checkpoint.resume=never into such a directory is refused)",
+    )
+    parser.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even when the memory planner says the layout does not fit this node's GPUs",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, PreemptionGuard
+    from megatron_zcpo.training.preemption import PREEMPTED_EXIT_CODE, PreemptionGuard
 
     # From the first moment: a stop signal during start-up is remembered, never fatal (a launcher
     # stops before starting the ranks; a rank stops at its first safe point).
@@ -41,16 +55,18 @@ def run(args: argparse.Namespace) -> int:
     return PREEMPTED_EXIT_CODE if code is None else code
 
 
-def _run(args: argparse.Namespace, guard) -> "int | None":
+def _run(args: argparse.Namespace, guard) -> int | None:
     """``zcpo train`` under ``guard``; None: stopped by a signal before anything was trained."""
     from megatron_zcpo.megatron.initialize import distributed_env_from_slurm
-    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
     from megatron_zcpo.recipe.launch import relaunch_with_torchrun, report_rank_failure, world_size_needed
     from megatron_zcpo.recipe.training import run_training
+    from megatron_zcpo.training.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     config = load_run_config(args.config, args.overrides)  # validate before starting anything
     distributed_env_from_slurm()
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else world_size_needed(config, args.nproc)
+    world_size = (
+        int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else world_size_needed(config, args.nproc)
+    )
     if args.dry_run:
         _check_layout(config, world_size, memory_check=not args.skip_memory_check)
         print(dump_run_config(config), end="")
@@ -59,14 +75,18 @@ def _run(args: argparse.Namespace, guard) -> "int | None":
         from megatron_zcpo.recipe.preflight import run_startup_checks
 
         # files, directories, reward function, layout, the run directory: before any process starts
-        run_startup_checks(config, world_size=world_size, overwrite=args.overwrite,
-                           memory_check=not args.skip_memory_check)
+        run_startup_checks(
+            config, world_size=world_size, overwrite=args.overwrite, memory_check=not args.skip_memory_check
+        )
         os.environ[STARTUP_CHECKED] = "1"  # the processes torchrun starts below inherit it
     if "RANK" not in os.environ:
         nproc = world_size
         if guard.received:  # nothing started yet, so nothing to save: requeue as after a checkpoint
-            print(f"zcpo train: stopped by signal {guard.received} before starting (exit code "
-                  f"{PREEMPTED_EXIT_CODE}: requeue and resume)", file=sys.stderr)
+            print(
+                f"zcpo train: stopped by signal {guard.received} before starting (exit code "
+                f"{PREEMPTED_EXIT_CODE}: requeue and resume)",
+                file=sys.stderr,
+            )
             return None
         if nproc > 1:
             return relaunch_with_torchrun(["train", args.config, *args.overrides], nproc, guard)
@@ -92,7 +112,12 @@ def _check_layout(config, world_size: int, memory_check: bool) -> None:
         model = run_architecture(config)
     except (ValueError, OSError) as error:
         raise StartupCheckError(f"model.path: {error}") from None
-    problems = layout_problems(config, model, world_size, world_source="processes (--nproc, or the job's tasks)",
-                               gpu_memory_gib=gpu_memory_gib() if memory_check else None)
+    problems = layout_problems(
+        config,
+        model,
+        world_size,
+        world_source="processes (--nproc, or the job's tasks)",
+        gpu_memory_gib=gpu_memory_gib() if memory_check else None,
+    )
     if problems:
         raise StartupCheckError("the layout would be refused:\n  " + "\n  ".join(problems))

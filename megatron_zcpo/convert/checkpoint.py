@@ -23,8 +23,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron_zcpo.checkpoint.io import read_model_config, write_model_config
 from megatron_zcpo.convert import hf_checkpoint, mapping
-from megatron_zcpo.megatron.checkpoint import read_model_config, write_model_config
 from megatron_zcpo.megatron.model import ModelConfig
 
 HF_FILES_DIR = "hf"
@@ -53,8 +53,10 @@ def _require_single_process() -> None:
     from megatron.core import parallel_state as ps
 
     if not (dist.is_initialized() and ps.model_parallel_is_initialized()) or dist.get_world_size() != 1:
-        raise RuntimeError("checkpoint conversion runs in one process: call "
-                           "megatron_zcpo.megatron.initialize.setup_megatron() without torchrun first")
+        raise RuntimeError(
+            "checkpoint conversion runs in one process: call "
+            "megatron_zcpo.megatron.initialize.setup_megatron() without torchrun first"
+        )
 
 
 def _tp1_layout(model: ModelConfig):
@@ -80,8 +82,10 @@ def _tp1_layout(model: ModelConfig):
         if name in VOCAB_TENSORS:
             shape = (model.vocab_size,) + shape[1:]
         if shape != mapping.megatron_tensor_shape(name, model):
-            raise RuntimeError(f"megatron-core parameter {name!r} has shape {shape}, the mapping expects "
-                               f"{mapping.megatron_tensor_shape(name, model)}: convert/mapping.py is out of date")
+            raise RuntimeError(
+                f"megatron-core parameter {name!r} has shape {shape}, the mapping expects "
+                f"{mapping.megatron_tensor_shape(name, model)}: convert/mapping.py is out of date"
+            )
     sharded = gpt.sharded_state_dict()
     apply_factories(sharded)
     pieces: Dict[Tuple[str, Tuple[int, ...]], _StoredPiece] = {}
@@ -97,7 +101,8 @@ def _tp1_layout(model: ModelConfig):
             changes.update(local_shape=tuple(view.shape), global_shape=tuple(view.shape))
         template = dataclasses.replace(value, **changes)
         pieces[(template.key, tuple(template.global_offset))] = _StoredPiece(
-            template, parameters[id(base)], tuple(view.shape), tuple(view.stride()), view.storage_offset())
+            template, parameters[id(base)], tuple(view.shape), tuple(view.stride()), view.storage_offset()
+        )
         return template
 
     dict_list_map_inplace(describe, sharded)
@@ -170,15 +175,19 @@ def save_streaming_checkpoint(
             planned[piece.parameter] = describe_tensor(piece.parameter)
             expected = mapping.megatron_tensor_shape(piece.parameter, model)
             if tuple(planned[piece.parameter].shape) != expected:
-                raise ValueError(f"Megatron tensor {piece.parameter!r}: described shape "
-                                 f"{tuple(planned[piece.parameter].shape)}, the model needs {expected}")
+                raise ValueError(
+                    f"Megatron tensor {piece.parameter!r}: described shape "
+                    f"{tuple(planned[piece.parameter].shape)}, the model needs {expected}"
+                )
 
     def with_meta_data(value):
         if not isinstance(value, ShardedTensor):
             return value
         piece = pieces[(value.key, tuple(value.global_offset))]
         dtype = planned[piece.parameter].dtype
-        return dataclasses.replace(piece.template, data=torch.empty(piece.size, dtype=dtype, device="meta"), dtype=dtype)
+        return dataclasses.replace(
+            piece.template, data=torch.empty(piece.size, dtype=dtype, device="meta"), dtype=dtype
+        )
 
     dict_list_map_inplace(with_meta_data, sharded)
     last: Dict[str, torch.Tensor] = {}  # the SwiGLU halves of one tensor are written back to back
@@ -190,8 +199,10 @@ def save_streaming_checkpoint(
             full = global_tensor(piece.parameter)
             expected = planned[piece.parameter]
             if full.shape != expected.shape or full.dtype != expected.dtype:
-                raise ValueError(f"Megatron tensor {piece.parameter!r}: got {tuple(full.shape)} {full.dtype}, "
-                                 f"planned {tuple(expected.shape)} {expected.dtype}")
+                raise ValueError(
+                    f"Megatron tensor {piece.parameter!r}: got {tuple(full.shape)} {full.dtype}, "
+                    f"planned {tuple(expected.shape)} {expected.dtype}"
+                )
             last[piece.parameter] = full.contiguous()
         return piece.view_of(last[piece.parameter])
 
@@ -203,7 +214,9 @@ def save_streaming_checkpoint(
 # ----------------------------------------------------------------------------- reading
 
 
-def read_checkpoint_tensors(ckpt_dir: str | os.PathLike, model: Optional[ModelConfig] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+def read_checkpoint_tensors(
+    ckpt_dir: str | os.PathLike, model: Optional[ModelConfig] = None
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """Global Megatron tensors of a torch_dist checkpoint, one at a time, in model order.
 
     Works for any checkpoint of this model's parameters under megatron-core's sharded keys,
@@ -221,16 +234,19 @@ def read_checkpoint_tensors(ckpt_dir: str | os.PathLike, model: Optional[ModelCo
     by_parameter: Dict[str, List[_StoredPiece]] = {}
     for piece in pieces.values():
         if piece.template.key not in stored:
-            raise KeyError(f"checkpoint {ckpt_dir} has no tensor {piece.template.key!r} "
-                           f"(Megatron {piece.parameter!r})")
+            raise KeyError(f"checkpoint {ckpt_dir} has no tensor {piece.template.key!r} (Megatron {piece.parameter!r})")
         by_parameter.setdefault(piece.parameter, []).append(piece)
     strategy = TorchDistLoadShardedStrategy()
     for name in mapping.megatron_tensor_names(model):
         parts = by_parameter[name]
         full = torch.empty(mapping.megatron_tensor_shape(name, model), dtype=stored[parts[0].template.key].dtype)
         targets = [_single_piece_target(piece, full) for piece in parts]
-        loaded = dist_checkpointing.load({i: request for i, (request, _) in enumerate(targets)}, str(ckpt_dir),
-                                         sharded_strategy=strategy, validate_access_integrity=False)
+        loaded = dist_checkpointing.load(
+            {i: request for i, (request, _) in enumerate(targets)},
+            str(ckpt_dir),
+            sharded_strategy=strategy,
+            validate_access_integrity=False,
+        )
         for i, (_, target) in enumerate(targets):
             target.copy_(loaded[i])  # a no-op when megatron loaded in place, as it does
         yield name, full
@@ -248,8 +264,9 @@ def _single_piece_target(piece: _StoredPiece, full: torch.Tensor):
     template = piece.template
     local_shape = (1,) * template.prepend_axis_num + tuple(template.local_shape)
     target = piece.view_of(full).view(local_shape)  # pieces are row blocks: always a view
-    request = dataclasses.replace(template, data=target, dtype=full.dtype, local_shape=local_shape,
-                                  prepend_axis_num=0, axis_fragmentations=None)
+    request = dataclasses.replace(
+        template, data=target, dtype=full.dtype, local_shape=local_shape, prepend_axis_num=0, axis_fragmentations=None
+    )
     return request, target
 
 
@@ -259,7 +276,7 @@ def _single_piece_target(piece: _StoredPiece, full: torch.Tensor):
 def megatron_checkpoint_dir(path: str | os.PathLike) -> Optional[Path]:
     """The model-checkpoint directory at ``path`` (itself, or a training step's ``weights/``), or
     None when ``path`` is not a Megatron model checkpoint (e.g. a Hugging Face directory)."""
-    from megatron_zcpo.megatron.checkpoint import MODEL_CONFIG_FILE
+    from megatron_zcpo.checkpoint.io import MODEL_CONFIG_FILE
 
     for candidate in (Path(path), Path(path) / "weights"):
         if (candidate / MODEL_CONFIG_FILE).is_file():
@@ -288,15 +305,22 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLik
     model = mapping.model_config_from_hf(hf_config)
     with hf_checkpoint.SafetensorsCheckpoint(hf_dir) as source:
         known = set(mapping.hf_tensor_names(model))
-        unknown = [name for name in source.names() if name not in known and not mapping.is_ignored_hf_tensor(name, model)]
+        unknown = [
+            name for name in source.names() if name not in known and not mapping.is_ignored_hf_tensor(name, model)
+        ]
         if unknown:
-            raise ValueError(f"{hf_dir}: tensor(s) {unknown[:8]} have no Megatron counterpart in a "
-                             f"{model.family} model (a different architecture?)")
+            raise ValueError(
+                f"{hf_dir}: tensor(s) {unknown[:8]} have no Megatron counterpart in a "
+                f"{model.family} model (a different architecture?)"
+            )
         # Every name, shape and dtype is checked on meta tensors before anything is written.
-        planned = {name: mapping.hf_to_megatron_tensor(name, source.meta, model)
-                   for name in mapping.megatron_tensor_names(model)}
+        planned = {
+            name: mapping.hf_to_megatron_tensor(name, source.meta, model)
+            for name in mapping.megatron_tensor_names(model)
+        }
         save_streaming_checkpoint(
-            ckpt_dir, model,
+            ckpt_dir,
+            model,
             global_tensor=lambda name: mapping.hf_to_megatron_tensor(name, source.tensor, model),
             describe_tensor=planned.__getitem__,
         )
@@ -337,8 +361,9 @@ def convert_megatron_to_hf(
             stored_dtypes.add(tensor.dtype)
             yield name, tensor
 
-    hf_checkpoint.write_safetensors_shards(out_dir, mapping.megatron_to_hf_stream(stored_tensors(), model, dtype),
-                                           max_shard_bytes)
+    hf_checkpoint.write_safetensors_shards(
+        out_dir, mapping.megatron_to_hf_stream(stored_tensors(), model, dtype), max_shard_bytes
+    )
     config = mapping.hf_config_from_model_config(model, base)
     written = {dtype} if dtype is not None else stored_dtypes
     if len(written) == 1:
@@ -349,13 +374,20 @@ def convert_megatron_to_hf(
     return model
 
 
-def check_parallel_layout(model: ModelConfig, tensor_parallel: int, pipeline_parallel: int,
-                          expert_parallel: int = 1, expert_tensor_parallel: Optional[int] = None) -> None:
+def check_parallel_layout(
+    model: ModelConfig,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: Optional[int] = None,
+) -> None:
     """Raise ``ValueError`` naming the field when ``model`` cannot be split ``tensor_parallel`` x
     ``pipeline_parallel`` (and its experts ``expert_parallel`` x ``expert_tensor_parallel``, None: as TP)."""
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, field) % tensor_parallel:
-            raise ValueError(f"{field}={getattr(model, field)} is not divisible by tensor parallelism {tensor_parallel}")
+            raise ValueError(
+                f"{field}={getattr(model, field)} is not divisible by tensor parallelism {tensor_parallel}"
+            )
     if model.num_layers % pipeline_parallel:
         raise ValueError(f"num_layers={model.num_layers} is not divisible by pipeline parallelism {pipeline_parallel}")
     expert_tensor_parallel = expert_tensor_parallel or tensor_parallel
@@ -364,8 +396,12 @@ def check_parallel_layout(model: ModelConfig, tensor_parallel: int, pipeline_par
             raise ValueError(f"expert parallelism {expert_parallel}: the {model.family} model has no experts")
         return
     if model.num_experts % expert_parallel:
-        raise ValueError(f"num_experts={model.num_experts} is not divisible by expert parallelism {expert_parallel}: "
-                         f"each expert-parallel rank must hold the same number of whole experts")
+        raise ValueError(
+            f"num_experts={model.num_experts} is not divisible by expert parallelism {expert_parallel}: "
+            f"each expert-parallel rank must hold the same number of whole experts"
+        )
     if model.moe_intermediate_size % expert_tensor_parallel:
-        raise ValueError(f"moe_intermediate_size={model.moe_intermediate_size} is not divisible by expert tensor "
-                         f"parallelism {expert_tensor_parallel}")
+        raise ValueError(
+            f"moe_intermediate_size={model.moe_intermediate_size} is not divisible by expert tensor "
+            f"parallelism {expert_tensor_parallel}"
+        )

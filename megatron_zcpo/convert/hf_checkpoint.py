@@ -15,17 +15,33 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_SAFETENSORS = "model.safetensors"
 # Files a Hugging Face model directory carries besides weights and config.json; copied through.
 ASSET_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
     "chat_template.json",
 )
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 
 # safetensors header dtype names (https://github.com/huggingface/safetensors, "Format").
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -75,12 +91,13 @@ class SafetensorsCheckpoint:
             with open(index) as handle:
                 self.weight_map: Dict[str, str] = dict(json.load(handle)["weight_map"])
         elif (self.directory / SINGLE_SAFETENSORS).is_file():
-            self.weight_map = {name: SINGLE_SAFETENSORS for name in self._file(SINGLE_SAFETENSORS).keys()}
+            self.weight_map = {name: SINGLE_SAFETENSORS for name in self._file(SINGLE_SAFETENSORS)}
         else:
             others = sorted(p.name for p in self.directory.glob("*.bin"))
             raise FileNotFoundError(
                 f"{self.directory} has neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}"
-                + (f" (found {others}: re-save the model with safetensors)" if others else ""))
+                + (f" (found {others}: re-save the model with safetensors)" if others else "")
+            )
 
     def _file(self, file_name: str):
         if file_name not in self._handles:
@@ -114,7 +131,7 @@ class SafetensorsCheckpoint:
     def close(self) -> None:
         self._handles.clear()  # safe_open handles unmap their files when released
 
-    def __enter__(self) -> "SafetensorsCheckpoint":
+    def __enter__(self) -> SafetensorsCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -183,7 +200,9 @@ def write_safetensors_shards(
     return weight_map
 
 
-def write_safetensors_index(out_dir: str | os.PathLike, weight_map: Dict[str, str], total_bytes: Optional[int] = None) -> None:
+def write_safetensors_index(
+    out_dir: str | os.PathLike, weight_map: Dict[str, str], total_bytes: Optional[int] = None
+) -> None:
     """Write ``model.safetensors.index.json`` mapping each tensor name to its file."""
     metadata = {} if total_bytes is None else {"total_size": total_bytes}
     with open(Path(out_dir) / SAFETENSORS_INDEX, "w") as handle:

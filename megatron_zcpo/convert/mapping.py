@@ -56,27 +56,48 @@ FAMILIES: Dict[str, HFFamily] = {
     for family in (
         HFFamily("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
         # Qwen3's attention_bias would also put a bias on o_proj: refused, so fixed at False.
-        HFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True,
-                 required=("head_dim",)),
+        HFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True, required=("head_dim",)),
         HFFamily("llama", "llama", "LlamaForCausalLM", qkv_bias=None),
-        HFFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_layernorm=True,
-                 required=("head_dim",) + _MOE_REQUIRED),
-        HFFamily("qwen2_moe", "qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True,
-                 required=_MOE_REQUIRED + ("shared_expert_intermediate_size",), shared_expert=True),
+        HFFamily(
+            "qwen3_moe",
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            qkv_bias=False,
+            qk_layernorm=True,
+            required=("head_dim",) + _MOE_REQUIRED,
+        ),
+        HFFamily(
+            "qwen2_moe",
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            qkv_bias=True,
+            required=_MOE_REQUIRED + ("shared_expert_intermediate_size",),
+            shared_expert=True,
+        ),
     )
 }
 
 # config.json fields without which the architecture is unknown.
-_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "max_position_embeddings")
+_REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
 
 # Per layer: Megatron suffix -> (Hugging Face suffixes, layout). Attention and norms in every layer:
 _LAYER_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "input_layernorm.weight": (("input_layernorm.weight",), "copy"),
     "self_attention.linear_qkv.weight": (
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "qkv",
+    ),
     "self_attention.linear_qkv.bias": (
-        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        "qkv",
+    ),
     "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "copy"),
     "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "copy"),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "copy"),
@@ -91,12 +112,16 @@ _DENSE_MLP_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
 _ROUTER = {"mlp.router.weight": (("mlp.gate.weight",), "copy")}
 _EXPERT_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "mlp.experts.local_experts.{e}.linear_fc1.weight": (
-        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "gate_up"),
+        ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+        "gate_up",
+    ),
     "mlp.experts.local_experts.{e}.linear_fc2.weight": (("mlp.experts.{e}.down_proj.weight",), "copy"),
 }
 _SHARED_EXPERT_TENSORS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "mlp.shared_experts.linear_fc1.weight": (
-        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "gate_up"),
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        "gate_up",
+    ),
     "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_expert.down_proj.weight",), "copy"),
     "mlp.shared_experts.gate_weight": (("mlp.shared_expert_gate.weight",), "copy"),
 }
@@ -122,16 +147,21 @@ def _family_of(config: dict) -> HFFamily:
     architectures = config.get("architectures") or []
     supported = {f.model_type: f for f in FAMILIES.values()}
     if model_type is None:
-        raise KeyError(f"config.json has no 'model_type' (architectures={architectures}); "
-                       f"supported: {sorted(supported)}")
+        raise KeyError(
+            f"config.json has no 'model_type' (architectures={architectures}); supported: {sorted(supported)}"
+        )
     family = supported.get(model_type)
     if family is None:
-        raise ValueError(f"config.json model_type={model_type!r} (architectures={architectures}) is not "
-                         f"supported; supported model types: {sorted(supported)}")
+        raise ValueError(
+            f"config.json model_type={model_type!r} (architectures={architectures}) is not "
+            f"supported; supported model types: {sorted(supported)}"
+        )
     for architecture in architectures:
         if architecture != family.architecture:
-            raise ValueError(f"config.json architectures={architectures}: model_type {model_type!r} "
-                             f"is converted as {family.architecture}, not {architecture}")
+            raise ValueError(
+                f"config.json architectures={architectures}: model_type {model_type!r} "
+                f"is converted as {family.architecture}, not {architecture}"
+            )
     return family
 
 
@@ -157,12 +187,15 @@ def _check_supported_features(config: dict, family: HFFamily) -> None:
         raise ValueError("config.json mlp_bias=True: MLP biases are not supported")
     if family.qkv_bias is not True and config.get("attention_bias"):
         # Llama's and Qwen3's attention_bias also put a bias on o_proj, which the Megatron model lacks.
-        raise ValueError(f"config.json attention_bias=True: {family.architecture} then has a bias on o_proj, "
-                         f"which is not supported")
+        raise ValueError(
+            f"config.json attention_bias=True: {family.architecture} then has a bias on o_proj, which is not supported"
+        )
     experts = [key for key in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(key)]
     if experts and not family.family.endswith("_moe"):
-        raise ValueError(f"config.json {experts[0]}={config[experts[0]]}: mixture-of-experts fields in a dense "
-                         f"{family.model_type} config (mixture-of-experts models convert as qwen3_moe / qwen2_moe)")
+        raise ValueError(
+            f"config.json {experts[0]}={config[experts[0]]}: mixture-of-experts fields in a dense "
+            f"{family.model_type} config (mixture-of-experts models convert as qwen3_moe / qwen2_moe)"
+        )
     if family.qkv_bias is True and config.get("qkv_bias", True) is False:
         raise ValueError(f"config.json qkv_bias=False: {family.architecture} is converted with its q/k/v biases")
     if config.get("use_sliding_window"):
@@ -243,10 +276,15 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
     """
     family = FAMILIES[model.family]
     if base is not None and base.get("model_type", family.model_type) != family.model_type:
-        raise ValueError(f"base config model_type={base.get('model_type')!r} does not match "
-                         f"family {model.family!r} ({family.model_type})")
-    config = dict(base) if base is not None else {
-        "architectures": [family.architecture], "model_type": family.model_type, "hidden_act": "silu"}
+        raise ValueError(
+            f"base config model_type={base.get('model_type')!r} does not match "
+            f"family {model.family!r} ({family.model_type})"
+        )
+    config = (
+        dict(base)
+        if base is not None
+        else {"architectures": [family.architecture], "model_type": family.model_type, "hidden_act": "silu"}
+    )
     config.update(
         vocab_size=model.vocab_size,
         hidden_size=model.hidden_size,
@@ -259,22 +297,35 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
         tie_word_embeddings=model.tie_word_embeddings,
         initializer_range=model.init_method_std,
     )
-    if ("head_dim" in config or "head_dim" in family.required
-            or model.head_dim != model.hidden_size // model.num_attention_heads):
+    if (
+        "head_dim" in config
+        or "head_dim" in family.required
+        or model.head_dim != model.hidden_size // model.num_attention_heads
+    ):
         config["head_dim"] = model.head_dim
     if family.qkv_bias is not None and bool(model.qkv_bias) != family.qkv_bias:
-        raise ValueError(f"model.qkv_bias={model.qkv_bias}: {family.architecture} always has "
-                         f"qkv_bias={family.qkv_bias}")
+        raise ValueError(
+            f"model.qkv_bias={model.qkv_bias}: {family.architecture} always has qkv_bias={family.qkv_bias}"
+        )
     if family.qkv_bias is not True:
         config["attention_bias"] = bool(model.qkv_bias)
     if bool(model.qk_layernorm) != family.qk_layernorm:
-        raise ValueError(f"model.qk_layernorm={model.qk_layernorm}: {family.architecture} always has "
-                         f"qk_layernorm={family.qk_layernorm}")
+        raise ValueError(
+            f"model.qk_layernorm={model.qk_layernorm}: {family.architecture} always has "
+            f"qk_layernorm={family.qk_layernorm}"
+        )
     if model.is_moe:
-        expert_key = "num_local_experts" if "num_local_experts" in config and "num_experts" not in config else "num_experts"
-        config.update({expert_key: model.num_experts}, num_experts_per_tok=model.num_experts_per_tok,
-                      moe_intermediate_size=model.moe_intermediate_size, norm_topk_prob=model.norm_topk_prob,
-                      decoder_sparse_step=model.decoder_sparse_step, mlp_only_layers=list(model.mlp_only_layers))
+        expert_key = (
+            "num_local_experts" if "num_local_experts" in config and "num_experts" not in config else "num_experts"
+        )
+        config.update(
+            {expert_key: model.num_experts},
+            num_experts_per_tok=model.num_experts_per_tok,
+            moe_intermediate_size=model.moe_intermediate_size,
+            norm_topk_prob=model.norm_topk_prob,
+            decoder_sparse_step=model.decoder_sparse_step,
+            mlp_only_layers=list(model.mlp_only_layers),
+        )
         if family.shared_expert:
             config["shared_expert_intermediate_size"] = model.shared_expert_intermediate_size
     scaling = dict(model.rope_scaling) if model.rope_scaling else None
@@ -293,9 +344,12 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
 def _layer_tensors(layer: int, model: ModelConfig) -> Dict[str, Tuple[Tuple[str, ...], str]]:
     """Megatron suffix -> (Hugging Face suffixes, layout) of every tensor layer ``layer`` of ``model`` has,
     in model order (biases and q/k norms only where the model has them; a dense MLP or the experts)."""
-    tensors = {suffix: spec for suffix, spec in _LAYER_TENSORS.items()
-               if not (suffix.endswith(".bias") and not model.qkv_bias)
-               and not (suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not model.qk_layernorm)}
+    tensors = {
+        suffix: spec
+        for suffix, spec in _LAYER_TENSORS.items()
+        if not (suffix.endswith(".bias") and not model.qkv_bias)
+        and not (suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not model.qk_layernorm)
+    }
     if not model.moe_layer_pattern[layer]:
         tensors.update(_DENSE_MLP_TENSORS)
         return tensors
@@ -333,13 +387,21 @@ def _hf_names_and_layout(name: str, model: ModelConfig) -> Tuple[Tuple[str, ...]
         if suffix in tensors:
             hf_suffixes, layout = tensors[suffix]
             return tuple(f"model.layers.{layer}.{hf}" for hf in hf_suffixes), layout
-        if suffix in _LAYER_TENSORS or suffix in _DENSE_MLP_TENSORS or suffix in _ROUTER or _MEGATRON_EXPERT.match(suffix):
-            raise KeyError(f"Megatron tensor {name!r}: the model has no such tensor (qkv_bias={model.qkv_bias}, "
-                           f"qk_layernorm={model.qk_layernorm}, layer {layer} "
-                           f"{'mixture-of-experts' if model.moe_layer_pattern[layer] else 'dense'}, "
-                           f"num_experts={model.num_experts})")
-    raise KeyError(f"Megatron tensor {name!r} has no Hugging Face counterpart in a "
-                   f"{model.num_layers}-layer {model.family} model")
+        if (
+            suffix in _LAYER_TENSORS
+            or suffix in _DENSE_MLP_TENSORS
+            or suffix in _ROUTER
+            or _MEGATRON_EXPERT.match(suffix)
+        ):
+            raise KeyError(
+                f"Megatron tensor {name!r}: the model has no such tensor (qkv_bias={model.qkv_bias}, "
+                f"qk_layernorm={model.qk_layernorm}, layer {layer} "
+                f"{'mixture-of-experts' if model.moe_layer_pattern[layer] else 'dense'}, "
+                f"num_experts={model.num_experts})"
+            )
+    raise KeyError(
+        f"Megatron tensor {name!r} has no Hugging Face counterpart in a {model.num_layers}-layer {model.family} model"
+    )
 
 
 def hf_tensor_names(model: ModelConfig) -> List[str]:
@@ -376,21 +438,30 @@ def hf_tensor_shape(hf_name: str, model: ModelConfig) -> Tuple[int, ...]:
             suffix = re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{e}.", suffix)
             fm, fs = model.moe_intermediate_size, model.shared_expert_intermediate_size
             return {
-                "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-                "self_attn.v_proj.weight": (kv, h), "self_attn.q_proj.bias": (q,),
-                "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-                "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-                "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
-                "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+                "input_layernorm.weight": (h,),
+                "post_attention_layernorm.weight": (h,),
+                "self_attn.q_proj.weight": (q, h),
+                "self_attn.k_proj.weight": (kv, h),
+                "self_attn.v_proj.weight": (kv, h),
+                "self_attn.q_proj.bias": (q,),
+                "self_attn.k_proj.bias": (kv,),
+                "self_attn.v_proj.bias": (kv,),
+                "self_attn.q_norm.weight": (d,),
+                "self_attn.k_norm.weight": (d,),
+                "self_attn.o_proj.weight": (h, q),
+                "mlp.gate_proj.weight": (f, h),
+                "mlp.up_proj.weight": (f, h),
+                "mlp.down_proj.weight": (h, f),
                 "mlp.gate.weight": (model.num_experts, h),
-                "mlp.experts.{e}.gate_proj.weight": (fm, h), "mlp.experts.{e}.up_proj.weight": (fm, h),
+                "mlp.experts.{e}.gate_proj.weight": (fm, h),
+                "mlp.experts.{e}.up_proj.weight": (fm, h),
                 "mlp.experts.{e}.down_proj.weight": (h, fm),
-                "mlp.shared_expert.gate_proj.weight": (fs, h), "mlp.shared_expert.up_proj.weight": (fs, h),
-                "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h),
+                "mlp.shared_expert.gate_proj.weight": (fs, h),
+                "mlp.shared_expert.up_proj.weight": (fs, h),
+                "mlp.shared_expert.down_proj.weight": (h, fs),
+                "mlp.shared_expert_gate.weight": (1, h),
             }[suffix]
-    raise KeyError(f"Hugging Face tensor {hf_name!r} is not part of a {model.num_layers}-layer "
-                   f"{model.family} model")
+    raise KeyError(f"Hugging Face tensor {hf_name!r} is not part of a {model.num_layers}-layer {model.family} model")
 
 
 def megatron_tensor_shape(name: str, model: ModelConfig) -> Tuple[int, ...]:
@@ -409,8 +480,10 @@ def megatron_tensor_shape(name: str, model: ModelConfig) -> Tuple[int, ...]:
 
 def _check_shape(what: str, tensor: torch.Tensor, expected: Tuple[int, ...], model: ModelConfig) -> None:
     if tuple(tensor.shape) != tuple(expected):
-        raise ValueError(f"{what}: shape {tuple(tensor.shape)} does not match {tuple(expected)} "
-                         f"expected by the {model.family} config")
+        raise ValueError(
+            f"{what}: shape {tuple(tensor.shape)} does not match {tuple(expected)} "
+            f"expected by the {model.family} config"
+        )
 
 
 def _split_qkv(qkv: torch.Tensor, model: ModelConfig) -> List[torch.Tensor]:
@@ -445,12 +518,12 @@ def megatron_to_hf_tensors(name: str, tensor: torch.Tensor, model: ModelConfig) 
         return [(hf_names[0], tensor)]
     pieces = _split_qkv(tensor, model) if layout == "qkv" else tensor.chunk(2, dim=0)
     # Fresh storage per piece: safetensors and NCCL need tensors that share no memory.
-    return [(hf_name, piece.clone(memory_format=torch.contiguous_format))
-            for hf_name, piece in zip(hf_names, pieces)]
+    return [(hf_name, piece.clone(memory_format=torch.contiguous_format)) for hf_name, piece in zip(hf_names, pieces)]
 
 
-def megatron_to_hf_stream(named_tensors: Iterable[Tuple[str, torch.Tensor]], model: ModelConfig,
-                          dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+def megatron_to_hf_stream(
+    named_tensors: Iterable[Tuple[str, torch.Tensor]], model: ModelConfig, dtype: Optional[torch.dtype] = None
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """A stream of global Megatron tensors as ``(hf_name, tensor)``, converted one tensor at a
     time by :func:`megatron_to_hf_tensors`, optionally cast to ``dtype`` (checkpoint export and
     the rollout weight push)."""
@@ -475,13 +548,16 @@ def hf_to_megatron_tensor(name: str, get_hf_tensor: Callable[[str], torch.Tensor
         try:
             tensor = get_hf_tensor(hf_name)
         except KeyError:
-            raise KeyError(f"Hugging Face checkpoint has no tensor {hf_name!r} "
-                           f"(needed for Megatron {name!r})") from None
+            raise KeyError(
+                f"Hugging Face checkpoint has no tensor {hf_name!r} (needed for Megatron {name!r})"
+            ) from None
         _check_shape(f"Hugging Face tensor {hf_name!r}", tensor, hf_tensor_shape(hf_name, model), model)
         pieces.append(tensor)
     if len({piece.dtype for piece in pieces}) > 1:
-        raise ValueError(f"Hugging Face tensors {list(hf_names)} fuse into {name!r} but have dtypes "
-                         f"{[piece.dtype for piece in pieces]}")
+        raise ValueError(
+            f"Hugging Face tensors {list(hf_names)} fuse into {name!r} but have dtypes "
+            f"{[piece.dtype for piece in pieces]}"
+        )
     if layout == "copy":
         return pieces[0]
     if layout == "qkv":
@@ -489,7 +565,9 @@ def hf_to_megatron_tensor(name: str, get_hf_tensor: Callable[[str], torch.Tensor
     return torch.cat(pieces, dim=0)
 
 
-def hf_to_megatron_tensors(get_hf_tensor: Callable[[str], torch.Tensor], model: ModelConfig) -> Iterator[Tuple[str, torch.Tensor]]:
+def hf_to_megatron_tensors(
+    get_hf_tensor: Callable[[str], torch.Tensor], model: ModelConfig
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """Every global Megatron tensor of ``model``, one at a time, from Hugging Face tensors.
 
     Yields ``(name, tensor)`` in :func:`megatron_tensor_names` order; see

@@ -12,8 +12,10 @@ import torch
 from megatron_zcpo.megatron.model import ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-SAMPLE_TEXT = ("The quick brown fox jumps over the lazy dog. Question: what is 12 * 12? "
-               "Answer: 144, because twelve dozens make a gross.")
+SAMPLE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Question: what is 12 * 12? "
+    "Answer: 144, because twelve dozens make a gross."
+)
 
 
 def sample_tokens(hf_dir: str | os.PathLike, model: ModelConfig, seq_length: int = 32) -> torch.Tensor:
@@ -70,8 +72,13 @@ def megatron_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         return stage(tokens, positions, None), None  # no loss function: the schedule keeps the output
 
     outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-        seq_length=seq_length, micro_batch_size=batch, forward_only=True,
+        forward_step_func=forward_step,
+        data_iterator=iter([None]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=seq_length,
+        micro_batch_size=batch,
+        forward_only=True,
     )
     model.train(was_training)
     if not ps.is_pipeline_last_stage():
@@ -80,37 +87,67 @@ def megatron_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     return logits[..., : unwrap(model).zcpo_model_config.vocab_size].float().cpu()
 
 
-def _checkpoint_logits_on_rank(rank, world_size, ckpt_dir, tensor_parallel, pipeline_parallel, sequence_parallel,
-                               tokens, expert_parallel=1, expert_tensor_parallel=None):
+def _checkpoint_logits_on_rank(
+    rank,
+    world_size,
+    ckpt_dir,
+    tensor_parallel,
+    pipeline_parallel,
+    sequence_parallel,
+    tokens,
+    expert_parallel=1,
+    expert_tensor_parallel=None,
+):
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint, read_model_config
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
 
-    setup_megatron(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                   expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel)
+    setup_megatron(
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        expert_parallel=expert_parallel,
+        expert_tensor_parallel=expert_tensor_parallel,
+    )
     model_config = read_model_config(ckpt_dir)
-    model = build_gpt_model(model_config, transformer_config(
-        model_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-        sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
-        expert_tensor_parallel=expert_tensor_parallel))
+    model = build_gpt_model(
+        model_config,
+        transformer_config(
+            model_config,
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            sequence_parallel=sequence_parallel,
+            expert_parallel=expert_parallel,
+            expert_tensor_parallel=expert_tensor_parallel,
+        ),
+    )
     load_model_checkpoint(model, ckpt_dir)
     logits = megatron_logits(model, tokens)
     first_replica = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     return logits if first_replica else None
 
 
-def layout_world_size(tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
-                      expert_tensor_parallel: Optional[int] = None) -> int:
+def layout_world_size(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: Optional[int] = None,
+) -> int:
     """Processes a model needs at this layout: PP x lcm(TP, ETP x EP) (data parallelism fills the
     expert grid: EP x ETP ranks split the TP x DP ranks of a stage)."""
     return pipeline_parallel * math.lcm(tensor_parallel, (expert_tensor_parallel or tensor_parallel) * expert_parallel)
 
 
-def checkpoint_logits(ckpt_dir: str | os.PathLike, tokens: torch.Tensor, tensor_parallel: int = 1,
-                      pipeline_parallel: int = 1, sequence_parallel: bool = False, expert_parallel: int = 1,
-                      expert_tensor_parallel: Optional[int] = None) -> torch.Tensor:
+def checkpoint_logits(
+    ckpt_dir: str | os.PathLike,
+    tokens: torch.Tensor,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    sequence_parallel: bool = False,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: Optional[int] = None,
+) -> torch.Tensor:
     """Logits ``[B, T, V]`` (fp32) of a converted checkpoint loaded in Megatron at the given
     TP/PP/EP/ETP (and sequence parallelism: T must then be a multiple of TP).
 
@@ -119,20 +156,40 @@ def checkpoint_logits(ckpt_dir: str | os.PathLike, tokens: torch.Tensor, tensor_
     from megatron_zcpo.utils.spawn import run_distributed
 
     if sequence_parallel and tokens.shape[1] % tensor_parallel:
-        raise ValueError(f"sequence parallelism needs a sequence length that is a multiple of TP={tensor_parallel}, "
-                         f"got {tokens.shape[1]}")
+        raise ValueError(
+            f"sequence parallelism needs a sequence length that is a multiple of TP={tensor_parallel}, "
+            f"got {tokens.shape[1]}"
+        )
     world = layout_world_size(tensor_parallel, pipeline_parallel, expert_parallel, expert_tensor_parallel)
-    results = run_distributed(_checkpoint_logits_on_rank, world, str(ckpt_dir), tensor_parallel, pipeline_parallel,
-                              sequence_parallel, tokens, expert_parallel, expert_tensor_parallel, timeout=3600)
+    results = run_distributed(
+        _checkpoint_logits_on_rank,
+        world,
+        str(ckpt_dir),
+        tensor_parallel,
+        pipeline_parallel,
+        sequence_parallel,
+        tokens,
+        expert_parallel,
+        expert_tensor_parallel,
+        timeout=3600,
+    )
     return next(logits for logits in results if logits is not None)
 
 
-def max_logit_difference(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike, tokens: torch.Tensor,
-                         tensor_parallel: int = 1, pipeline_parallel: int = 1, sequence_parallel: bool = False,
-                         expert_parallel: int = 1, expert_tensor_parallel: Optional[int] = None) -> float:
+def max_logit_difference(
+    ckpt_dir: str | os.PathLike,
+    hf_dir: str | os.PathLike,
+    tokens: torch.Tensor,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    sequence_parallel: bool = False,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: Optional[int] = None,
+) -> float:
     """Max abs difference between the checkpoint's Megatron logits and the Hugging Face model's for ``tokens``."""
-    megatron = checkpoint_logits(ckpt_dir, tokens, tensor_parallel, pipeline_parallel, sequence_parallel,
-                                 expert_parallel, expert_tensor_parallel)
+    megatron = checkpoint_logits(
+        ckpt_dir, tokens, tensor_parallel, pipeline_parallel, sequence_parallel, expert_parallel, expert_tensor_parallel
+    )
     return (megatron - hf_logits(hf_dir, tokens)).abs().max().item()
 
 
@@ -152,8 +209,10 @@ def startup_check_due(setting: Optional[bool], model_path: Optional[str], model:
     True but there are no Hugging Face weights to compare with."""
     has_weights = model_path is not None and has_hf_weights(model_path)
     if setting and not has_weights:
-        raise ValueError(f"train.verify_against_hf=true needs model.path to be a Hugging Face directory with "
-                         f"safetensors weights, got {model_path!r}")
+        raise ValueError(
+            f"train.verify_against_hf=true needs model.path to be a Hugging Face directory with "
+            f"safetensors weights, got {model_path!r}"
+        )
     if setting is None:
         return has_weights and model.num_parameters <= STARTUP_CHECK_MAX_PARAMETERS
     return bool(setting)
@@ -162,7 +221,7 @@ def startup_check_due(setting: Optional[bool], model_path: Optional[str], model:
 def policy_logprob_gap(trainer, hf_dir: str | os.PathLike, seq_length: int = 16) -> float:
     """Max |log-prob difference| between the trainer's policy and transformers on a few tokens.
 
-    ``trainer``: a :class:`~megatron_zcpo.megatron.trainer.PolicyTrainer`. Its own experience pass
+    ``trainer``: a :class:`~megatron_zcpo.training.trainer.PolicyTrainer`. Its own experience pass
     scores :func:`sample_tokens` rows (one per data-parallel rank, at least 2; the first token is
     the prompt), so the check runs at the run's TP/PP/CP/DP, sequence parallelism, layer spec,
     packing and fused log-prob op; rank 0 scores the same tokens with the Hugging Face model in
@@ -170,13 +229,19 @@ def policy_logprob_gap(trainer, hf_dir: str | os.PathLike, seq_length: int = 16)
     """
     import torch.distributed as dist
 
-    from megatron_zcpo.megatron.batch import RolloutSample
+    from megatron_zcpo.training.batch import RolloutSample
 
     model = trainer.model_config
     rows = max(2, trainer.dp_size)
-    tokens = torch.cat([sample_tokens(hf_dir, model, seq_length),
-                        torch.randint(0, model.vocab_size, (rows - 2, seq_length), generator=torch.Generator().manual_seed(1))])
-    samples = [RolloutSample(row[:1].tolist(), row[1:].tolist(), group_id=i, reward=0.0) for i, row in enumerate(tokens)]
+    tokens = torch.cat(
+        [
+            sample_tokens(hf_dir, model, seq_length),
+            torch.randint(0, model.vocab_size, (rows - 2, seq_length), generator=torch.Generator().manual_seed(1)),
+        ]
+    )
+    samples = [
+        RolloutSample(row[:1].tolist(), row[1:].tolist(), group_id=i, reward=0.0) for i, row in enumerate(tokens)
+    ]
     experience = trainer.experience(samples, trainer.assign_minibatches(samples))
     mine = [(index, stats.token_index, stats.old_logprob) for index, stats in experience.items()]
     everyone = [None] * dist.get_world_size()
@@ -185,8 +250,11 @@ def policy_logprob_gap(trainer, hf_dir: str | os.PathLike, seq_length: int = 16)
     if dist.get_rank() == 0:
         reference = (hf_logits(hf_dir, tokens)[:, :-1] / trainer.temperature).log_softmax(-1)
         reference = reference.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)  # [rows, T-1]
-        gap[0] = max(float((logprob - reference[index, token_index]).abs().max())
-                     for entries in everyone for index, token_index, logprob in entries)
+        gap[0] = max(
+            float((logprob - reference[index, token_index]).abs().max())
+            for entries in everyone
+            for index, token_index, logprob in entries
+        )
     dist.broadcast_object_list(gap, src=0)
     return gap[0]
 
@@ -214,5 +282,6 @@ def check_policy_against_hf(trainer, hf_dir: str | os.PathLike, tolerance: Optio
             f"train.verify_tolerance = {tolerance:g} at TP={parallel.tensor} PP={parallel.pipeline} "
             f"CP={parallel.context} SP={parallel.sequence_parallel} with the "
             f"{'Transformer Engine' if have_transformer_engine() else 'local'} layer spec: the loaded weights do "
-            f"not compute the model in {hf_dir} (a scrambled fused QKV or SwiGLU layout?)")
+            f"not compute the model in {hf_dir} (a scrambled fused QKV or SwiGLU layout?)"
+        )
     return gap

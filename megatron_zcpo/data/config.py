@@ -40,7 +40,7 @@ class DataConfig:
     seed: int = 1234
     on_bad_row: str = "error"
 
-    def validate(self) -> "DataConfig":
+    def validate(self) -> DataConfig:
         """Raise ValueError naming every bad ``data.<key>``; returns self."""
         problems = []
         if bool(self.train_files) == bool(self.task):
@@ -57,7 +57,9 @@ class DataConfig:
         if not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1:
             problems.append(f"data.max_prompt_length must be an integer >= 1, got {self.max_prompt_length!r}")
         if self.chat_template not in CHAT_TEMPLATE_CHOICES:
-            problems.append(f"data.chat_template must be one of {list(CHAT_TEMPLATE_CHOICES)}, got {self.chat_template!r}")
+            problems.append(
+                f"data.chat_template must be one of {list(CHAT_TEMPLATE_CHOICES)}, got {self.chat_template!r}"
+            )
         if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
             problems.append(f"data.enable_thinking must be true, false or null, got {self.enable_thinking!r}")
         if self.enable_thinking is not None and self.chat_template == "plain":

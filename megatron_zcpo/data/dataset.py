@@ -16,8 +16,9 @@ from megatron_zcpo.data.records import DataError, PromptRecord, read_prompt_file
 logger = logging.getLogger(__name__)
 
 
-def render_prompt(messages: Sequence[Dict[str, str]], tokenizer, chat_template: str = "auto",
-                  enable_thinking: Optional[bool] = None) -> Tuple[str, bool]:
+def render_prompt(
+    messages: Sequence[Dict[str, str]], tokenizer, chat_template: str = "auto", enable_thinking: Optional[bool] = None
+) -> Tuple[str, bool]:
     """The prompt text for ``messages`` and whether tokenizing it should add the tokenizer's special tokens.
 
     "auto" with a tokenizer that has a chat template: ``tokenizer.apply_chat_template(...,
@@ -29,18 +30,24 @@ def render_prompt(messages: Sequence[Dict[str, str]], tokenizer, chat_template: 
     """
     template = getattr(tokenizer, "chat_template", None) if chat_template == "auto" else None
     if enable_thinking is not None and "enable_thinking" not in (template or ""):
-        raise ValueError(f"data.enable_thinking={enable_thinking}: the tokenizer's chat template does not read "
-                         f"'enable_thinking' (Qwen3's hybrid-thinking template does); leave it null")
+        raise ValueError(
+            f"data.enable_thinking={enable_thinking}: the tokenizer's chat template does not read "
+            f"'enable_thinking' (Qwen3's hybrid-thinking template does); leave it null"
+        )
     if template:
         options = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                             **options), False
+        return tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True, **options
+        ), False
     turns = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
     return "\n\n".join(turns + ["Assistant:"]), True
 
 
 def tokenize_records(
-    records: Sequence[PromptRecord], tokenizer, max_prompt_length: int, chat_template: str = "auto",
+    records: Sequence[PromptRecord],
+    tokenizer,
+    max_prompt_length: int,
+    chat_template: str = "auto",
     enable_thinking: Optional[bool] = None,
 ) -> List[PromptRecord]:
     """Render (:func:`render_prompt`) and tokenize every record; records longer than
@@ -64,7 +71,11 @@ def tokenize_records(
         first, length = min(too_long)
         logger.info(
             "left out %d of %d prompts longer than %d tokens (first: %s, %d tokens)",
-            len(too_long), len(records), max_prompt_length, records[first].uid, length,
+            len(too_long),
+            len(records),
+            max_prompt_length,
+            records[first].uid,
+            length,
         )
     return [record for _, record in sorted(kept, key=lambda pair: pair[0])]
 
@@ -135,7 +146,12 @@ class PromptDataset:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume at ``state`` (from :meth:`state_dict`); refuses a state saved for other data or order."""
-        expected = {"seed": self.seed, "shuffle": self.shuffle, "num_records": len(self.records), "fingerprint": self.fingerprint}
+        expected = {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_records": len(self.records),
+            "fingerprint": self.fingerprint,
+        }
         mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key) != value}
         if mismatched:
             details = ", ".join(f"{key}: saved {saved!r}, now {now!r}" for key, (saved, now) in mismatched.items())
@@ -149,6 +165,7 @@ class PromptDataset:
 
 def build_prompt_dataset(config: DataConfig, tokenizer) -> PromptDataset:
     """Load, render, tokenize and length-filter the prompts of ``config`` into a :class:`PromptDataset`."""
-    tokenized = tokenize_records(load_records(config), tokenizer, config.max_prompt_length, config.chat_template,
-                                 config.enable_thinking)
+    tokenized = tokenize_records(
+        load_records(config), tokenizer, config.max_prompt_length, config.chat_template, config.enable_thinking
+    )
     return PromptDataset(tokenized, seed=config.seed, shuffle=config.shuffle)

@@ -58,8 +58,12 @@ def worked_steps(expression: str) -> List[str]:
     """
     parts = expression.split(" ")
     terms, operators = parts[0::2], parts[1::2]
-    if len(terms) < 2 or len(terms) != len(operators) + 1 or not all(t.isdigit() for t in terms) \
-            or not all(op in ("+", "-") for op in operators):
+    if (
+        len(terms) < 2
+        or len(terms) != len(operators) + 1
+        or not all(t.isdigit() for t in terms)
+        or not all(op in ("+", "-") for op in operators)
+    ):
         raise DataError(f"worked steps need a chain of integers joined by ' + ' or ' - ', got {expression!r}")
     steps, total = [], int(terms[0])
     for operator, term in zip(operators, terms[1:]):

@@ -72,7 +72,9 @@ def _answer_from_row(row: Mapping[str, Any]) -> str:
     elif "answer" in row:
         answer, key = row["answer"], "answer"
     else:
-        raise ValueError("missing the answer: expected 'answer' (plain layout) or 'reward_model.ground_truth' (DAPO layout)")
+        raise ValueError(
+            "missing the answer: expected 'answer' (plain layout) or 'reward_model.ground_truth' (DAPO layout)"
+        )
     if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
@@ -153,7 +155,9 @@ def read_prompt_file(path: str, on_bad_row: str = "error") -> List[PromptRecord]
             bad_rows.append(f"{path}:{number} ({label} {number}): {error}")
     if bad_rows:
         listed = "\n  ".join(bad_rows[:_MAX_LISTED_BAD_ROWS])
-        more = f"\n  ... and {len(bad_rows) - _MAX_LISTED_BAD_ROWS} more" if len(bad_rows) > _MAX_LISTED_BAD_ROWS else ""
+        more = (
+            f"\n  ... and {len(bad_rows) - _MAX_LISTED_BAD_ROWS} more" if len(bad_rows) > _MAX_LISTED_BAD_ROWS else ""
+        )
         if on_bad_row == "error":
             raise DataError(f"{len(bad_rows)} bad row(s) in {path} (data.on_bad_row=error):\n  {listed}{more}")
         logger.warning("skipped %d bad row(s) in %s (data.on_bad_row=skip):\n  %s%s", len(bad_rows), path, listed, more)

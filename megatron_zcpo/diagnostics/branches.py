@@ -59,8 +59,9 @@ class BranchSplit:
     def __init__(self, algorithm: Algorithm, stats: ResponseStats):
         name = algorithm.config.name
         if name not in BRANCH_ALGORITHMS:
-            raise ValueError(f"the reward / KL branch split is defined for algorithm.name in {BRANCH_ALGORITHMS}, "
-                             f"not {name!r}")
+            raise ValueError(
+                f"the reward / KL branch split is defined for algorithm.name in {BRANCH_ALGORITHMS}, not {name!r}"
+            )
         self.algorithm = algorithm
         self.surrogate = build_algorithm(dataclasses.replace(algorithm.config, **REFERENCE_OFF[name]))
         self.reward_coefficients = self.surrogate.coefficients(stats).to(torch.float64)
@@ -68,14 +69,21 @@ class BranchSplit:
 
     def reward_gate(self, inputs) -> Tensor:
         """[b, T] bool: tokens whose reward gradient is live (not clipped) under the training coefficients."""
-        return self.surrogate.loss(inputs.logprob, inputs.old_logprob, inputs.mask, inputs.coefficients,
-                                   normalizer=inputs.normalizer).clip_gate
+        return self.surrogate.loss(
+            inputs.logprob, inputs.old_logprob, inputs.mask, inputs.coefficients, normalizer=inputs.normalizer
+        ).clip_gate
 
     def _surrogate_loss(self, inputs, coefficients: Tensor) -> Tensor:
         rows = torch.as_tensor(inputs.sample_indices, dtype=torch.long)
         coefficients = coefficients[rows].to(inputs.logprob.device)
-        return self.surrogate.loss(inputs.logprob, inputs.old_logprob, inputs.mask, coefficients,
-                                   normalizer=inputs.normalizer, token_weight=inputs.token_weight).loss
+        return self.surrogate.loss(
+            inputs.logprob,
+            inputs.old_logprob,
+            inputs.mask,
+            coefficients,
+            normalizer=inputs.normalizer,
+            token_weight=inputs.token_weight,
+        ).loss
 
     def reward_loss(self, inputs) -> Tensor:
         """The reward branch's loss on one micro-batch's LossInputs (scalar)."""
@@ -91,6 +99,13 @@ class BranchSplit:
         if self.algorithm.config.kl_loss == "none":
             return loss
         # the algorithm's KL term itself, so that the split can never drift from the trained loss
-        kl_term = self.algorithm.kl_loss_term(inputs.logprob, inputs.ref_logprob, inputs.current_kl, inputs.mask,
-                                          self.reward_gate(inputs), inputs.normalizer, {})
+        kl_term = self.algorithm.kl_loss_term(
+            inputs.logprob,
+            inputs.ref_logprob,
+            inputs.current_kl,
+            inputs.mask,
+            self.reward_gate(inputs),
+            inputs.normalizer,
+            {},
+        )
         return loss + kl_term

@@ -53,28 +53,42 @@ class DiagnosticsConfig:
             raise ValueError(f"diagnostics.families: unknown {unknown}; known families: {', '.join(FAMILIES)}")
         if len(set(self.families)) != len(self.families):
             raise ValueError(f"diagnostics.families: {list(self.families)} names a family twice")
-        for key, low in (("every", 1), ("cancellation_tokens", 1), ("groups", 2), ("tokens_per_group", 1),
-                         ("head_tokens", 1), ("seed", 0)):
+        for key, low in (
+            ("every", 1),
+            ("cancellation_tokens", 1),
+            ("groups", 2),
+            ("tokens_per_group", 1),
+            ("head_tokens", 1),
+            ("seed", 0),
+        ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"diagnostics.{key}: expected an integer >= {low}, got {value!r}")
         if not self.top_fractions or not all(_is_number(f) and 0 < f <= 1 for f in self.top_fractions):
-            raise ValueError(f"diagnostics.top_fractions: expected a non-empty list of numbers in (0, 1], "
-                             f"got {self.top_fractions!r}")
+            raise ValueError(
+                f"diagnostics.top_fractions: expected a non-empty list of numbers in (0, 1], got {self.top_fractions!r}"
+            )
         bounds = self.position_buckets
-        if not bounds or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds) \
-                or bounds[0] < 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"diagnostics.position_buckets: expected strictly increasing integers >= 1, "
-                             f"got {bounds!r}")
+        if (
+            not bounds
+            or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
+            or bounds[0] < 1
+            or any(a >= b for a, b in zip(bounds, bounds[1:]))
+        ):
+            raise ValueError(
+                f"diagnostics.position_buckets: expected strictly increasing integers >= 1, got {bounds!r}"
+            )
 
     def check_algorithm(self, algorithm: AlgorithmConfig) -> None:
         """Raise ValueError naming ``diagnostics.families`` when a branch family is on for an algorithm
         without a reward / KL branch split (rpg, gvpo)."""
         branch = [name for name in self.families if name in BRANCH_FAMILIES]
         if self.enabled and branch and algorithm.name not in BRANCH_ALGORITHMS:
-            raise ValueError(f"diagnostics.families: {branch} split the loss into reward and KL branches, defined "
-                             f"for algorithm.name in {BRANCH_ALGORITHMS}, not {algorithm.name!r}; "
-                             f"keep only {[n for n in self.families if n not in BRANCH_FAMILIES]}")
+            raise ValueError(
+                f"diagnostics.families: {branch} split the loss into reward and KL branches, defined "
+                f"for algorithm.name in {BRANCH_ALGORITHMS}, not {algorithm.name!r}; "
+                f"keep only {[n for n in self.families if n not in BRANCH_FAMILIES]}"
+            )
 
 
 def _is_number(value) -> bool:

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from megatron_zcpo.algorithms.advantages import active_groups
 from megatron_zcpo.diagnostics.branches import restrict
-from megatron_zcpo.megatron.rollout_step import RolloutStep
-from megatron_zcpo.megatron.update import PolicyUpdate, gradient_dot, gradient_vector, minibatch_normalizer
+from megatron_zcpo.training.rollout_step import RolloutStep
+from megatron_zcpo.training.update import PolicyUpdate, gradient_dot, gradient_vector, minibatch_normalizer
 
 Selector = Callable[[object], Tensor]  # LossInputs -> [b, T] bool
 
@@ -18,7 +18,7 @@ Selector = Callable[[object], Tensor]  # LossInputs -> [b, T] bool
 class GradientProbe:
     """Parameter gradients of custom losses over chosen samples and tokens of one rollout (collective).
 
-    Wraps :func:`megatron_zcpo.megatron.update.gradient_vector`: every call is a forward-backward on
+    Wraps :func:`megatron_zcpo.training.update.gradient_vector`: every call is a forward-backward on
     every rank (gradients DP-reduced, never applied). A data-parallel rank that holds none of the chosen samples still
     runs one of its own samples of the same mini-batch with a zero loss, so the collectives match.
     """
@@ -34,8 +34,9 @@ class GradientProbe:
         self.minibatch_of = {index: k for k, minibatch in enumerate(assignment.minibatches) for index in minibatch}
         self.mine = [set(share) for share in assignment.mine]
 
-    def gradient(self, indices: Sequence[int], loss: Callable, select: Optional[Selector] = None,
-                 use_reference: bool = False) -> Tensor:
+    def gradient(
+        self, indices: Sequence[int], loss: Callable, select: Optional[Selector] = None, use_reference: bool = False
+    ) -> Tensor:
         """This rank's flat gradient share of ``loss(restrict(inputs, select(inputs)))`` over samples ``indices``.
 
         indices: global sample indices, all in one mini-batch (its normaliser is used, so the
@@ -107,8 +108,11 @@ def sample_groups(samples, count: int, generator: torch.Generator) -> List[List[
     members = {}
     for index, sample in enumerate(samples):
         members.setdefault(sample.group_id, []).append(index)
-    candidates = [indices for indices in members.values()
-                  if bool(active[indices[0]]) and trainable_tokens(samples, indices).shape[0] > 0]
+    candidates = [
+        indices
+        for indices in members.values()
+        if bool(active[indices[0]]) and trainable_tokens(samples, indices).shape[0] > 0
+    ]
     if count >= len(candidates):
         return candidates
     return [candidates[k] for k in sorted(torch.randperm(len(candidates), generator=generator)[:count].tolist())]

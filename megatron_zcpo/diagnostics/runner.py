@@ -3,7 +3,7 @@
 Every family is defined for the vanilla path (dapo / grpo with an independent KL loss k1 / k2 / k3
 / full, or KL in the reward) and for ZCPO through the reward / KL branch split of
 :mod:`megatron_zcpo.diagnostics.branches`. "Pass" below is one extra forward-backward through
-:func:`megatron_zcpo.megatron.update.gradient_vector` over the named samples (gradients never
+:func:`megatron_zcpo.training.update.gradient_vector` over the named samples (gradients never
 reach the optimizer). The hook runs on the trainer's PolicyUpdate (models, optimizer, algorithm
 and its loss, this rank's place) and the step's RolloutStep, never on the trainer itself.
 A single-token pass costs one sequence's forward-backward on every data-parallel rank; the group
@@ -76,8 +76,6 @@ from megatron_zcpo.diagnostics.branches import BranchSplit, has_kl_branch
 from megatron_zcpo.diagnostics.config import BRANCH_ALGORITHMS, DiagnosticsConfig
 from megatron_zcpo.diagnostics.drift import drift_dispersion, gvpo_noise_rms, head_variance_share, k1_drift_rmse
 from megatron_zcpo.diagnostics.probes import GradientProbe, sample_groups, trainable_tokens, uniform_tokens
-from megatron_zcpo.megatron.rollout_step import RolloutStep
-from megatron_zcpo.megatron.update import PolicyUpdate, gradient_dot
 from megatron_zcpo.diagnostics.statistics import (
     BranchGeometry,
     branch_geometry,
@@ -87,6 +85,8 @@ from megatron_zcpo.diagnostics.statistics import (
     position_profile,
     top_shares,
 )
+from megatron_zcpo.training.rollout_step import RolloutStep
+from megatron_zcpo.training.update import PolicyUpdate, gradient_dot
 from megatron_zcpo.utils.devices import compute_device
 
 Metrics = Dict[str, Union[float, Tensor]]  # 0-dim tensors or floats; floats once shared
@@ -102,13 +102,16 @@ class _Rollout:
         self.algorithm = update.algorithm.config
         config.check_algorithm(self.algorithm)
         # stats exist on the last pipeline stage only; the losses below run only there
-        self.split = BranchSplit(update.algorithm, stats) \
-            if stats is not None and self.algorithm.name in BRANCH_ALGORITHMS else None
+        self.split = (
+            BranchSplit(update.algorithm, stats)
+            if stats is not None and self.algorithm.name in BRANCH_ALGORITHMS
+            else None
+        )
         self.probe = GradientProbe(update, step)
         # one replica of each value: TP ranks and non-last stages add nothing
         self.contributes = update.reports_metrics
         self.primary = update.reports_metrics and update.dp_rank == 0
-        self.generator = torch.Generator().manual_seed(hash((config.seed, step.index)) % (2 ** 63))
+        self.generator = torch.Generator().manual_seed(hash((config.seed, step.index)) % (2**63))
         self.has_kl = has_kl_branch(self.algorithm)
         self.kl_uses_reference = update.algorithm.needs_current_kl
 
@@ -138,15 +141,19 @@ class _Rollout:
         Holds two flat fp32 gradient vectors of this rank's parameters at once (for <g_R, g_K>).
         """
         reward = self.probe.gradient(indices, self.reward_loss)
-        kl = self.probe.gradient(indices, self.kl_loss, use_reference=self.kl_uses_reference) \
-            if self.has_kl else torch.zeros_like(reward)
+        kl = (
+            self.probe.gradient(indices, self.kl_loss, use_reference=self.kl_uses_reference)
+            if self.has_kl
+            else torch.zeros_like(reward)
+        )
         return branch_geometry(gradient_dot(reward, reward), gradient_dot(kl, kl), gradient_dot(reward, kl))
 
     def cancellation(self, indices: List[int], reward_norm: Tensor, count: int) -> Tensor:
         """c_R over the trainable tokens of ``indices`` from ``count`` sampled single-token passes."""
         tokens = uniform_tokens(self.samples, indices, count, self.generator)
-        norms = torch.tensor([self.probe.token_norm(int(i), int(t), self.reward_loss) for i, t in tokens],
-                             dtype=torch.float64)
+        norms = torch.tensor(
+            [self.probe.token_norm(int(i), int(t), self.reward_loss) for i, t in tokens], dtype=torch.float64
+        )
         return cancellation_rate(reward_norm, norms, trainable_tokens(self.samples, indices).shape[0])
 
 
@@ -181,11 +188,16 @@ class KLDiagnostics:
         first = step.assignment.minibatches[0]
         if families & {"grad_share", "f2", "f3"}:
             geometry = rollout.branches(first)
-            metrics.update(grad_reward_norm=geometry.reward_norm, grad_kl_norm=geometry.kl_norm,
-                           grad_cosine=geometry.cosine, grad_kl_share=geometry.kl_share)
+            metrics.update(
+                grad_reward_norm=geometry.reward_norm,
+                grad_kl_norm=geometry.kl_norm,
+                grad_cosine=geometry.cosine,
+                grad_kl_share=geometry.kl_share,
+            )
             if "f2" in families:
-                metrics["f2_cancellation"] = rollout.cancellation(first, geometry.reward_norm,
-                                                                  self.config.cancellation_tokens)
+                metrics["f2_cancellation"] = rollout.cancellation(
+                    first, geometry.reward_norm, self.config.cancellation_tokens
+                )
             if "f3" in families:
                 metrics.update(_tied_groups(rollout, first, geometry.total_norm))
         if families & {"f2", "f5"}:
@@ -213,8 +225,9 @@ class KLDiagnostics:
         return _shared(_clipped_tokens(rollout, minibatches[index]), rollout.primary)
 
 
-def build_diagnostics(config: Union[DiagnosticsConfig, Mapping, None],
-                      algorithm: Optional[AlgorithmConfig] = None) -> Optional[KLDiagnostics]:
+def build_diagnostics(
+    config: Union[DiagnosticsConfig, Mapping, None], algorithm: Optional[AlgorithmConfig] = None
+) -> Optional[KLDiagnostics]:
     """The hook object for PolicyTrainer(diagnostics=...) from the ``diagnostics:`` section, or None when off.
 
     config: a DiagnosticsConfig or its mapping; algorithm: the run's algorithm config, checked
@@ -255,15 +268,22 @@ def _clipped_tokens(rollout: _Rollout, minibatch: List[int]) -> Metrics:
     fraction = count / trainable if trainable else math.nan
     metrics = {"f1_closed_tokens": count, "f1_closed_fraction": fraction, "f1_kl_grad_norm": kl_norm}
     if count > 0:
-        kl_closed = rollout.probe.norm(rollout.probe.gradient(minibatch, rollout.kl_loss, select=closed,
-                                                              use_reference=rollout.kl_uses_reference))
-        direct_closed = rollout.probe.norm(rollout.probe.gradient(minibatch, rollout.direct_loss, select=closed,
-                                                                  use_reference=rollout.kl_uses_reference))
+        kl_closed = rollout.probe.norm(
+            rollout.probe.gradient(minibatch, rollout.kl_loss, select=closed, use_reference=rollout.kl_uses_reference)
+        )
+        direct_closed = rollout.probe.norm(
+            rollout.probe.gradient(
+                minibatch, rollout.direct_loss, select=closed, use_reference=rollout.kl_uses_reference
+            )
+        )
     else:
         kl_closed = direct_closed = 0.0
     share = kl_closed / kl_norm if kl_norm > 0 else math.nan
-    metrics.update(f1_kl_share_closed=share, f1_kl_overallocation=share / fraction if count > 0 else math.nan,
-                   f1_direct_grad_closed_norm=direct_closed)
+    metrics.update(
+        f1_kl_share_closed=share,
+        f1_kl_overallocation=share / fraction if count > 0 else math.nan,
+        f1_direct_grad_closed_norm=direct_closed,
+    )
     return metrics
 
 
@@ -274,10 +294,16 @@ def _tied_groups(rollout: _Rollout, first: List[int], total_norm: Tensor) -> Met
     active = active_groups(torch.tensor([float(s.reward) for s in samples], dtype=torch.float64), group_ids)
     tied_fraction = float((1.0 - Groups.of(group_ids).max(active.to(torch.float64))).mean())
     tied = [i for i in first if not active[i] and trainable_tokens(samples, [i]).shape[0] > 0]
-    norm = rollout.probe.norm(rollout.probe.gradient(tied, rollout.direct_loss,
-                                                     use_reference=rollout.kl_uses_reference)) if tied else 0.0
-    return {"f3_tied_group_fraction": tied_fraction, "f3_tied_grad_norm": norm,
-            "f3_tied_grad_share": norm / total_norm if total_norm > 0 else math.nan}
+    norm = (
+        rollout.probe.norm(rollout.probe.gradient(tied, rollout.direct_loss, use_reference=rollout.kl_uses_reference))
+        if tied
+        else 0.0
+    )
+    return {
+        "f3_tied_group_fraction": tied_fraction,
+        "f3_tied_grad_norm": norm,
+        "f3_tied_grad_share": norm / total_norm if total_norm > 0 else math.nan,
+    }
 
 
 def _group_shares(rollout: _Rollout, config: DiagnosticsConfig, families: set) -> Metrics:
@@ -295,8 +321,11 @@ def _group_shares(rollout: _Rollout, config: DiagnosticsConfig, families: set) -
     if "f2" in families:
         cancellations = torch.tensor(cancellations, dtype=torch.float64)
         low, high = decile_medians(shares, cancellations)
-        metrics.update(f2_group_cancellation_mean=cancellations.nanmean() if cancellations.numel() else math.nan,
-                       f2_kl_share_low_cancellation=low, f2_kl_share_high_cancellation=high)
+        metrics.update(
+            f2_group_cancellation_mean=cancellations.nanmean() if cancellations.numel() else math.nan,
+            f2_kl_share_low_cancellation=low,
+            f2_kl_share_high_cancellation=high,
+        )
     if "f5" in families:
         short, long = decile_medians(shares, torch.tensor(lengths, dtype=torch.float64))
         metrics.update(f5_kl_share_short=short, f5_kl_share_long=long)
@@ -310,11 +339,15 @@ def _length_correlations(rollout: _Rollout) -> Metrics:
     if algorithm.name in BRANCH_ALGORITHMS and algorithm.kl_loss != "none":
         totals = torch.zeros(len(samples), dtype=torch.float64)
         for index, token in rollout.experience.items():
-            values = token.kl if algorithm.kl_loss == "full" else kl_penalty(token.old_logprob, token.ref_logprob,
-                                                                             algorithm.kl_loss)
+            values = (
+                token.kl
+                if algorithm.kl_loss == "full"
+                else kl_penalty(token.old_logprob, token.ref_logprob, algorithm.kl_loss)
+            )
             if values.numel():
-                totals[index] = sequence_drift(values[None], torch.ones_like(values)[None],
-                                               length_normalize=algorithm.agg == "seq-mean-token-mean")[0]
+                totals[index] = sequence_drift(
+                    values[None], torch.ones_like(values)[None], length_normalize=algorithm.agg == "seq-mean-token-mean"
+                )[0]
         penalty = rollout.reduce(totals)  # each sample lives on one data-parallel rank: a sum is a gather
     if not rollout.primary:
         return {}
@@ -330,16 +363,18 @@ def _length_correlations(rollout: _Rollout) -> Metrics:
 
 def _concentration(rollout: _Rollout, config: DiagnosticsConfig) -> Metrics:
     """F6: top-token shares, KL by position bucket and first-token drift of the conditional KL."""
-    token_kl = [rollout.experience[i].kl.to(torch.float64) for i in sorted(rollout.experience)] \
-        if rollout.contributes else []
+    token_kl = (
+        [rollout.experience[i].kl.to(torch.float64) for i in sorted(rollout.experience)] if rollout.contributes else []
+    )
     token_kl = [values for values in token_kl if values.numel()]
     shares = top_shares(torch.cat(token_kl) if token_kl else torch.zeros(0), config.top_fractions, rollout.reduce)
     metrics = {f"f6_kl_top{100 * f:g}pct_share": share for f, share in zip(config.top_fractions, shares)}
     if token_kl:
         padded = torch.nn.utils.rnn.pad_sequence(token_kl, batch_first=True)
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(v) for v in token_kl], batch_first=True)
-        profiles = torch.cat([position_profile(padded, mask, config.position_buckets),
-                              position_profile(padded, mask, [1])], dim=1)
+        profiles = torch.cat(
+            [position_profile(padded, mask, config.position_buckets), position_profile(padded, mask, [1])], dim=1
+        )
     else:
         profiles = torch.zeros(2, len(config.position_buckets) + 3, dtype=torch.float64)
     sums, counts = rollout.reduce(profiles)
@@ -353,7 +388,7 @@ def _concentration(rollout: _Rollout, config: DiagnosticsConfig) -> Metrics:
     metrics["f6_first_token_share"] = sums[first] / total if total > 0 else math.nan
     head = torch.zeros(len(rollout.samples), dtype=torch.float64)
     for index, token in rollout.experience.items() if rollout.contributes else ():
-        head[index] = token.kl[:config.head_tokens].double().sum()
+        head[index] = token.kl[: config.head_tokens].double().sum()
     head = rollout.reduce(head)  # each sample lives on one data-parallel rank: a sum is a gather
     if rollout.primary:
         metrics[f"f6_head{config.head_tokens}_var_share"] = head_variance_share(head, rollout.stats)
@@ -365,12 +400,14 @@ def _sampling_noise(rollout: _Rollout) -> Metrics:
     stats = rollout.stats
     nonempty = stats.lengths > 0
     dispersion = drift_dispersion(stats)
-    return {"f7_k1_negative_fraction": (stats.k1_sum[nonempty] < 0).to(torch.float64).mean(),
-            "f7_k1_drift_rmse": k1_drift_rmse(stats),
-            "f7_noise_reference_scale": dispersion.reference_scale,
-            "f7_k1_dispersion_ratio": dispersion.k1_ratio,
-            "f7_kappa_dispersion_ratio": dispersion.kappa_ratio,
-            "f7_gvpo_noise_rms": gvpo_noise_rms(stats, rollout.algorithm.gvpo_beta)}
+    return {
+        "f7_k1_negative_fraction": (stats.k1_sum[nonempty] < 0).to(torch.float64).mean(),
+        "f7_k1_drift_rmse": k1_drift_rmse(stats),
+        "f7_noise_reference_scale": dispersion.reference_scale,
+        "f7_k1_dispersion_ratio": dispersion.k1_ratio,
+        "f7_kappa_dispersion_ratio": dispersion.kappa_ratio,
+        "f7_gvpo_noise_rms": gvpo_noise_rms(stats, rollout.algorithm.gvpo_beta),
+    }
 
 
 def _shared(metrics: Metrics, primary: bool) -> Dict[str, float]:

@@ -25,8 +25,11 @@ def _identity(tensor: Tensor) -> Tensor:
 
 def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
     """numerator / denominator, NaN where the denominator is 0 (the quantity is undefined there)."""
-    return torch.where(denominator != 0, numerator / torch.where(denominator != 0, denominator, 1.0),
-                       torch.full_like(numerator, math.nan))
+    return torch.where(
+        denominator != 0,
+        numerator / torch.where(denominator != 0, denominator, 1.0),
+        torch.full_like(numerator, math.nan),
+    )
 
 
 class BranchGeometry(NamedTuple):
@@ -48,8 +51,9 @@ def branch_geometry(reward_sq: float, kl_sq: float, cross: float) -> BranchGeome
     reward_sq, kl_sq, cross = (torch.tensor(float(v), dtype=torch.float64) for v in (reward_sq, kl_sq, cross))
     reward_norm, kl_norm = reward_sq.clamp(min=0).sqrt(), kl_sq.clamp(min=0).sqrt()
     total_norm = (reward_sq + kl_sq + 2 * cross).clamp(min=0).sqrt()
-    return BranchGeometry(reward_norm, kl_norm, total_norm, _ratio(cross, reward_norm * kl_norm),
-                          _ratio(kl_norm, total_norm))
+    return BranchGeometry(
+        reward_norm, kl_norm, total_norm, _ratio(cross, reward_norm * kl_norm), _ratio(kl_norm, total_norm)
+    )
 
 
 def cancellation_rate(sum_norm: Tensor, token_norms: Tensor, token_count: int) -> Tensor:
@@ -106,8 +110,9 @@ def top_shares(values: Tensor, fractions: Sequence[float], reduce: Optional[Redu
     values = values.detach().to(torch.float32).reshape(-1)
     values = torch.where(values > 0, values, torch.zeros_like(values))  # also turns -0.0 into +0.0
     bits = values.view(torch.int32).to(torch.int64)
-    count, total = reduce(torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64),
-                                       values.to(torch.float64).sum()]))
+    count, total = reduce(
+        torch.stack([torch.tensor(float(values.numel()), dtype=torch.float64), values.to(torch.float64).sum()])
+    )
     wanted = torch.tensor([math.ceil(f * float(count)) for f in fractions], dtype=torch.float64)
     low = torch.zeros(len(fractions), dtype=torch.int64)  # invariant: at least `wanted` values have bits >= low
     high = torch.full((len(fractions),), _INF_BITS, dtype=torch.int64)
@@ -117,8 +122,9 @@ def top_shares(values: Tensor, fractions: Sequence[float], reduce: Optional[Redu
         low, high = torch.where(enough, middle, low), torch.where(enough, high, middle - 1)
     kth_value = low.to(torch.int32).view(torch.float32).to(torch.float64)
     above = bits[None, :] > low[:, None]
-    above_count, above_sum = reduce(torch.stack([above.sum(dim=1).to(torch.float64),
-                                                 (above * values.to(torch.float64)[None, :]).sum(dim=1)]))
+    above_count, above_sum = reduce(
+        torch.stack([above.sum(dim=1).to(torch.float64), (above * values.to(torch.float64)[None, :]).sum(dim=1)])
+    )
     top_sum = above_sum + (wanted - above_count) * kth_value
     return _ratio(top_sum, total.expand_as(top_sum))
 
@@ -132,8 +138,9 @@ def position_profile(token_values: Tensor, mask: Tensor, boundaries: Sequence[in
     row 1 the token counts (add over ranks, then divide for the means).
     """
     if token_values.shape != mask.shape or token_values.dim() != 2:
-        raise ValueError(f"token_values and mask must both be [N, T], got {tuple(token_values.shape)} "
-                         f"and {tuple(mask.shape)}")
+        raise ValueError(
+            f"token_values and mask must both be [N, T], got {tuple(token_values.shape)} and {tuple(mask.shape)}"
+        )
     selected = mask != 0
     bucket = torch.bucketize(torch.arange(token_values.shape[1]), torch.tensor(list(boundaries)), right=True)
     bucket = bucket[None, :].expand_as(token_values)[selected]

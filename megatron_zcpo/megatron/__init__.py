@@ -1,1 +1,1 @@
-"""Megatron-core integration: platform layer, setup, model building, experience pass, train step, checkpoints."""
+"""Megatron-core integration: the CPU platform layer, setup, model building, attention, pipeline schedules, weights."""

@@ -149,7 +149,12 @@ def _plan_of(packed_seq_params, cp_rank: int, cp_size: int, device) -> _Attentio
     plans = vars(packed_seq_params).setdefault("_packed_attention_plans", {})
     key = (cp_rank, cp_size, torch.device(device))
     plan = plans.get(key)
-    if plan is None or plan.source is not cu_seqlens or cu_seqlens.is_inference() or plan.version != cu_seqlens._version:
+    if (
+        plan is None
+        or plan.source is not cu_seqlens
+        or cu_seqlens.is_inference()
+        or plan.version != cu_seqlens._version
+    ):
         plan = plans[key] = attention_plan(cu_seqlens, cp_rank, cp_size, device)
     return plan
 
@@ -166,13 +171,24 @@ def packed_attention(query, key, value, plan: _AttentionPlan, scale: float, cp_s
         queries = _batched(query, bucket.query_index)
         if cp_size == 1:
             # Padding rows sit after each sequence's tokens: causal masking keeps real queries off them.
-            out = F.scaled_dot_product_attention(queries, _batched(key, bucket.query_index),
-                                                 _batched(value, bucket.query_index), is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(
+                queries,
+                _batched(key, bucket.query_index),
+                _batched(value, bucket.query_index),
+                is_causal=True,
+                scale=scale,
+            )
         else:
-            mask = (bucket.key_position.unsqueeze(1) <= bucket.query_position.unsqueeze(2)) & bucket.key_valid.unsqueeze(1)
-            out = F.scaled_dot_product_attention(queries, _batched(key, bucket.key_index),
-                                                 _batched(value, bucket.key_index), attn_mask=mask.unsqueeze(1),
-                                                 scale=scale)
+            mask = (
+                bucket.key_position.unsqueeze(1) <= bucket.query_position.unsqueeze(2)
+            ) & bucket.key_valid.unsqueeze(1)
+            out = F.scaled_dot_product_attention(
+                queries,
+                _batched(key, bucket.key_index),
+                _batched(value, bucket.key_index),
+                attn_mask=mask.unsqueeze(1),
+                scale=scale,
+            )
         outputs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [n * L, heads, d]
     return torch.cat(outputs).index_select(0, plan.gather)
 
@@ -186,8 +202,17 @@ class PackedCausalAttention(torch.nn.Module):
     ``[t, heads, d]`` with packing. Returns ``[s, b, heads*d]`` or ``[t, heads*d]``.
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__()
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -208,22 +233,40 @@ class PackedCausalAttention(torch.nn.Module):
         # The unpacked path is megatron's own module (it asserts context_parallel_size == 1).
         self.unpacked = None
         if config.context_parallel_size == 1:
-            self.unpacked = DotProductAttention(config, layer_number, attn_mask_type, attention_type,
-                                                attention_dropout, softmax_scale, cp_comm_type, pg_collection)
+            self.unpacked = DotProductAttention(
+                config,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                attention_dropout,
+                softmax_scale,
+                cp_comm_type,
+                pg_collection,
+            )
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             if self.unpacked is None:
                 raise ValueError("context parallelism needs packed (THD) micro-batches on the local layer spec")
-            return self.unpacked(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                 attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            return self.unpacked(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
         if attention_bias is not None:
             raise ValueError("PackedCausalAttention takes no attention_bias")
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
         plan = _plan_of(packed_seq_params, cp_rank, cp_size, query.device)
         if plan.local_tokens != query.shape[0]:
-            raise ValueError(f"packed_seq_params cover {plan.local_tokens} tokens per rank, the micro-batch has {query.shape[0]}")
+            raise ValueError(
+                f"packed_seq_params cover {plan.local_tokens} tokens per rank, the micro-batch has {query.shape[0]}"
+            )
         if self.heads != self.groups:  # grouped-query attention: share each key/value head
             key = key.repeat_interleave(self.heads // self.groups, dim=1)
             value = value.repeat_interleave(self.heads // self.groups, dim=1)

@@ -46,7 +46,9 @@ def distributed_env_from_slurm(environ=None) -> bool:
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env["SLURM_NTASKS"]
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env.setdefault("MASTER_ADDR", expand_slurm_nodelist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))[0])
+    env.setdefault(
+        "MASTER_ADDR", expand_slurm_nodelist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))[0]
+    )
     env.setdefault("MASTER_PORT", env.get("ZCPO_MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)))
     return True
 
@@ -111,7 +113,8 @@ def setup_megatron(
     another (rank 0's rollouts) must wait elsewhere: :mod:`megatron_zcpo.recipe.rank0_wait`.
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel as mp_tensor_parallel
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mp_tensor_parallel
 
     from megatron_zcpo.megatron import platform
 
@@ -126,8 +129,10 @@ def setup_megatron(
         )
     expert_grid = expert_parallel * (expert_tensor_parallel or tensor_parallel) * pipeline_parallel
     if world % expert_grid:
-        raise ValueError(f"world size {world} is not divisible by expert_parallel*expert_tensor_parallel*"
-                         f"pipeline_parallel = {expert_parallel}*{expert_tensor_parallel or tensor_parallel}*{pipeline_parallel}")
+        raise ValueError(
+            f"world size {world} is not divisible by expert_parallel*expert_tensor_parallel*"
+            f"pipeline_parallel = {expert_parallel}*{expert_tensor_parallel or tensor_parallel}*{pipeline_parallel}"
+        )
     if parallel_state.model_parallel_is_initialized():
         same = (
             parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel

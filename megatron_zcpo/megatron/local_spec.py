@@ -17,13 +17,22 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
     ``finalize_model_grads`` all-reduces such gradients over the TP group. Input [..., hidden].
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "RMSNorm",
+    ):
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
-            raise ValueError(f"SequenceParallelRMSNorm is a plain RMSNorm; got normalization={config.normalization!r}, "
-                             f"zero_centered_gamma={config.layernorm_zero_centered_gamma}")
+            raise ValueError(
+                f"SequenceParallelRMSNorm is a plain RMSNorm; got normalization={config.normalization!r}, "
+                f"zero_centered_gamma={config.layernorm_zero_centered_gamma}"
+            )
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
 def local_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None):
@@ -36,8 +45,9 @@ def local_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = No
 
     from megatron_zcpo.megatron.attention import PackedCausalAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                    normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm
+    )
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = PackedCausalAttention
     if qk_layernorm:
@@ -66,6 +76,6 @@ def local_block_spec(config):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config)
-    flags = moe_layer_flags(config)[offset:offset + get_num_layers_to_build(config)]
+    flags = moe_layer_flags(config)[offset : offset + get_num_layers_to_build(config)]
     specs = {moe: local_layer_spec(config.qk_layernorm, config.num_moe_experts if moe else None) for moe in set(flags)}
     return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in flags], layer_norm=SequenceParallelRMSNorm)

@@ -16,6 +16,29 @@ SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass
+class MoETraining:
+    """``train.moe``: the router's auxiliary losses during RL (megatron-core's coefficients).
+
+    ``aux_loss_coeff``: the load-balancing loss (``--moe-aux-loss-coeff``; megatron-core averages
+    each micro-batch's loss over the micro-batches). Default 0, as slime runs Qwen3-MoE RL
+    (``--moe-aux-loss-coeff 0``, scripts/models in THUDM/slime): the pretrained router is balanced
+    already, and a balancing gradient that ignores the reward moves the router between the
+    rollout and the update, which is exactly the train/rollout routing mismatch RL must avoid.
+    ``z_loss_coeff``: ST-MoE's router z-loss (None: off, as the peers run it).
+    """
+
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: Optional[float] = None
+
+    def validate(self, prefix: str = "train.moe") -> None:
+        """Raise ``ValueError`` naming the key on a negative coefficient."""
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"{prefix}.aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
+        if self.z_loss_coeff is not None and self.z_loss_coeff < 0:
+            raise ValueError(f"{prefix}.z_loss_coeff must be >= 0 (or null), got {self.z_loss_coeff}")
+
+
+@dataclass
 class ModelConfig:
     """Architecture of a decoder-only LM in Hugging Face terms (Qwen2/Qwen2.5, Qwen3 dense, Llama,
     and the mixture-of-experts Qwen2-MoE and Qwen3-MoE).
@@ -73,8 +96,16 @@ class ModelConfig:
         """Raise ``ValueError`` naming the offending key when the architecture is inconsistent."""
         if self.family not in SUPPORTED_FAMILIES:
             raise ValueError(f"{prefix}.family={self.family!r}: supported families are {SUPPORTED_FAMILIES}")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if int(getattr(self, key)) <= 0:
                 raise ValueError(f"{prefix}.{key} must be positive, got {getattr(self, key)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -87,8 +118,7 @@ class ModelConfig:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if rope_type != "llama3":
                 raise ValueError(f"{prefix}.rope_scaling: only rope_type 'llama3' is supported, got {rope_type!r}")
-            expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}
+            expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
             for key, value in expected.items():
                 if key in self.rope_scaling and float(self.rope_scaling[key]) != float(value):
                     raise ValueError(
@@ -104,23 +134,29 @@ class ModelConfig:
                 raise ValueError(f"{prefix}.num_experts must be positive for family {self.family!r}")
             return
         if not moe_family:
-            raise ValueError(f"{prefix}.num_experts={self.num_experts}: family {self.family!r} is dense "
-                             f"(mixture-of-experts families: qwen2_moe, qwen3_moe)")
+            raise ValueError(
+                f"{prefix}.num_experts={self.num_experts}: family {self.family!r} is dense "
+                f"(mixture-of-experts families: qwen2_moe, qwen3_moe)"
+            )
         for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             if int(getattr(self, key)) <= 0:
                 raise ValueError(f"{prefix}.{key} must be positive, got {getattr(self, key)}")
         if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"{prefix}.num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                             f"num_experts={self.num_experts}")
+            raise ValueError(
+                f"{prefix}.num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
+            )
         outside = [i for i in self.mlp_only_layers if not 0 <= int(i) < self.num_layers]
         if outside:
             raise ValueError(f"{prefix}.mlp_only_layers {outside} are not layers of a {self.num_layers}-layer model")
         if not any(self.moe_layer_pattern):
-            raise ValueError(f"{prefix}: decoder_sparse_step={self.decoder_sparse_step} and mlp_only_layers="
-                             f"{self.mlp_only_layers} leave no mixture-of-experts layer")
+            raise ValueError(
+                f"{prefix}: decoder_sparse_step={self.decoder_sparse_step} and mlp_only_layers="
+                f"{self.mlp_only_layers} leave no mixture-of-experts layer"
+            )
         if self.shared_expert_intermediate_size < 0:
-            raise ValueError(f"{prefix}.shared_expert_intermediate_size must be >= 0, "
-                             f"got {self.shared_expert_intermediate_size}")
+            raise ValueError(
+                f"{prefix}.shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -156,8 +192,7 @@ class ModelConfig:
         moe_mlp = experts * self.expert_parameters() + self.num_experts * h  # + the router
         if self.shared_expert_intermediate_size:
             moe_mlp += 3 * h * self.shared_expert_intermediate_size + h  # + its sigmoid gate
-        return (self.num_layers * (attn + norms) + (self.num_layers - moe_layers) * dense_mlp
-                + moe_layers * moe_mlp)
+        return self.num_layers * (attn + norms) + (self.num_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
 
     @property
     def num_parameters(self) -> int:
@@ -197,7 +232,7 @@ def transformer_config(
 
     For a mixture-of-experts ``model`` also its MoE fields (:func:`moe_transformer_fields`) at
     ``expert_parallel`` x ``expert_tensor_parallel`` (None: as ``tensor_parallel``), with the
-    router's auxiliary losses of ``moe`` (a :class:`~megatron_zcpo.megatron.train_config.MoETraining`;
+    router's auxiliary losses of ``moe`` (a :class:`~megatron_zcpo.megatron.model.MoETraining`;
     None: its defaults).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -242,10 +277,14 @@ def transformer_config(
         moe_token_dispatcher_type="alltoall",  # the default 'allgather' refuses variable lengths
     )
     if model.is_moe:
-        from megatron_zcpo.megatron.train_config import MoETraining
-
-        kwargs.update(moe_transformer_fields(model, moe or MoETraining(), expert_parallel,
-                                             tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel))
+        kwargs.update(
+            moe_transformer_fields(
+                model,
+                moe or MoETraining(),
+                expert_parallel,
+                tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel,
+            )
+        )
     elif expert_parallel != 1:
         raise ValueError(f"parallel.expert={expert_parallel}: the {model.family} model has no experts")
     if recompute:
@@ -256,8 +295,7 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def moe_transformer_fields(model: ModelConfig, moe, expert_parallel: int,
-                           expert_tensor_parallel: int) -> dict:
+def moe_transformer_fields(model: ModelConfig, moe, expert_parallel: int, expert_tensor_parallel: int) -> dict:
     """megatron-core ``TransformerConfig`` fields of a mixture-of-experts ``model`` (``moe``: a MoETraining).
 
     Hugging Face's Qwen-MoE router (softmax over all experts, top-k, renormalised when
@@ -273,8 +311,10 @@ def moe_transformer_fields(model: ModelConfig, moe, expert_parallel: int,
     if expert_parallel < 1 or model.num_experts % expert_parallel:
         raise ValueError(f"parallel.expert={expert_parallel} must divide the model's num_experts={model.num_experts}")
     if expert_tensor_parallel < 1 or model.moe_intermediate_size % expert_tensor_parallel:
-        raise ValueError(f"parallel.expert_tensor={expert_tensor_parallel} must divide the model's "
-                         f"moe_intermediate_size={model.moe_intermediate_size}")
+        raise ValueError(
+            f"parallel.expert_tensor={expert_tensor_parallel} must divide the model's "
+            f"moe_intermediate_size={model.moe_intermediate_size}"
+        )
     pattern = model.moe_layer_pattern
     fields = dict(
         num_moe_experts=model.num_experts,
@@ -292,8 +332,9 @@ def moe_transformer_fields(model: ModelConfig, moe, expert_parallel: int,
         expert_tensor_parallel_size=expert_tensor_parallel,
     )
     if model.shared_expert_intermediate_size:
-        fields.update(moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size,
-                      moe_shared_expert_gate=True)
+        fields.update(
+            moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size, moe_shared_expert_gate=True
+        )
     return fields
 
 

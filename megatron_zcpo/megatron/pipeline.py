@@ -132,7 +132,7 @@ class ModelChunks:
     ``forward_kwargs``: extra keywords of every forward call ({"fp32_output": False} under bf16);
     ``reference_offload``: the reference's host copy when it lives off the GPU between uses, else None;
     ``around_forward(micro_batch, pass_name)``: a context manager every pass's forward of a
-    micro-batch runs inside (routing replay of MoE models, megatron_zcpo.megatron.routing_replay), or None.
+    micro-batch runs inside (routing replay of MoE models, megatron_zcpo.training.routing_replay), or None.
     """
 
     policy: Any
@@ -146,7 +146,9 @@ class ModelChunks:
         inside :attr:`around_forward` when set."""
         context = self.around_forward(mb, pass_name) if self.around_forward else contextlib.nullcontext()
         with context:
-            return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **self.forward_kwargs)
+            return model(
+                mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **self.forward_kwargs
+            )
 
     @property
     def hidden_size(self) -> int:

@@ -79,8 +79,21 @@ _MEGATRON_MODULES = (
 )
 
 _FACTORIES = (
-    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
-    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "eye",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "as_tensor",
+    "eye",
 )
 
 
@@ -374,10 +387,8 @@ def activate() -> bool:
     if has_cuda():
         return False
     for name in _MEGATRON_MODULES:
-        try:
+        with contextlib.suppress(ImportError):  # optional parts of megatron-core absent in this version
             importlib.import_module(name)
-        except ImportError:  # optional parts of megatron-core absent in this version
-            pass
     proxy = _TorchOnCpu()
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:

@@ -90,10 +90,16 @@ def _split_group(name: str):
     from megatron.core import parallel_state as ps
 
     if is_expert_tensor(name):
-        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
-                ps.get_expert_tensor_parallel_group())
-    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_group())
+        return (
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_group(),
+    )
 
 
 def named_global_parameters(model) -> Iterator[Tuple[str, torch.nn.Parameter]]:
@@ -125,8 +131,9 @@ def _tp_split(global_tensor: torch.Tensor, param, blocks: int, tp_rank: int, tp_
     size = global_tensor.shape[dim]
     if size % (blocks * tp_size):
         raise ValueError(f"dimension {dim} of size {size} does not split into {blocks}x{tp_size} parts")
-    return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in global_tensor.chunk(blocks, dim=dim)],
-                     dim=dim)
+    return torch.cat(
+        [block.chunk(tp_size, dim=dim)[tp_rank] for block in global_tensor.chunk(blocks, dim=dim)], dim=dim
+    )
 
 
 def _tp_merge(shards, param, blocks: int) -> torch.Tensor:
@@ -225,8 +232,11 @@ def is_stage_lead() -> bool:
     """Whether this rank sends its pipeline stage's dense weights: TP, CP and DP rank 0."""
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-            and ps.get_context_parallel_rank() == 0)
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
 
 
 def walks_dense_part() -> bool:
@@ -259,8 +269,10 @@ def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     offset = 0
     for tensor in tensors:
         if offset % tensor.element_size():
-            raise ValueError(f"a {tensor.dtype} tensor would start at byte {offset} of the flat buffer, "
-                             f"not a multiple of {tensor.element_size()}")
+            raise ValueError(
+                f"a {tensor.dtype} tensor would start at byte {offset} of the flat buffer, "
+                f"not a multiple of {tensor.element_size()}"
+            )
         offset += tensor.numel() * tensor.element_size()
     return torch.cat([tensor.contiguous().reshape(-1).view(torch.uint8) for tensor in tensors])
 
@@ -271,14 +283,16 @@ def unflatten_tensors(flat: torch.Tensor, metadata: Sequence[Tuple[Sequence[int]
     out, offset = [], 0
     for shape, dtype in metadata:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        out.append(flat[offset:offset + nbytes].view(dtype).view(tuple(shape)))
+        out.append(flat[offset : offset + nbytes].view(dtype).view(tuple(shape)))
         offset += nbytes
     if offset != flat.numel():
         raise ValueError(f"flat buffer of {flat.numel()} bytes, metadata describe {offset}")
     return out
 
 
-def bucket_tensors(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+def bucket_tensors(
+    named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -322,8 +336,9 @@ def _receive_on_rank0(source: int) -> Iterator[Tuple[str, torch.Tensor]]:
         yield from zip([name for name, _, _ in header[0]], tensors)
 
 
-def _part_to_rank0(model, part: str, walks: bool, sends: bool, source: int,
-                   bucket_bytes: int) -> Iterator[Tuple[str, torch.Tensor]]:
+def _part_to_rank0(
+    model, part: str, walks: bool, sends: bool, source: int, bucket_bytes: int
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """One share of a stage (its dense tensors, or one EP rank's experts) on rank 0: the ranks that
     ``walks`` it take part in its gathers, the one that ``sends`` it sends it, rank 0 yields it
     (from its own walk when ``source`` is 0)."""
@@ -360,18 +375,34 @@ def iter_model_tensors_to_rank0(model, bucket_bytes: int = 256 * 2**20) -> Itera
     pp_rank, has_experts = ps.get_pipeline_model_parallel_rank(), bool(unwrap(model).config.num_moe_experts)
     ep_rank = ps.get_expert_model_parallel_rank() if has_experts else 0
     leads = [None] * dist.get_world_size()  # every rank's (stage, EP rank) when it leads a share
-    dist.all_gather_object(leads, ((pp_rank, "dense", 0) if is_stage_lead() else None,
-                                   (pp_rank, "experts", ep_rank) if is_expert_shard_lead(model) else None))
+    dist.all_gather_object(
+        leads,
+        (
+            (pp_rank, "dense", 0) if is_stage_lead() else None,
+            (pp_rank, "experts", ep_rank) if is_expert_shard_lead(model) else None,
+        ),
+    )
     source = {share: rank for rank, pair in enumerate(leads) for share in pair if share is not None}
     for stage in range(ps.get_pipeline_model_parallel_world_size()):
         here = stage == pp_rank
-        yield from _part_to_rank0(model, "dense", here and walks_dense_part(), here and is_stage_lead(),
-                                  source[(stage, "dense", 0)], bucket_bytes)
+        yield from _part_to_rank0(
+            model,
+            "dense",
+            here and walks_dense_part(),
+            here and is_stage_lead(),
+            source[(stage, "dense", 0)],
+            bucket_bytes,
+        )
         for expert_rank in range(ps.get_expert_model_parallel_world_size() if has_experts else 0):
             mine = here and ep_rank == expert_rank
-            yield from _part_to_rank0(model, "experts", mine and walks_expert_part(model),
-                                      mine and is_expert_shard_lead(model), source[(stage, "experts", expert_rank)],
-                                      bucket_bytes)
+            yield from _part_to_rank0(
+                model,
+                "experts",
+                mine and walks_expert_part(model),
+                mine and is_expert_shard_lead(model),
+                source[(stage, "experts", expert_rank)],
+                bucket_bytes,
+            )
         dist.barrier()
 
 
@@ -394,8 +425,9 @@ def gather_full_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[s
     local = gather_global_state_dict(model, dtype)
     if unwrap(model).config.num_moe_experts and ps.get_expert_model_parallel_world_size() > 1:
         shards = [None] * ps.get_expert_model_parallel_world_size()
-        dist.all_gather_object(shards, {n: t for n, t in local.items() if is_expert_tensor(n)},
-                               group=ps.get_expert_model_parallel_group())
+        dist.all_gather_object(
+            shards, {n: t for n, t in local.items() if is_expert_tensor(n)}, group=ps.get_expert_model_parallel_group()
+        )
         for shard in shards:
             local.update(shard)
     pp_size = ps.get_pipeline_model_parallel_world_size()

@@ -33,8 +33,13 @@ class OutputProjection:
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, valid_columns: int, dtype: torch.dtype):
         self.dtype = dtype
-        self.native = (hidden.is_cuda and HAS_MM_OUT_DTYPE and hidden.dtype == weight.dtype
-                       and hidden.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32)
+        self.native = (
+            hidden.is_cuda
+            and HAS_MM_OUT_DTYPE
+            and hidden.dtype == weight.dtype
+            and hidden.dtype in (torch.bfloat16, torch.float16)
+            and dtype == torch.float32
+        )
         self.weight = weight[:valid_columns]
         # Upcast once per call (not per tile) where the GEMMs cannot take low-precision operands.
         self.hidden = hidden if self.native else hidden.to(self.dtype)

@@ -23,8 +23,8 @@ from megatron_zcpo.ops import token_stats_check as first_use
 from megatron_zcpo.ops.output_projection import OutputProjection
 from megatron_zcpo.ops.token_stats_kernels import (
     MASKED_LOGIT,
-    Tiling,
     TileResults,
+    Tiling,
     resolve_tiling,
     save_results,
     tiled_backward,
@@ -79,7 +79,7 @@ def _run(function, forward: Callable, needs_grad: bool, inputs: tuple, shape, dt
 
 
 def _backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"torch" or "triton" (utils.devices.kernel_backend); float64 stays on torch (the kernels are float32),
+    """ "torch" or "triton" (utils.devices.kernel_backend); float64 stays on torch (the kernels are float32),
     and so does everything after a failed first-use check (token_stats_check)."""
     backend = kernel_backend(device, requested)
     if backend == "triton" and dtype == torch.float64:
@@ -110,8 +110,10 @@ def _fields_at(results, rows=None) -> dict:
 
 def _described(kind: str, key: tuple, tiling: Tiling, rows: int) -> str:
     dtypes = "/".join(str(d).replace("torch.", "") for d in key[1] if d is not None)
-    return (f"{kind}, {dtypes}, {key[2]} columns per shard, {'with' if tiling.with_ref else 'without'} reference, "
-            f"{'with' if key[3] else 'without'} gradient; {rows} rows compared")
+    return (
+        f"{kind}, {dtypes}, {key[2]} columns per shard, {'with' if tiling.with_ref else 'without'} reference, "
+        f"{'with' if key[3] else 'without'} gradient; {rows} rows compared"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,13 +144,14 @@ def _logits_forward(logits, ref_logits, targets, tiling) -> TileResults:
 def _logits_backward(logits, ref_logits, targets, saved, grads, tiling) -> torch.Tensor:
     """d(loss)/d(logits) [N, V_local] from the upstream (logprob, entropy, kl) gradients, tile by tile."""
     grad_logits = torch.empty_like(logits)
-    grad_logits[:, tiling.valid_columns:].zero_()
+    grad_logits[:, tiling.valid_columns :].zero_()
 
     def store(start, stop, first, last, grad):
         grad_logits[start:stop, first:last].copy_(grad)
 
-    tiled_backward(_logits_loader(logits, ref_logits), store, targets, saved, *_as_compute(grads, tiling), tiling,
-                   logits.device)
+    tiled_backward(
+        _logits_loader(logits, ref_logits), store, targets, saved, *_as_compute(grads, tiling), tiling, logits.device
+    )
     return grad_logits
 
 
@@ -207,22 +210,41 @@ def vocab_parallel_token_stats(
     policy's probability on those tokens.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: logits must be "
-                         f"targets.shape + [V_local]")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: logits must be targets.shape + [V_local]"
+        )
     if ref_logits is not None and ref_logits.shape != logits.shape:
         raise ValueError(f"ref_logits {tuple(ref_logits.shape)} must have the shape of logits {tuple(logits.shape)}")
     dtype = _compute_dtype(logits, ref_logits)
     chosen = _backend(backend, logits.device, dtype)
-    tiling = resolve_tiling(logits.shape[-1], targets, group=group, vocab_size=vocab_size, chunk_size=chunk_size,
-                         vocab_chunk_size=vocab_chunk_size, temperature=temperature, kl_temperature=kl_temperature,
-                         dtype=dtype, with_ref=ref_logits is not None, device=logits.device)
-    inputs = (logits.reshape(-1, logits.shape[-1]),
-              None if ref_logits is None else ref_logits.reshape(-1, logits.shape[-1]),
-              targets.reshape(-1).to(device=logits.device, dtype=torch.long), tiling)
+    tiling = resolve_tiling(
+        logits.shape[-1],
+        targets,
+        group=group,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        temperature=temperature,
+        kl_temperature=kl_temperature,
+        dtype=dtype,
+        with_ref=ref_logits is not None,
+        device=logits.device,
+    )
+    inputs = (
+        logits.reshape(-1, logits.shape[-1]),
+        None if ref_logits is None else ref_logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1).to(device=logits.device, dtype=torch.long),
+        tiling,
+    )
     needs_grad = _needs_grad(logits)
     stats = _from_logits(inputs, chosen, needs_grad, targets.shape, dtype)
-    key = ("logits", (logits.dtype, None if ref_logits is None else ref_logits.dtype), logits.shape[-1], needs_grad,
-           tiling.separate_kl_temperature)
+    key = (
+        "logits",
+        (logits.dtype, None if ref_logits is None else ref_logits.dtype),
+        logits.shape[-1],
+        needs_grad,
+        tiling.separate_kl_temperature,
+    )
     if chosen == "triton" and first_use.due(key, logits.device) and not _logits_agree(key, inputs, stats, needs_grad):
         stats = _from_logits(inputs, "torch", needs_grad, targets.shape, dtype)
     return stats
@@ -254,8 +276,9 @@ def _logits_agree(key: tuple, inputs: tuple, stats: TokenStats, needs_grad: bool
             got = triton.logits_backward(z, zr, rows_targets, saved, probe, tiling)
             want = _logits_backward(z, zr, rows_targets, expected.saved, probe, tiling)
             problems += [p for p in [first_use.gradient_problem(got, want, cached=False)] if p]
-    return first_use.conclude(key, _described("from logits", key, tiling, len(rows)), problems, tiling.group,
-                              logits.device)
+    return first_use.conclude(
+        key, _described("from logits", key, tiling, len(rows)), problems, tiling.group, logits.device
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,8 +305,9 @@ class _FusedTokenStats(torch.autograd.Function):
         hidden, weight, ref_hidden, ref_weight, targets, saved = ctx.saved_tensors
         tiling = ctx.tiling
         policy = OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype)
-        reference = None if grad_kl is None else OutputProjection(ref_hidden, ref_weight, tiling.valid_columns,
-                                                                    tiling.dtype)
+        reference = (
+            None if grad_kl is None else OutputProjection(ref_hidden, ref_weight, tiling.valid_columns, tiling.dtype)
+        )
         grad_hidden = torch.zeros(hidden.shape, dtype=tiling.dtype, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=tiling.dtype, device=weight.device)
 
@@ -291,8 +315,15 @@ class _FusedTokenStats(torch.autograd.Function):
             grad_hidden[start:stop] += policy.hidden_grad(grad, first, last)
             grad_weight[first:last] += policy.weight_grad(grad, start, stop)
 
-        tiled_backward(_hidden_loader(policy, reference), store, targets, saved,
-                  *_as_compute((grad_logprob, grad_entropy, grad_kl), tiling), tiling, hidden.device)
+        tiled_backward(
+            _hidden_loader(policy, reference),
+            store,
+            targets,
+            saved,
+            *_as_compute((grad_logprob, grad_entropy, grad_kl), tiling),
+            tiling,
+            hidden.device,
+        )
         if tiling.world > 1:
             # hidden is replicated across the tensor-parallel ranks and each rank saw only its
             # vocabulary shard: sum the partial gradients, as Megatron's ColumnParallelLinear does
@@ -303,8 +334,9 @@ class _FusedTokenStats(torch.autograd.Function):
 
 def _fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling) -> TileResults:
     policy = OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype)
-    reference = None if ref_hidden is None else OutputProjection(ref_hidden, ref_weight, tiling.valid_columns,
-                                                                        tiling.dtype)
+    reference = (
+        None if ref_hidden is None else OutputProjection(ref_hidden, ref_weight, tiling.valid_columns, tiling.dtype)
+    )
     return tiled_forward(_hidden_loader(policy, reference), targets, tiling, hidden.device)
 
 
@@ -344,32 +376,59 @@ def fused_token_stats(
     gradient.
     """
     if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: hidden must be "
-                         f"targets.shape + [H]")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: hidden must be targets.shape + [H]"
+        )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} must be [V_local, H={hidden.shape[-1]}]")
     if (ref_hidden is None) != (ref_weight is None):
         raise ValueError("ref_hidden and ref_weight must be given together")
     if ref_hidden is not None:
         if ref_hidden.shape != hidden.shape:
-            raise ValueError(f"ref_hidden {tuple(ref_hidden.shape)} must have the shape of hidden "
-                             f"{tuple(hidden.shape)}")
+            raise ValueError(
+                f"ref_hidden {tuple(ref_hidden.shape)} must have the shape of hidden {tuple(hidden.shape)}"
+            )
         if ref_weight.shape != weight.shape:
-            raise ValueError(f"ref_weight {tuple(ref_weight.shape)} must have the shape of weight "
-                             f"{tuple(weight.shape)}")
+            raise ValueError(
+                f"ref_weight {tuple(ref_weight.shape)} must have the shape of weight {tuple(weight.shape)}"
+            )
     dtype = _compute_dtype(hidden, weight, ref_hidden, ref_weight)
     chosen = _backend(backend, hidden.device, dtype)
-    tiling = resolve_tiling(weight.shape[0], targets, group=group, vocab_size=vocab_size, chunk_size=chunk_size,
-                         vocab_chunk_size=vocab_chunk_size, temperature=temperature, kl_temperature=kl_temperature,
-                         dtype=dtype, with_ref=ref_hidden is not None, device=hidden.device)
-    inputs = (hidden.reshape(-1, hidden.shape[-1]), weight,
-              None if ref_hidden is None else ref_hidden.reshape(-1, hidden.shape[-1]), ref_weight,
-              targets.reshape(-1).to(device=hidden.device, dtype=torch.long), tiling)
+    tiling = resolve_tiling(
+        weight.shape[0],
+        targets,
+        group=group,
+        vocab_size=vocab_size,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        temperature=temperature,
+        kl_temperature=kl_temperature,
+        dtype=dtype,
+        with_ref=ref_hidden is not None,
+        device=hidden.device,
+    )
+    inputs = (
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        None if ref_hidden is None else ref_hidden.reshape(-1, hidden.shape[-1]),
+        ref_weight,
+        targets.reshape(-1).to(device=hidden.device, dtype=torch.long),
+        tiling,
+    )
     needs_grad = _needs_grad(hidden, weight)
     stats = _fused(inputs, chosen, needs_grad, targets.shape, dtype)
-    key = ("fused", (hidden.dtype, weight.dtype, None if ref_hidden is None else ref_hidden.dtype,
-                     None if ref_weight is None else ref_weight.dtype), weight.shape[0], needs_grad,
-           tiling.separate_kl_temperature)
+    key = (
+        "fused",
+        (
+            hidden.dtype,
+            weight.dtype,
+            None if ref_hidden is None else ref_hidden.dtype,
+            None if ref_weight is None else ref_weight.dtype,
+        ),
+        weight.shape[0],
+        needs_grad,
+        tiling.separate_kl_temperature,
+    )
     if chosen == "triton" and first_use.due(key, hidden.device) and not _fused_agrees(key, inputs, stats, needs_grad):
         stats = _fused(inputs, "torch", needs_grad, targets.shape, dtype)
     return stats
@@ -407,13 +466,13 @@ def _fused_agrees(key: tuple, inputs: tuple, stats: TokenStats, needs_grad: bool
             if got is not None:  # None: this shard is all padding
                 want = _logits_backward(z, zr, rows_targets, expected.saved, probe, tiling)
                 problems += [p for p in [first_use.gradient_problem(got, want, cached=True)] if p]
-    return first_use.conclude(key, _described("fused", key, tiling, len(rows)), problems, tiling.group,
-                              hidden.device)
+    return first_use.conclude(key, _described("fused", key, tiling, len(rows)), problems, tiling.group, hidden.device)
 
 
 def _output_logits(hidden: torch.Tensor, weight: torch.Tensor, tiling: Tiling) -> torch.Tensor:
     """[n, valid_columns] float32 logits hidden @ weight.T as both backends compute them (OutputProjection)."""
     out = torch.empty(hidden.shape[0], tiling.valid_columns, dtype=tiling.dtype, device=hidden.device)
-    OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype).logits_into(0, hidden.shape[0], 0,
-                                                                                     tiling.valid_columns, out)
+    OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype).logits_into(
+        0, hidden.shape[0], 0, tiling.valid_columns, out
+    )
     return out

@@ -86,8 +86,10 @@ def value_problems(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) 
         if not bool(close.all()):
             excess = torch.where(close, 0.0, (triton_value - expected).abs().nan_to_num(float("inf")))
             row = int(excess.argmax())
-            problems.append(f"{field}: triton {float(triton_value[row]):.7g} vs torch {float(expected[row]):.7g} "
-                            f"(|diff| {float(excess[row]):.2e}; tolerance {VALUE_ATOL:.0e} + {VALUE_RTOL:.0e} x |torch|)")
+            problems.append(
+                f"{field}: triton {float(triton_value[row]):.7g} vs torch {float(expected[row]):.7g} "
+                f"(|diff| {float(excess[row]):.2e}; tolerance {VALUE_ATOL:.0e} + {VALUE_RTOL:.0e} x |torch|)"
+            )
     return problems
 
 
@@ -112,12 +114,15 @@ def gradient_problem(got: torch.Tensor, want: torch.Tensor, cached: bool) -> Opt
     excess = torch.where(close, 0.0, (got - want).abs().nan_to_num(float("inf")))
     index = int(excess.argmax())
     row, column = divmod(index, got.shape[1])
-    return (f"logit gradient [{row}, {column}]: triton {float(got.flatten()[index]):.7g} vs torch "
-            f"{float(want.flatten()[index]):.7g} (tolerance {GRADIENT_ATOL:.0e} + {rtol:.0e} x |torch|)")
+    return (
+        f"logit gradient [{row}, {column}]: triton {float(got.flatten()[index]):.7g} vs torch "
+        f"{float(want.flatten()[index]):.7g} (tolerance {GRADIENT_ATOL:.0e} + {rtol:.0e} x |torch|)"
+    )
 
 
-def conclude(key: tuple, described: str, problems: List[str], group: Optional[dist.ProcessGroup],
-             device: torch.device) -> bool:
+def conclude(
+    key: tuple, described: str, problems: List[str], group: Optional[dist.ProcessGroup], device: torch.device
+) -> bool:
     """Record the check of ``key``; True when the Triton results stand.
 
     Collective over ``group`` (one all-reduce, when given): the ranks decide together, since a
@@ -132,10 +137,12 @@ def conclude(key: tuple, described: str, problems: List[str], group: Optional[di
     if not float(failed):
         return True
     found = "; ".join(problems) if problems else "another tensor-parallel rank found a mismatch"
-    _fallback = (f"token statistics: the Triton kernels disagree with the torch backend on their first use "
-                 f"({described}): {found}. This process "
-                 f"computes the token statistics with the torch backend from now on (correct, slower on a GPU); "
-                 f"set train.token_stats_backend=torch to skip the Triton kernels, and please report this "
-                 f"with the GPU, torch and triton versions")
+    _fallback = (
+        f"token statistics: the Triton kernels disagree with the torch backend on their first use "
+        f"({described}): {found}. This process "
+        f"computes the token statistics with the torch backend from now on (correct, slower on a GPU); "
+        f"set train.token_stats_backend=torch to skip the Triton kernels, and please report this "
+        f"with the GPU, torch and triton versions"
+    )
     warnings.warn(_fallback, TritonMismatchWarning, stacklevel=3)
     return False

@@ -76,8 +76,10 @@ class Tiling:
 
     def tiles(self):
         """Column ranges [start, stop) of this shard's valid columns, one per tile."""
-        return [(start, min(start + self.tile_columns, self.valid_columns))
-                for start in range(0, self.valid_columns, self.tile_columns)]
+        return [
+            (start, min(start + self.tile_columns, self.valid_columns))
+            for start in range(0, self.valid_columns, self.tile_columns)
+        ]
 
 
 # Rows of the per-token statistics of a column set (tile, shard, or the whole vocabulary), float64.
@@ -133,8 +135,9 @@ def _owned_target_logits(logits: torch.Tensor, local_target: torch.Tensor) -> to
     """[n] logit of each row's target where it falls in this tile (local index in range), 0 elsewhere."""
     owned = (local_target >= 0) & (local_target < logits.shape[1])
     index = local_target.clamp(0, logits.shape[1] - 1).unsqueeze(1)
-    return torch.where(owned, logits.gather(1, index).squeeze(1), torch.zeros((), dtype=logits.dtype,
-                                                                              device=logits.device))
+    return torch.where(
+        owned, logits.gather(1, index).squeeze(1), torch.zeros((), dtype=logits.dtype, device=logits.device)
+    )
 
 
 def _shift_of(logits: torch.Tensor) -> torch.Tensor:
@@ -356,8 +359,9 @@ def merge_shards(stats: torch.Tensor, tiling: Tiling) -> TileResults:
     return _finish(stats, tiling)
 
 
-def tiled_backward(load: Callable, store: Callable, targets, saved, grad_logprob, grad_entropy, grad_kl, tiling: Tiling,
-              device) -> None:
+def tiled_backward(
+    load: Callable, store: Callable, targets, saved, grad_logprob, grad_entropy, grad_kl, tiling: Tiling, device
+) -> None:
     """Recompute each tile and hand d(loss)/d(policy logits) [n, columns] to ``store(start, stop, first, last, grad)``."""
     n_rows = targets.shape[0]
     tiles = tiling.tiles()
@@ -404,16 +408,30 @@ def tiled_backward(load: Callable, store: Callable, targets, saved, grad_logprob
             store(start, stop, first, last, grad)
 
 
-def resolve_tiling(local_vocab: int, targets: torch.Tensor, *, group, vocab_size, chunk_size, vocab_chunk_size,
-                  temperature, kl_temperature, dtype, with_ref, device) -> Tiling:
+def resolve_tiling(
+    local_vocab: int,
+    targets: torch.Tensor,
+    *,
+    group,
+    vocab_size,
+    chunk_size,
+    vocab_chunk_size,
+    temperature,
+    kl_temperature,
+    dtype,
+    with_ref,
+    device,
+) -> Tiling:
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     full = world * local_vocab
     if vocab_size is None:
         vocab_size = full
     if not 0 < vocab_size <= full:
-        raise ValueError(f"vocab_size={vocab_size} must be in (0, {full}] = tensor-parallel size {world} x "
-                         f"local vocabulary {local_vocab}")
+        raise ValueError(
+            f"vocab_size={vocab_size} must be in (0, {full}] = tensor-parallel size {world} x "
+            f"local vocabulary {local_vocab}"
+        )
     for name, value in (("temperature", temperature), ("kl_temperature", kl_temperature)):
         if not value > 0:
             raise ValueError(f"{name} must be positive, got {value}")
@@ -422,8 +440,10 @@ def resolve_tiling(local_vocab: int, targets: torch.Tensor, *, group, vocab_size
     bad = (targets < 0) | (targets >= vocab_size)
     if bool(bad.any()):
         position = int(bad.flatten().nonzero()[0])
-        raise ValueError(f"targets[{position}] (flattened) = {int(targets.flatten()[position])} is outside the "
-                         f"vocabulary [0, {vocab_size})")
+        raise ValueError(
+            f"targets[{position}] (flattened) = {int(targets.flatten()[position])} is outside the "
+            f"vocabulary [0, {vocab_size})"
+        )
     default_rows, budget = _GPU_TILE if device.type == "cuda" else _CPU_TILE
     chunk_size = default_rows if chunk_size is None else chunk_size
     vocab_chunk_size = max(1, budget // chunk_size) if vocab_chunk_size is None else vocab_chunk_size
@@ -431,7 +451,15 @@ def resolve_tiling(local_vocab: int, targets: torch.Tensor, *, group, vocab_size
         if value < 1:
             raise ValueError(f"{name} must be a positive number, got {value}")
     start = rank * local_vocab
-    return Tiling(group=group if world > 1 else None, world=world, vocab_start=start,
-                 valid_columns=max(0, min(local_vocab, vocab_size - start)), chunk_rows=int(chunk_size),
-                 tile_columns=int(vocab_chunk_size), inv_temperature=1.0 / temperature,
-                 inv_kl_temperature=1.0 / kl_temperature, dtype=dtype, with_ref=with_ref)
+    return Tiling(
+        group=group if world > 1 else None,
+        world=world,
+        vocab_start=start,
+        valid_columns=max(0, min(local_vocab, vocab_size - start)),
+        chunk_rows=int(chunk_size),
+        tile_columns=int(vocab_chunk_size),
+        inv_temperature=1.0 / temperature,
+        inv_kl_temperature=1.0 / kl_temperature,
+        dtype=dtype,
+        with_ref=with_ref,
+    )

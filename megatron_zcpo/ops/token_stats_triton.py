@@ -56,8 +56,12 @@ class KernelConfig:
 # Forward: 8-16 elements per thread per load, 8-16 K columns per super-block (the exact merge costs
 # ~1000 instructions per row and super-block, ~8-16 per element; passes 2 and 3 re-read a super-block
 # of a few tens of KiB per program from L1/L2). Backward: a plain elementwise pass.
-FORWARD_CANDIDATES = (KernelConfig(1, 1024, 16, 4), KernelConfig(1, 2048, 8, 4), KernelConfig(1, 2048, 8, 8),
-                      KernelConfig(1, 1024, 8, 4))
+FORWARD_CANDIDATES = (
+    KernelConfig(1, 1024, 16, 4),
+    KernelConfig(1, 2048, 8, 4),
+    KernelConfig(1, 2048, 8, 8),
+    KernelConfig(1, 1024, 8, 4),
+)
 BACKWARD_CANDIDATES = (KernelConfig(1, 2048, 1, 4), KernelConfig(1, 4096, 1, 8), KernelConfig(4, 1024, 1, 4))
 _TUNED: Dict[tuple, KernelConfig] = {}
 _FORCED: Dict[str, KernelConfig] = {}
@@ -139,35 +143,58 @@ class _Cache:
     width: int = 0  # columns per super-block, set by the forward
 
     @classmethod
-    def allocate(cls, rows: int, n_cols: int, tiling: Tiling, device) -> "_Cache":
-        shapes = FORWARD_CANDIDATES + (_FORCED.get("forward", FORWARD_CANDIDATES[0]),
-                                       _interpreter_config("forward", rows, n_cols))
+    def allocate(cls, rows: int, n_cols: int, tiling: Tiling, device) -> _Cache:
+        shapes = FORWARD_CANDIDATES + (
+            _FORCED.get("forward", FORWARD_CANDIDATES[0]),
+            _interpreter_config("forward", rows, n_cols),
+        )
         n_super = triton.cdiv(n_cols, min(c.width for c in shapes))
         y = torch.empty(rows, n_cols, dtype=torch.float16, device=device) if tiling.with_ref else None
-        return cls(torch.empty(rows, n_cols, dtype=torch.float16, device=device), y,
-                   torch.empty(3, rows, n_super, dtype=torch.float32, device=device),
-                   tiling.with_ref and tiling.inv_kl_temperature < tiling.inv_temperature)
+        return cls(
+            torch.empty(rows, n_cols, dtype=torch.float16, device=device),
+            y,
+            torch.empty(3, rows, n_super, dtype=torch.float32, device=device),
+            tiling.with_ref and tiling.inv_kl_temperature < tiling.inv_temperature,
+        )
 
 
 def _forward_launcher(z, zr, local_targets, stats, tiling: Tiling, cache: Optional[_Cache], first_row: int):
     """``launch(config)`` for rows [first_row, first_row + len(z)) of the call (stats / cache row offsets)."""
     rows = z.shape[0]
     ref = zr if zr is not None else z
-    out = stats[:, first_row:first_row + rows]
+    out = stats[:, first_row : first_row + rows]
     if cache is not None:
-        e, blocks = cache.e[first_row:first_row + rows], cache.blocks[:, first_row:first_row + rows]
-        y = cache.y[first_row:first_row + rows] if cache.y is not None else e
+        e, blocks = cache.e[first_row : first_row + rows], cache.blocks[:, first_row : first_row + rows]
+        y = cache.y[first_row : first_row + rows] if cache.y is not None else e
         cache_args = (e, y, e.stride(0), blocks, blocks.stride(1), blocks.stride(0))
     else:
         cache_args = (z, z, 0, out, 0, 0)
 
     def launch(config: KernelConfig):
-        launch_kernel(token_stats_forward_kernel, (triton.cdiv(rows, config.block_m),),
-            z, ref, z.stride(0), ref.stride(0), local_targets, out, out.stride(0), *cache_args,
-            rows, tiling.valid_columns, tiling.inv_temperature, tiling.inv_kl_temperature,
-            WITH_REF=tiling.with_ref, SEPARATE_KL=tiling.with_ref and tiling.separate_kl_temperature,
-            CACHE=cache is not None, CACHE_AT_KL=cache is not None and cache.at_kl,
-            BLOCK_M=config.block_m, BLOCK_V=config.block_v, SUB=config.sub, num_warps=config.num_warps)
+        launch_kernel(
+            token_stats_forward_kernel,
+            (triton.cdiv(rows, config.block_m),),
+            z,
+            ref,
+            z.stride(0),
+            ref.stride(0),
+            local_targets,
+            out,
+            out.stride(0),
+            *cache_args,
+            rows,
+            tiling.valid_columns,
+            tiling.inv_temperature,
+            tiling.inv_kl_temperature,
+            WITH_REF=tiling.with_ref,
+            SEPARATE_KL=tiling.with_ref and tiling.separate_kl_temperature,
+            CACHE=cache is not None,
+            CACHE_AT_KL=cache is not None and cache.at_kl,
+            BLOCK_M=config.block_m,
+            BLOCK_V=config.block_v,
+            SUB=config.sub,
+            num_warps=config.num_warps,
+        )
 
     return launch
 
@@ -188,13 +215,23 @@ def logits_forward(logits, ref_logits, targets, tiling: Tiling) -> TileResults:
         return merge_shards(empty_shard_stats(tiling, n_rows, logits.device), tiling)
     stats = torch.empty(stat_rows(tiling), n_rows, dtype=torch.float32, device=logits.device)
     launch = _forward_launcher(logits, ref_logits, targets - tiling.vocab_start, stats, tiling, None, 0)
-    launch(_choose("forward", _forward_key(logits, ref_logits, tiling, None), n_rows, tiling.valid_columns,
-                   FORWARD_CANDIDATES, launch, logits.device))
+    launch(
+        _choose(
+            "forward",
+            _forward_key(logits, ref_logits, tiling, None),
+            n_rows,
+            tiling.valid_columns,
+            FORWARD_CANDIDATES,
+            launch,
+            logits.device,
+        )
+    )
     return merge_shards(stats.double(), tiling)
 
 
-def fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling: Tiling,
-                  keep_cache: bool) -> Tuple[TileResults, Optional[_Cache]]:
+def fused_forward(
+    hidden, weight, ref_hidden, ref_weight, targets, tiling: Tiling, keep_cache: bool
+) -> Tuple[TileResults, Optional[_Cache]]:
     """Per-token results from hidden states and output-layer shards, chunk by chunk of tokens."""
     n_rows, n_cols, device = targets.shape[0], tiling.valid_columns, hidden.device
     if not (n_rows and n_cols):
@@ -210,14 +247,21 @@ def fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling: Tilin
     config = None
     for start in range(0, n_rows, chunk):
         stop = min(start + chunk, n_rows)
-        z_rows, zr_rows = z[:stop - start], None if zr is None else zr[:stop - start]
+        z_rows, zr_rows = z[: stop - start], None if zr is None else zr[: stop - start]
         policy.logits_into(start, stop, 0, n_cols, z_rows)
         if reference is not None:
             reference.logits_into(start, stop, 0, n_cols, zr_rows)
         launch = _forward_launcher(z_rows, zr_rows, local_targets[start:stop], stats, tiling, cache, start)
         # One shape for the whole call: the cache's super-blocks must not change between chunks.
-        config = config or _choose("forward", _forward_key(z_rows, zr_rows, tiling, cache), stop - start, n_cols,
-                                   FORWARD_CANDIDATES, launch, device)
+        config = config or _choose(
+            "forward",
+            _forward_key(z_rows, zr_rows, tiling, cache),
+            stop - start,
+            n_cols,
+            FORWARD_CANDIDATES,
+            launch,
+            device,
+        )
         launch(config)
     if cache is not None:
         cache.width = config.width
@@ -228,8 +272,9 @@ def fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling: Tilin
 # backward
 
 
-def _backward(out, targets, saved, grads, tiling: Tiling, *, logits=None, ref_logits=None,
-              cache: Optional[_Cache] = None) -> None:
+def _backward(
+    out, targets, saved, grads, tiling: Tiling, *, logits=None, ref_logits=None, cache: Optional[_Cache] = None
+) -> None:
     """Write d(loss)/d(policy logits) [N, out.shape[1]] into ``out`` (0 past the valid columns)."""
     n_rows = targets.shape[0]
     if not n_rows:
@@ -242,8 +287,14 @@ def _backward(out, targets, saved, grads, tiling: Tiling, *, logits=None, ref_lo
     if cache is not None:
         inv_cache = tiling.inv_kl_temperature if cache.at_kl else tiling.inv_temperature
         z = zr = out
-        cache_args = (cache.e, cache.y if cache.y is not None else cache.e, cache.e.stride(0), cache.blocks,
-                      cache.blocks.stride(1), cache.blocks.stride(0))
+        cache_args = (
+            cache.e,
+            cache.y if cache.y is not None else cache.e,
+            cache.e.stride(0),
+            cache.blocks,
+            cache.blocks.stride(1),
+            cache.blocks.stride(0),
+        )
         candidates = [c for c in BACKWARD_CANDIDATES if cache.width % c.block_v == 0]
     else:
         inv_cache = tiling.inv_temperature
@@ -254,19 +305,51 @@ def _backward(out, targets, saved, grads, tiling: Tiling, *, logits=None, ref_lo
 
     def launch(config: KernelConfig):
         grid = (triton.cdiv(n_rows, config.block_m), triton.cdiv(out.shape[1], config.block_v))
-        launch_kernel(token_stats_backward_kernel, grid,
-            z, zr, z.stride(0), zr.stride(0), *cache_args, local_targets, saved, saved.stride(0),
-            dummy if grad_lp is None else grad_lp, dummy if grad_ent is None else grad_ent,
-            dummy if grad_kl is None else grad_kl, out, out.stride(0), n_rows, tiling.valid_columns, out.shape[1],
-            tiling.inv_temperature, tiling.inv_kl_temperature, tiling.inv_temperature / inv_cache,
+        launch_kernel(
+            token_stats_backward_kernel,
+            grid,
+            z,
+            zr,
+            z.stride(0),
+            zr.stride(0),
+            *cache_args,
+            local_targets,
+            saved,
+            saved.stride(0),
+            dummy if grad_lp is None else grad_lp,
+            dummy if grad_ent is None else grad_ent,
+            dummy if grad_kl is None else grad_kl,
+            out,
+            out.stride(0),
+            n_rows,
+            tiling.valid_columns,
+            out.shape[1],
+            tiling.inv_temperature,
+            tiling.inv_kl_temperature,
+            tiling.inv_temperature / inv_cache,
             tiling.inv_kl_temperature / inv_cache,
-            HAS_LP=grad_lp is not None, HAS_ENT=grad_ent is not None, HAS_KL=grad_kl is not None,
-            SEPARATE_KL=separate, FROM_CACHE=cache is not None, CACHE_AT_KL=cache is not None and cache.at_kl,
-            SUPER_WIDTH=cache.width if cache is not None else 1, BLOCK_M=config.block_m, BLOCK_V=config.block_v,
-            num_warps=config.num_warps)
+            HAS_LP=grad_lp is not None,
+            HAS_ENT=grad_ent is not None,
+            HAS_KL=grad_kl is not None,
+            SEPARATE_KL=separate,
+            FROM_CACHE=cache is not None,
+            CACHE_AT_KL=cache is not None and cache.at_kl,
+            SUPER_WIDTH=cache.width if cache is not None else 1,
+            BLOCK_M=config.block_m,
+            BLOCK_V=config.block_v,
+            num_warps=config.num_warps,
+        )
 
-    key = ("backward", out.dtype, z.dtype, cache is not None, grad_lp is not None, grad_ent is not None,
-           grad_kl is not None, separate)
+    key = (
+        "backward",
+        out.dtype,
+        z.dtype,
+        cache is not None,
+        grad_lp is not None,
+        grad_ent is not None,
+        grad_kl is not None,
+        separate,
+    )
     config = _choose("backward", key, n_rows, out.shape[1], candidates, launch, out.device)
     if cache is not None and cache.width % config.block_v:
         raise ValueError(f"backward block_v {config.block_v} must divide the forward's super-block width {cache.width}")
@@ -276,21 +359,30 @@ def _backward(out, targets, saved, grads, tiling: Tiling, *, logits=None, ref_lo
 def logits_backward(logits, ref_logits, targets, saved, grads, tiling: Tiling) -> torch.Tensor:
     """d(loss)/d(logits) [N, V_local] from the upstream (logprob, entropy, kl) gradients: one kernel."""
     grad_logits = torch.empty_like(logits)
-    _backward(grad_logits, targets, saved, grads, tiling, logits=logits,
-              ref_logits=ref_logits if grads[2] is not None else None)
+    _backward(
+        grad_logits,
+        targets,
+        saved,
+        grads,
+        tiling,
+        logits=logits,
+        ref_logits=ref_logits if grads[2] is not None else None,
+    )
     return grad_logits
 
 
 def _cached_logit_gradient(policy: OutputProjection, targets, cache: _Cache, saved, grads, tiling: Tiling):
     """d(loss)/d(logits) [N, valid_columns] in the gradient GEMMs' operand dtype, from the forward's caches."""
-    grad_logits = torch.empty(targets.shape[0], tiling.valid_columns, dtype=policy.gradient_dtype,
-                              device=targets.device)
+    grad_logits = torch.empty(
+        targets.shape[0], tiling.valid_columns, dtype=policy.gradient_dtype, device=targets.device
+    )
     _backward(grad_logits, targets, saved, grads, tiling, cache=cache)
     return grad_logits
 
 
-def fused_logit_gradient(hidden, weight, ref_hidden, ref_weight, targets, tiling: Tiling,
-                         grads) -> Optional[torch.Tensor]:
+def fused_logit_gradient(
+    hidden, weight, ref_hidden, ref_weight, targets, tiling: Tiling, grads
+) -> Optional[torch.Tensor]:
     """The logit gradient [N, valid_columns] that :class:`TritonFusedTokenStats` feeds its gradient GEMMs, for
     the upstream ``grads`` (logprob, entropy, kl) [N] each (the first-use check); None for a shard of padding."""
     results, cache = fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling, keep_cache=True)
@@ -322,8 +414,8 @@ class TritonFusedTokenStats(torch.autograd.Function):
         policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
         grad_logits = _cached_logit_gradient(policy, targets, cache, saved, grads, tiling)
         grad_weight = torch.empty_like(weight)
-        grad_weight[tiling.valid_columns:].zero_()
-        grad_hidden = policy.shard_gradients(grad_logits, grad_weight[:tiling.valid_columns])
+        grad_weight[tiling.valid_columns :].zero_()
+        grad_hidden = policy.shard_gradients(grad_logits, grad_weight[: tiling.valid_columns])
         if tiling.world > 1:
             # hidden is replicated across the tensor-parallel ranks, each of which saw its vocabulary
             # shard: sum the partial gradients (Megatron's copy_to_tensor_model_parallel_region backward).

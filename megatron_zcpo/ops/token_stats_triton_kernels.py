@@ -98,8 +98,12 @@ def _weights(log_ratio):
     small_w = small * big_w
     a_big = log_ratio >= 0.0
     log_small = -tl.abs(log_ratio) - soft
-    return (tl.where(a_big, big_w, small_w), tl.where(a_big, small_w, big_w),
-            tl.where(a_big, -soft, log_small), tl.where(a_big, log_small, -soft))
+    return (
+        tl.where(a_big, big_w, small_w),
+        tl.where(a_big, small_w, big_w),
+        tl.where(a_big, -soft, log_small),
+        tl.where(a_big, log_small, -soft),
+    )
 
 
 @_helper
@@ -119,10 +123,12 @@ def _merge_kl(m_a, mr_a, s_a, sr_a, c_a, kl_a, m_b, mr_b, s_b, sr_b, c_b, kl_b, 
     has_a, has_b = s_a > 0.0, s_b > 0.0
     ref_a, ref_b = sr_a > 0.0, sr_b > 0.0
     # log(Z_a / Z_b): maxima differences first, the sums' logs as one ratio.
-    lw = tl.where(has_a & has_b, (m_a - m_b) * inv_kl + tl.log(s_a / tl.where(has_b, s_b, 1.0)),
-                  tl.where(has_a, INF, -INF))
-    lwr = tl.where(ref_a & ref_b, (mr_a - mr_b) * inv_kl + tl.log(sr_a / tl.where(ref_b, sr_b, 1.0)),
-                   tl.where(ref_a, INF, -INF))
+    lw = tl.where(
+        has_a & has_b, (m_a - m_b) * inv_kl + tl.log(s_a / tl.where(has_b, s_b, 1.0)), tl.where(has_a, INF, -INF)
+    )
+    lwr = tl.where(
+        ref_a & ref_b, (mr_a - mr_b) * inv_kl + tl.log(sr_a / tl.where(ref_b, sr_b, 1.0)), tl.where(ref_a, INF, -INF)
+    )
     w_a, w_b, _, _ = _weights(lw)
     wr_a, wr_b, lwr_a, lwr_b = _weights(lwr)
     # lambda_b - lambda_a, lambda = log(Z / Z_ref) of a set, from close differences only.
@@ -144,10 +150,12 @@ def _merge_kl(m_a, mr_a, s_a, sr_a, c_a, kl_a, m_b, mr_b, s_b, sr_b, c_b, kl_b, 
     beta_o = gap - growth
     beta_a = tl.where(a_anchor, beta_anchor, beta_o)
     beta_b = tl.where(a_anchor, beta_o, beta_anchor)
-    term_a = tl.where(w_a > 0.0, tl.where(ref_a, w_a * kl_a + _w_g(w_a, wr_a, beta_a), w_a * HUGE_KL_SCALE * inv_kl),
-                      wr_a)
-    term_b = tl.where(w_b > 0.0, tl.where(ref_b, w_b * kl_b + _w_g(w_b, wr_b, beta_b), w_b * HUGE_KL_SCALE * inv_kl),
-                      wr_b)
+    term_a = tl.where(
+        w_a > 0.0, tl.where(ref_a, w_a * kl_a + _w_g(w_a, wr_a, beta_a), w_a * HUGE_KL_SCALE * inv_kl), wr_a
+    )
+    term_b = tl.where(
+        w_b > 0.0, tl.where(ref_b, w_b * kl_b + _w_g(w_b, wr_b, beta_b), w_b * HUGE_KL_SCALE * inv_kl), wr_b
+    )
     m_anchor = tl.where(a_anchor, m_a, m_b)
     mr_anchor = tl.where(a_anchor, mr_a, mr_b)
     c_anchor = tl.where(a_anchor, c_a, c_b)
@@ -187,11 +195,30 @@ def _effective(m):
 
 @triton.jit
 def token_stats_forward_kernel(
-    z_ptr, zr_ptr, z_stride, zr_stride, target_ptr, stats_ptr, stats_stride,
-    e_cache_ptr, y_cache_ptr, cache_stride, block_ptr, n_super, block_plane,
-    n_rows, n_cols, inv_t, inv_kl,
-    WITH_REF: tl.constexpr, SEPARATE_KL: tl.constexpr, CACHE: tl.constexpr, CACHE_AT_KL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr,
+    z_ptr,
+    zr_ptr,
+    z_stride,
+    zr_stride,
+    target_ptr,
+    stats_ptr,
+    stats_stride,
+    e_cache_ptr,
+    y_cache_ptr,
+    cache_stride,
+    block_ptr,
+    n_super,
+    block_plane,
+    n_rows,
+    n_cols,
+    inv_t,
+    inv_kl,
+    WITH_REF: tl.constexpr,
+    SEPARATE_KL: tl.constexpr,
+    CACHE: tl.constexpr,
+    CACHE_AT_KL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     """Statistics rows [K, n_rows] (float32, token_stats_kernels' row order) of this shard's valid columns.
 
@@ -265,8 +292,9 @@ def token_stats_forward_kernel(
         m_new_e = _effective(m_new)
         a = _rescale(m_e, m_new_e, s, inv_t)
         b = _rescale(mb_e, m_new_e, sb, inv_t)
-        ent_new = (tl.where(s > 0.0, a * (ent + (m_e - m_new_e) * inv_t * s), 0.0)
-                   + tl.where(sb > 0.0, b * (eb + (mb_e - m_new_e) * inv_t * sb), 0.0))
+        ent_new = tl.where(s > 0.0, a * (ent + (m_e - m_new_e) * inv_t * s), 0.0) + tl.where(
+            sb > 0.0, b * (eb + (mb_e - m_new_e) * inv_t * sb), 0.0
+        )
         if WITH_REF:
             srb = tl.sum(srv, axis=1)
             if SEPARATE_KL:
@@ -298,7 +326,9 @@ def token_stats_forward_kernel(
                 if CACHE:
                     at = rows[:, None].to(tl.int64) * cache_stride + cols[None, :]
                     cache_mask = row_ok[:, None] & (cols < n_cols)[None, :]
-                    tl.store(y_cache_ptr + at, tl.minimum(tl.maximum(y, -Y_LIMIT), Y_LIMIT).to(tl.float16), mask=cache_mask)
+                    tl.store(
+                        y_cache_ptr + at, tl.minimum(tl.maximum(y, -Y_LIMIT), Y_LIMIT).to(tl.float16), mask=cache_mask
+                    )
             g_b = tl.sum(gv, axis=1)
             a_b = tl.sum(av, axis=1)
             # sum p e^{-y} = e^{-delta} with delta = c - c'; then G / S = KL + g(delta)
@@ -309,8 +339,9 @@ def token_stats_forward_kernel(
             mr_e = _effective(mr)
             mr_new = tl.maximum(mr, mrb)
             mr_new_e = _effective(mr_new)
-            c, kl = _merge_kl(m_e, mr_e, s_kl, sr_kl, c, kl, mb_e, mrb_e, skb, srkb, c_b, kl_b,
-                              m_new_e, mr_new_e, inv_kl)
+            c, kl = _merge_kl(
+                m_e, mr_e, s_kl, sr_kl, c, kl, mb_e, mrb_e, skb, srkb, c_b, kl_b, m_new_e, mr_new_e, inv_kl
+            )
             sr = _rescale(mr_e, mr_new_e, sr, inv_t) * sr + _rescale(mrb_e, mr_new_e, srb, inv_t) * srb
             if SEPARATE_KL:
                 sk = _rescale(m_e, m_new_e, sk, inv_kl) * sk + _rescale(mb_e, m_new_e, skb, inv_kl) * skb
@@ -322,13 +353,55 @@ def token_stats_forward_kernel(
         s = a * s + b * sb
         ent = ent_new
         m = m_new
-    _store_stats(z_ptr, zr_ptr, z_stride, zr_stride, target_ptr, stats_ptr, stats_stride, rows, row_ok, n_cols,
-                 m, s, ent, mr, sr, c, kl, sk, srk, WITH_REF, SEPARATE_KL)
+    _store_stats(
+        z_ptr,
+        zr_ptr,
+        z_stride,
+        zr_stride,
+        target_ptr,
+        stats_ptr,
+        stats_stride,
+        rows,
+        row_ok,
+        n_cols,
+        m,
+        s,
+        ent,
+        mr,
+        sr,
+        c,
+        kl,
+        sk,
+        srk,
+        WITH_REF,
+        SEPARATE_KL,
+    )
 
 
 @_helper
-def _store_stats(z_ptr, zr_ptr, z_stride, zr_stride, target_ptr, stats_ptr, stats_stride, rows, row_ok, n_cols,
-                 m, s, ent, mr, sr, c, kl, sk, srk, WITH_REF: tl.constexpr, SEPARATE_KL: tl.constexpr):
+def _store_stats(
+    z_ptr,
+    zr_ptr,
+    z_stride,
+    zr_stride,
+    target_ptr,
+    stats_ptr,
+    stats_stride,
+    rows,
+    row_ok,
+    n_cols,
+    m,
+    s,
+    ent,
+    mr,
+    sr,
+    c,
+    kl,
+    sk,
+    srk,
+    WITH_REF: tl.constexpr,
+    SEPARATE_KL: tl.constexpr,
+):
     """Write the shard's statistics rows (token_stats_kernels: _SHIFT, _LOG_S, ...) for ``rows``."""
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
     owned = row_ok & (target >= 0) & (target < n_cols)
@@ -337,12 +410,16 @@ def _store_stats(z_ptr, zr_ptr, z_stride, zr_stride, target_ptr, stats_ptr, stat
     target_logit = tl.maximum(tl.load(z_ptr + row64 * z_stride + safe, mask=owned, other=0.0).to(tl.float32), MASKED)
     tl.store(stats_ptr + rows, _effective(m), mask=row_ok)
     tl.store(stats_ptr + stats_stride + rows, tl.log(s), mask=row_ok)
-    tl.store(stats_ptr + 2 * stats_stride + rows, tl.where(s > 0.0, tl.log(s) - ent / tl.where(s > 0.0, s, 1.0), 0.0),
-             mask=row_ok)
+    tl.store(
+        stats_ptr + 2 * stats_stride + rows,
+        tl.where(s > 0.0, tl.log(s) - ent / tl.where(s > 0.0, s, 1.0), 0.0),
+        mask=row_ok,
+    )
     tl.store(stats_ptr + 3 * stats_stride + rows, tl.where(owned, target_logit, 0.0), mask=row_ok)
     if WITH_REF:
-        ref_target = tl.maximum(tl.load(zr_ptr + row64 * zr_stride + safe, mask=owned, other=0.0).to(tl.float32),
-                                MASKED)
+        ref_target = tl.maximum(
+            tl.load(zr_ptr + row64 * zr_stride + safe, mask=owned, other=0.0).to(tl.float32), MASKED
+        )
         tl.store(stats_ptr + 4 * stats_stride + rows, _effective(mr), mask=row_ok)
         tl.store(stats_ptr + 5 * stats_stride + rows, tl.log(sr), mask=row_ok)
         tl.store(stats_ptr + 6 * stats_stride + rows, tl.where(owned, ref_target, 0.0), mask=row_ok)
@@ -359,12 +436,40 @@ def _store_stats(z_ptr, zr_ptr, z_stride, zr_stride, target_ptr, stats_ptr, stat
 
 @triton.jit
 def token_stats_backward_kernel(
-    z_ptr, zr_ptr, z_stride, zr_stride, e_cache_ptr, y_cache_ptr, cache_stride, block_ptr, n_super, block_plane,
-    target_ptr, saved_ptr, saved_stride, grad_lp_ptr, grad_ent_ptr, grad_kl_ptr, out_ptr, out_stride,
-    n_rows, n_cols, out_cols, inv_t, inv_kl, cache_to_t, cache_to_kl,
-    HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, HAS_KL: tl.constexpr, SEPARATE_KL: tl.constexpr,
-    FROM_CACHE: tl.constexpr, CACHE_AT_KL: tl.constexpr, SUPER_WIDTH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr,
+    zr_ptr,
+    z_stride,
+    zr_stride,
+    e_cache_ptr,
+    y_cache_ptr,
+    cache_stride,
+    block_ptr,
+    n_super,
+    block_plane,
+    target_ptr,
+    saved_ptr,
+    saved_stride,
+    grad_lp_ptr,
+    grad_ent_ptr,
+    grad_kl_ptr,
+    out_ptr,
+    out_stride,
+    n_rows,
+    n_cols,
+    out_cols,
+    inv_t,
+    inv_kl,
+    cache_to_t,
+    cache_to_kl,
+    HAS_LP: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    SEPARATE_KL: tl.constexpr,
+    FROM_CACHE: tl.constexpr,
+    CACHE_AT_KL: tl.constexpr,
+    SUPER_WIDTH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """out [n_rows, out_cols] = d(sum g_lp logprob + g_ent entropy + g_kl KL) / d(policy logits); 0 past n_cols.
 

@@ -11,9 +11,9 @@ from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.data.config import DataConfig
 from megatron_zcpo.diagnostics.config import DiagnosticsConfig
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.megatron.train_config import ParallelConfig, TrainConfig, check_context_parallel
 from megatron_zcpo.rewards.config import RewardConfig
 from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingConfig
+from megatron_zcpo.training.config import ParallelConfig, TrainConfig, check_context_parallel
 from megatron_zcpo.utils.config_loader import (
     ConfigError,
     apply_overrides,
@@ -64,9 +64,9 @@ class ModelSource:
 class SGLangSection:
     """``rollout.sglang``: attach to running servers (``server_urls``) or launch them (``launch``).
 
-    Keys of ``client`` go to megatron_zcpo.rollout.sglang_client.SGLangEngineConfig (timeouts,
+    Keys of ``client`` go to megatron_zcpo.rollout.sglang.client.SGLangEngineConfig (timeouts,
     concurrency, weight_sync "distributed" | "disk", bucket_bytes, ...); keys of ``launch`` go to
-    megatron_zcpo.rollout.sglang_server.SGLangServerConfig (tp_size, base_port, router, ...).
+    megatron_zcpo.rollout.sglang.server.SGLangServerConfig (tp_size, base_port, router, ...).
     """
 
     server_urls: List[str] = field(default_factory=list)
@@ -75,15 +75,18 @@ class SGLangSection:
     client: Dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
-        from megatron_zcpo.rollout.sglang_config import SGLangEngineConfig
-        from megatron_zcpo.rollout.sglang_server import SGLangServerConfig
+        from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
+        from megatron_zcpo.rollout.sglang.server import SGLangServerConfig
 
         if self.launch is not None and self.server_urls:
             raise ValueError("rollout.sglang: give either server_urls (attach) or launch (start servers), not both")
         # Catch misspelt keys and disagreeing timeouts now, not when rank 0 starts the engine.
         routed = bool(self.router_url) or (self.launch is not None and self.launch.get("router", True))
-        from_dict(SGLangEngineConfig, {"server_urls": ["http://check"], "router_url": "http://check" if routed else None,
-                                       **self.client}, prefix="rollout.sglang.client").validate()
+        from_dict(
+            SGLangEngineConfig,
+            {"server_urls": ["http://check"], "router_url": "http://check" if routed else None, **self.client},
+            prefix="rollout.sglang.client",
+        ).validate()
         if self.launch is not None:
             from_dict(SGLangServerConfig, self.launch, prefix="rollout.sglang.launch").validate("rollout.sglang.launch")
 
@@ -116,7 +119,9 @@ class RolloutConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
         if self.samples_per_prompt < 2:
-            raise ValueError(f"rollout.samples_per_prompt must be >= 2 (groups need G >= 2), got {self.samples_per_prompt}")
+            raise ValueError(
+                f"rollout.samples_per_prompt must be >= 2 (groups need G >= 2), got {self.samples_per_prompt}"
+            )
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -124,8 +129,10 @@ class RolloutConfig:
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"rollout.quantization must be null or 'fp8', got {self.quantization!r}")
         if self.overlap and self.max_staleness < 1:
-            raise ValueError(f"rollout.max_staleness must be >= 1 with rollout.overlap=true (the rollout in "
-                             f"flight is one version behind), got {self.max_staleness}")
+            raise ValueError(
+                f"rollout.max_staleness must be >= 1 with rollout.overlap=true (the rollout in "
+                f"flight is one version behind), got {self.max_staleness}"
+            )
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
 
@@ -162,7 +169,9 @@ class CheckpointConfig:
 
     def validate(self) -> None:
         if self.every < 0 or self.keep_last < 1:
-            raise ValueError(f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1, got {self.every}, {self.keep_last}")
+            raise ValueError(
+                f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1, got {self.every}, {self.keep_last}"
+            )
         if self.resume not in ("auto", "never") and not Path(self.resume).exists():
             raise ValueError(f"checkpoint.resume={self.resume!r}: must be 'auto', 'never' or an existing checkpoint")
 
@@ -208,20 +217,29 @@ class RunConfig:
         if self.train.importance_sampling.enabled and self.algorithm.name == "gvpo":
             raise ValueError("train.importance_sampling: algorithm gvpo takes no per-token weights")
         if self.rollout.quantization and not self.train.importance_sampling.enabled:
-            raise ValueError("rollout.quantization needs train.importance_sampling.enabled=true "
-                             "(the quantised rollout policy differs from the trained one)")
+            raise ValueError(
+                "rollout.quantization needs train.importance_sampling.enabled=true "
+                "(the quantised rollout policy differs from the trained one)"
+            )
         if "quantization" in self.rollout.sglang.client:
             raise ValueError("set rollout.quantization, not rollout.sglang.client.quantization")
         if self.train.routing_replay != "none" and self.rollout.engine == "sglang":
             # The engine's routing: replayed under R3, compared with (routing/* metrics) under R2.
             sglang = self.rollout.sglang
             if self.train.routing_replay == "rollout" and not sglang.client.get("return_routed_experts"):
-                raise ValueError("train.routing_replay=rollout needs rollout.sglang.client.return_routed_experts=true "
-                                 "(SGLang >= 0.5.7 servers launched with --enable-return-routed-experts)")
-            if sglang.client.get("return_routed_experts") and sglang.launch is not None \
-                    and not sglang.launch.get("return_routed_experts"):
-                raise ValueError("rollout.sglang.client.return_routed_experts needs "
-                                 "rollout.sglang.launch.return_routed_experts=true (--enable-return-routed-experts)")
+                raise ValueError(
+                    "train.routing_replay=rollout needs rollout.sglang.client.return_routed_experts=true "
+                    "(SGLang >= 0.5.7 servers launched with --enable-return-routed-experts)"
+                )
+            if (
+                sglang.client.get("return_routed_experts")
+                and sglang.launch is not None
+                and not sglang.launch.get("return_routed_experts")
+            ):
+                raise ValueError(
+                    "rollout.sglang.client.return_routed_experts needs "
+                    "rollout.sglang.launch.return_routed_experts=true (--enable-return-routed-experts)"
+                )
         if self.reward.overlong_penalty and self.reward.max_response_length != self.rollout.max_new_tokens:
             raise ValueError(
                 f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="
@@ -271,5 +289,16 @@ def dump_run_config(config: RunConfig) -> str:
     return yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
-__all__ = ["RunConfig", "ConfigError", "load_run_config", "build_run_config", "dump_run_config",
-           "ModelSource", "RolloutConfig", "EvalConfig", "CheckpointConfig", "LoggingConfig", "SGLangSection"]
+__all__ = [
+    "RunConfig",
+    "ConfigError",
+    "load_run_config",
+    "build_run_config",
+    "dump_run_config",
+    "ModelSource",
+    "RolloutConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "SGLangSection",
+]

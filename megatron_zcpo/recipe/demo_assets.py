@@ -34,8 +34,13 @@ class DemoSpec:
     # Two-digit addition: ~45% of the problems carry, and every held-out problem needs the same
     # digit-by-digit skill as the trained ones (no answer can be memorised).
     task_options: Tuple[Tuple[str, object], ...] = (
-        ("min_terms", 2), ("max_terms", 2), ("min_digits", 2), ("max_digits", 2),
-        ("operators", ("+",)), ("allow_parentheses", False), ("allow_negation", False),
+        ("min_terms", 2),
+        ("max_terms", 2),
+        ("min_digits", 2),
+        ("max_digits", 2),
+        ("operators", ("+",)),
+        ("allow_parentheses", False),
+        ("allow_negation", False),
     )
     instruction: str = "Put the final answer in \\boxed{}."
     # Share of the warm-up's responses that work a chain sum out step by step before the boxed
@@ -119,20 +124,24 @@ def warmup_response(spec: DemoSpec, record) -> str:
     return response_text(record.answer)
 
 
-def train_tokenizer(spec: DemoSpec, records) :
+def train_tokenizer(spec: DemoSpec, records):
     """A byte-level BPE (single digits kept apart) trained on the demo's prompts and responses."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab_size, special_tokens=[PAD, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=spec.vocab_size,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     corpus = []
     for record in records:
@@ -147,12 +156,20 @@ def _hf_config(spec: DemoSpec, tokenizer):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6,
-        eos_token_id=tokenizer.convert_tokens_to_ids(EOS), pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
-        bos_token_id=None, torch_dtype="float32",
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        bos_token_id=None,
+        torch_dtype="float32",
     )
 
 
@@ -176,15 +193,21 @@ def greedy_accuracy(model, tokenizer, records, max_new_tokens: int = 12) -> floa
     correct = 0
     eos = tokenizer.convert_tokens_to_ids(EOS)
     for start in range(0, len(records), 64):
-        chunk = records[start:start + 64]
+        chunk = records[start : start + 64]
         prompts = [tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True) for r in chunk]
         encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         width = max(len(e) for e in encoded)
         pad = tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
         mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(e) for e in encoded])[:, None]).long()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=pad)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         for record, row in zip(chunk, out[:, width:]):
             text = tokenizer.decode(row, skip_special_tokens=True)
             correct += int(math_answer_is_correct(text, record.answer))
@@ -209,14 +232,15 @@ def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Cal
         labels = torch.full((len(batch), width), -100)
         for row, (sequence, prompt_len) in enumerate(batch):
             ids[row, : len(sequence)] = torch.tensor(sequence)
-            labels[row, prompt_len: len(sequence)] = torch.tensor(sequence[prompt_len:])
+            labels[row, prompt_len : len(sequence)] = torch.tensor(sequence[prompt_len:])
         loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step % spec.sft_eval_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, eval_records[: spec.sft_eval_problems],
-                                       spec.max_response_tokens)
+            accuracy = greedy_accuracy(
+                model, tokenizer, eval_records[: spec.sft_eval_problems], spec.max_response_tokens
+            )
             if step % 50 == 0 or accuracy >= spec.sft_target_accuracy:
                 log(f"warm-up step {step}: loss {loss.item():.3f}, greedy accuracy {accuracy:.2f}")
             if accuracy >= spec.sft_target_accuracy:
@@ -224,8 +248,9 @@ def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Cal
     return model, accuracy
 
 
-def build_demo_assets(spec: DemoSpec = DemoSpec(), cache_dir: Optional[Path] = None,
-                      log: Callable[[str], None] = print) -> Path:
+def build_demo_assets(
+    spec: DemoSpec = DemoSpec(), cache_dir: Optional[Path] = None, log: Callable[[str], None] = print
+) -> Path:
     """The cached directory of the embedded default (built on first use, atomically): an HF model
     (config.json, model.safetensors, tokenizer files) plus train.jsonl / eval.jsonl prompts."""
     root = Path(cache_dir or default_cache_dir())
@@ -247,8 +272,9 @@ def build_demo_assets(spec: DemoSpec = DemoSpec(), cache_dir: Optional[Path] = N
         with open(tmp / f"{split}.jsonl", "w") as handle:
             for record in records:
                 handle.write(json.dumps({"prompt": record.messages[0]["content"], "answer": record.answer}) + "\n")
-    (tmp / "demo_spec.json").write_text(json.dumps({**dataclasses.asdict(spec), "warmup_greedy_accuracy": accuracy},
-                                                   indent=2, default=str))
+    (tmp / "demo_spec.json").write_text(
+        json.dumps({**dataclasses.asdict(spec), "warmup_greedy_accuracy": accuracy}, indent=2, default=str)
+    )
     tmp.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)

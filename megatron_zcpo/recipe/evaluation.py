@@ -14,12 +14,19 @@ def run_evaluation(config: RunConfig, engine, records, score, stop: tuple, outpu
     from megatron_zcpo.rollout.evaluation import evaluate
 
     ev = config.eval
-    params = SamplingParams(temperature=ev.temperature, top_p=ev.top_p,
-                            max_new_tokens=ev.max_new_tokens or config.rollout.max_new_tokens,
-                            stop_token_ids=stop, seed=ev.seed)
+    params = SamplingParams(
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+        max_new_tokens=ev.max_new_tokens or config.rollout.max_new_tokens,
+        stop_token_ids=stop,
+        seed=ev.seed,
+    )
     result = evaluate(engine, records, score, params, k=ev.k, output_path=str(output_path))
-    return {f"eval/{key}": float(value) for key, value in result.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return {
+        f"eval/{key}": float(value)
+        for key, value in result.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
 def hf_weights(path: Path):
@@ -59,5 +66,11 @@ def evaluate_policy(config: RunConfig, checkpoint: Optional[str], output: Path) 
     with make_engine(config, model_config, tokenizer) as engine, RewardScorer(config.reward) as scorer:
         if config.rollout.engine == "embedded":
             engine.update_weights(weights, version=0)
-        return run_evaluation(config, engine, records, lambda r, c: scorer.score_completions(r, c, tokenizer),
-                              stop_token_ids(config, tokenizer), output)
+        return run_evaluation(
+            config,
+            engine,
+            records,
+            lambda r, c: scorer.score_completions(r, c, tokenizer),
+            stop_token_ids(config, tokenizer),
+            output,
+        )

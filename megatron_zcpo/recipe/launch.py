@@ -30,14 +30,14 @@ def relaunch_with_torchrun(argv: Sequence[str], nproc: int, guard=None) -> int:
     """Re-run the ``zcpo`` command ``argv`` under torchrun with ``nproc`` local processes (the CPU
     default path); returns the exit code.
 
-    ``guard`` is this process's installed :class:`~megatron_zcpo.megatron.preemption.PreemptionGuard`
+    ``guard`` is this process's installed :class:`~megatron_zcpo.training.preemption.PreemptionGuard`
     (None: one is installed for the launch): a stop signal to this process is relayed to the ranks
     through a file (``$ZCPO_STOP_FILE``), never as a signal, so a rank still starting up cannot die
     of it; each rank stops at its next safe point.
     """
     from torch.distributed.run import main as torchrun
 
-    from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE, STOP_FILE_ENV, PreemptionGuard
+    from megatron_zcpo.training.preemption import PREEMPTED_EXIT_CODE, STOP_FILE_ENV, PreemptionGuard
 
     if guard is None:
         with PreemptionGuard() as guard:
@@ -53,8 +53,17 @@ def relaunch_with_torchrun(argv: Sequence[str], nproc: int, guard=None) -> int:
     os.environ[FAILURE_DIR_ENV] = os.path.join(relay_dir, "failures")
     os.mkdir(os.environ[FAILURE_DIR_ENV])
     guard.relay_to(os.environ[STOP_FILE_ENV])
-    args = ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "-m", "megatron_zcpo.cli.main", *argv]
+    args = [
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "megatron_zcpo.cli.main",
+        *argv,
+    ]
     try:
         with _quiet_torchrun():
             torchrun(args)
@@ -64,8 +73,11 @@ def relaunch_with_torchrun(argv: Sequence[str], nproc: int, guard=None) -> int:
         codes = {rank: failure.exitcode for rank, failure in getattr(error, "failures", {}).items()}
         if PREEMPTED_EXIT_CODE in codes.values():  # stopped by a signal after its checkpoint (the others follow)
             return PREEMPTED_EXIT_CODE
-        print(failure_summary(Path(os.environ[FAILURE_DIR_ENV]), codes, nproc) or
-              f"zcpo train: a training process failed: {error}", file=sys.stderr)
+        print(
+            failure_summary(Path(os.environ[FAILURE_DIR_ENV]), codes, nproc)
+            or f"zcpo train: a training process failed: {error}",
+            file=sys.stderr,
+        )
         return 1
     finally:
         guard.relay_to(None)
@@ -98,8 +110,12 @@ def report_rank_failure(error: BaseException) -> bool:
     if not directory or not os.path.isdir(directory):
         return False
     rank = int(os.environ.get("RANK", "0"))
-    record = {"rank": rank, "time": time.time(), "error": f"{type(error).__name__}: {error}",
-              "traceback": "".join(traceback.format_exception(error))}
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "error": f"{type(error).__name__}: {error}",
+        "traceback": "".join(traceback.format_exception(error)),
+    }
     staged = os.path.join(directory, f".rank_{rank}.json")
     with open(staged, "w") as handle:
         json.dump(record, handle)
@@ -121,20 +137,30 @@ def failure_summary(directory: Path, exit_codes: Dict[int, int], world_size: int
     (:func:`report_rank_failure`); ``exit_codes``: torchrun's failed ranks and their exit codes
     (all there is to say when no rank recorded an error: killed, or failed before recording). None
     when nothing is known."""
-    records = sorted((json.loads(path.read_text()) for path in directory.glob("rank_*.json")),
-                     key=lambda record: (record["time"], record["rank"]))
+    records = sorted(
+        (json.loads(path.read_text()) for path in directory.glob("rank_*.json")),
+        key=lambda record: (record["time"], record["rank"]),
+    )
     if not records:
         if not exit_codes:
             return None
-        return "zcpo train: " + "; ".join(f"rank {rank} {_exit_description(code)}" for rank, code in sorted(exit_codes.items()))
+        return "zcpo train: " + "; ".join(
+            f"rank {rank} {_exit_description(code)}" for rank, code in sorted(exit_codes.items())
+        )
     first = records[0]
     same = sorted(r["rank"] for r in records[1:] if r["error"] == first["error"])
-    other = [f"rank {r['rank']}: {r['error'].splitlines()[0][:200]}" for r in records[1:] if r["error"] != first["error"]]
+    other = [
+        f"rank {r['rank']}: {r['error'].splitlines()[0][:200]}" for r in records[1:] if r["error"] != first["error"]
+    ]
     recorded = {r["rank"] for r in records}
-    stopped = [f"rank {rank} {_exit_description(code)}" for rank, code in sorted(exit_codes.items()) if rank not in recorded]
+    stopped = [
+        f"rank {rank} {_exit_description(code)}" for rank, code in sorted(exit_codes.items()) if rank not in recorded
+    ]
     notes: List[str] = []
     if same:
         notes.append(f"rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))} failed with the same error")
     notes += other + stopped
-    head = f"zcpo train: rank {first['rank']} of {world_size} failed first" + (f" ({'; '.join(notes)})" if notes else "")
+    head = f"zcpo train: rank {first['rank']} of {world_size} failed first" + (
+        f" ({'; '.join(notes)})" if notes else ""
+    )
     return f"{head}; its error:\n{first['traceback'].rstrip()}"

@@ -17,8 +17,19 @@ from megatron_zcpo.recipe.config import RunConfig
 
 # What model.preset must agree on with model.path: the shapes the plan and the layout depend on
 # (an Instruct release may differ from its base in context length or RoPE base, and still plan alike).
-PRESET_SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "qk_layernorm")
+PRESET_SHAPE_FIELDS = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "qk_layernorm",
+)
 
 
 def run_architecture(config: RunConfig) -> ModelConfig:
@@ -38,16 +49,23 @@ def run_architecture(config: RunConfig) -> ModelConfig:
         from megatron_zcpo.convert.checkpoint import model_config_at
 
         stored = model_config_at(source.path)
-        differing = [f"{field} {getattr(stored, field)!r} (preset {getattr(preset, field)!r})"
-                     for field in PRESET_SHAPE_FIELDS if preset is not None and getattr(stored, field) != getattr(preset, field)]
+        differing = [
+            f"{field} {getattr(stored, field)!r} (preset {getattr(preset, field)!r})"
+            for field in PRESET_SHAPE_FIELDS
+            if preset is not None and getattr(stored, field) != getattr(preset, field)
+        ]
         if differing:
-            raise ValueError(f"model.preset={source.preset!r} does not describe model.path={source.path!r}, which has "
-                             f"{', '.join(differing)}: correct model.preset or remove it")
+            raise ValueError(
+                f"model.preset={source.preset!r} does not describe model.path={source.path!r}, which has "
+                f"{', '.join(differing)}: correct model.preset or remove it"
+            )
         return stored
     if preset is not None:
         return preset
-    raise ValueError(f"model.path={source.path!r} does not exist: name its architecture with model.preset (one of "
-                     f"{preset_names()}), or give zcpo plan --model-config PATH (the model's config.json) or --preset NAME")
+    raise ValueError(
+        f"model.path={source.path!r} does not exist: name its architecture with model.preset (one of "
+        f"{preset_names()}), or give zcpo plan --model-config PATH (the model's config.json) or --preset NAME"
+    )
 
 
 def plan_inputs(config: RunConfig, gpus: int):
@@ -55,26 +73,33 @@ def plan_inputs(config: RunConfig, gpus: int):
 
     Raises ``ValueError`` when ``gpus`` is not a multiple of TP*PP*CP."""
     from megatron_zcpo.algorithms import build_algorithm
-    from megatron_zcpo.megatron.memory_model import Layout, Workload
+    from megatron_zcpo.planning.memory_model import Layout, Workload
 
     parallel = config.parallel
     model_parallel = parallel.tensor * parallel.pipeline * parallel.context
     if gpus % model_parallel:
         raise ValueError(f"--gpus {gpus} is not a multiple of TP*PP*CP = {model_parallel}")
-    layout = Layout(tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline,
-                    context_parallel=parallel.context, data_parallel=gpus // model_parallel,
-                    sequence_parallel=parallel.sequence_parallel,
-                    distributed_optimizer=parallel.distributed_optimizer,
-                    recompute=config.train.recompute or "none",
-                    expert_parallel=parallel.expert, expert_tensor_parallel=parallel.expert_tensor)
+    layout = Layout(
+        tensor_parallel=parallel.tensor,
+        pipeline_parallel=parallel.pipeline,
+        context_parallel=parallel.context,
+        data_parallel=gpus // model_parallel,
+        sequence_parallel=parallel.sequence_parallel,
+        distributed_optimizer=parallel.distributed_optimizer,
+        recompute=config.train.recompute or "none",
+        expert_parallel=parallel.expert,
+        expert_tensor_parallel=parallel.expert_tensor,
+    )
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     # The trainer gives a sequence longer than the token budget a micro-batch of its own.
-    workload = Workload(micro_batch_tokens=max(config.train.micro_batch_tokens, longest),
-                        max_sequence_length=longest,
-                        kl_chunk_tokens=config.train.kl_chunk_size,
-                        reference="offloaded" if config.train.reference_offload else "resident",
-                        token_stats_backend=config.train.token_stats_backend,
-                        update_reference=build_algorithm(config.algorithm).needs_current_kl)
+    workload = Workload(
+        micro_batch_tokens=max(config.train.micro_batch_tokens, longest),
+        max_sequence_length=longest,
+        kl_chunk_tokens=config.train.kl_chunk_size,
+        reference="offloaded" if config.train.reference_offload else "resident",
+        token_stats_backend=config.train.token_stats_backend,
+        update_reference=build_algorithm(config.algorithm).needs_current_kl,
+    )
     return layout, workload
 
 
@@ -82,32 +107,46 @@ def _divisors_of_all(*values: int) -> List[int]:
     return [d for d in range(1, min(values) + 1) if all(v % d == 0 for v in values)]
 
 
-def layout_problems(config: RunConfig, model: ModelConfig, world_size: int, *, world_source: str = "processes",
-                    tokenizer_size: Optional[int] = None, gpu_memory_gib: Optional[float] = None) -> List[str]:
+def layout_problems(
+    config: RunConfig,
+    model: ModelConfig,
+    world_size: int,
+    *,
+    world_source: str = "processes",
+    tokenizer_size: Optional[int] = None,
+    gpu_memory_gib: Optional[float] = None,
+) -> List[str]:
     """Everything a rank would refuse about ``config`` on ``world_size`` processes, each naming its key.
 
     ``world_source``: how the user sets ``world_size`` (named in the message). ``tokenizer_size``:
     checked against the model's vocabulary when given. ``gpu_memory_gib``: when given, the memory
-    planner's peak per GPU (megatron_zcpo/megatron/planner.py, what ``zcpo plan`` prints) must fit.
+    planner's peak per GPU (megatron_zcpo/planning/planner.py, what ``zcpo plan`` prints) must fit.
     Returns [] when the layout is fine.
     """
     parallel, problems = config.parallel, []
     tp, pp, cp = parallel.tensor, parallel.pipeline, parallel.context
     if world_size % (tp * pp * cp):
-        problems.append(f"parallel: TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} must divide the {world_size} "
-                        f"{world_source}")
+        problems.append(
+            f"parallel: TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} must divide the {world_size} {world_source}"
+        )
     split = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # heads, query groups, MLP width
     undivided = [f"{field}={getattr(model, field)}" for field in split if getattr(model, field) % tp]
     if undivided:
         valid = _divisors_of_all(*(getattr(model, field) for field in split))
-        problems.append(f"parallel.tensor={tp} must divide the model's {' and '.join(undivided)} "
-                        f"(parallel.tensor may be {', '.join(map(str, valid[:8]))})")
+        problems.append(
+            f"parallel.tensor={tp} must divide the model's {' and '.join(undivided)} "
+            f"(parallel.tensor may be {', '.join(map(str, valid[:8]))})"
+        )
     if model.num_layers % pp:
-        problems.append(f"parallel.pipeline={pp} must divide the model's num_layers={model.num_layers} "
-                        f"(parallel.pipeline may be {', '.join(map(str, _divisors_of_all(model.num_layers)[:8]))})")
+        problems.append(
+            f"parallel.pipeline={pp} must divide the model's num_layers={model.num_layers} "
+            f"(parallel.pipeline may be {', '.join(map(str, _divisors_of_all(model.num_layers)[:8]))})"
+        )
     if tokenizer_size is not None and tokenizer_size > model.vocab_size:
-        problems.append(f"model.tokenizer: the tokenizer has {tokenizer_size} tokens but the model's vocabulary is "
-                        f"{model.vocab_size} (a tokenizer of another model?)")
+        problems.append(
+            f"model.tokenizer: the tokenizer has {tokenizer_size} tokens but the model's vocabulary is "
+            f"{model.vocab_size} (a tokenizer of another model?)"
+        )
     problems += _batch_problems(config, max(1, world_size // (tp * pp * cp)))
     if gpu_memory_gib is not None and not problems:
         problems += _memory_problems(config, model, world_size, gpu_memory_gib)
@@ -122,29 +161,35 @@ def _batch_problems(config: RunConfig, data_parallel: int) -> List[str]:
     rollout, mini_batches = config.rollout, config.train.mini_batches
     problems = []
     if mini_batches > rollout.prompts_per_step:
-        problems.append(f"train.mini_batches={mini_batches} is more than the rollout's rollout.prompts_per_step="
-                        f"{rollout.prompts_per_step} groups, and mini-batches keep groups whole")
+        problems.append(
+            f"train.mini_batches={mini_batches} is more than the rollout's rollout.prompts_per_step="
+            f"{rollout.prompts_per_step} groups, and mini-batches keep groups whole"
+        )
     whole_groups = build_algorithm(config.algorithm).needs_whole_groups
     units = rollout.prompts_per_step * (1 if whole_groups else rollout.samples_per_prompt)
     per_mini_batch = units // max(1, min(mini_batches, rollout.prompts_per_step))
     if per_mini_batch < data_parallel:
         unit = "groups" if whole_groups else "responses"
-        problems.append(f"each of the train.mini_batches={mini_batches} mini-batches holds {per_mini_batch} {unit} "
-                        f"(rollout.prompts_per_step={rollout.prompts_per_step} x rollout.samples_per_prompt="
-                        f"{rollout.samples_per_prompt}) but the {data_parallel} data-parallel ranks need one each: "
-                        "lower train.mini_batches or raise rollout.prompts_per_step")
+        problems.append(
+            f"each of the train.mini_batches={mini_batches} mini-batches holds {per_mini_batch} {unit} "
+            f"(rollout.prompts_per_step={rollout.prompts_per_step} x rollout.samples_per_prompt="
+            f"{rollout.samples_per_prompt}) but the {data_parallel} data-parallel ranks need one each: "
+            "lower train.mini_batches or raise rollout.prompts_per_step"
+        )
     return problems
 
 
 def _memory_problems(config: RunConfig, model: ModelConfig, world_size: int, gpu_memory_gib: float) -> List[str]:
-    from megatron_zcpo.megatron.memory_model import GIB, Hardware
-    from megatron_zcpo.megatron.planner import plan_memory
+    from megatron_zcpo.planning.memory_model import GIB, Hardware
+    from megatron_zcpo.planning.planner import plan_memory
 
     layout, workload = plan_inputs(config, world_size)
     plan = plan_memory(model, layout, workload, Hardware(gpu_memory_gib=gpu_memory_gib))
     if plan.fits:
         return []
-    return [f"memory: the planner puts {plan.total_bytes / GIB:.1f} GiB on the most loaded GPU ({plan.stage} stage, "
-            f"{plan.phase} phase) of {plan.capacity_bytes / GIB:.1f} GiB at {layout.describe()}: `zcpo plan CONFIG "
-            f"--gpus {world_size}` shows the breakdown and the smallest layout that fits (--skip-memory-check starts "
-            "anyway)"]
+    return [
+        f"memory: the planner puts {plan.total_bytes / GIB:.1f} GiB on the most loaded GPU ({plan.stage} stage, "
+        f"{plan.phase} phase) of {plan.capacity_bytes / GIB:.1f} GiB at {layout.describe()}: `zcpo plan CONFIG "
+        f"--gpus {world_size}` shows the breakdown and the smallest layout that fits (--skip-memory-check starts "
+        "anyway)"
+    ]

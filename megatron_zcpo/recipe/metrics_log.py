@@ -61,13 +61,22 @@ class MetricsLogger:
     carries ``run_id`` when given), TensorBoard (``run_dir/tensorboard``) and W&B when configured,
     and prints a per-step table row."""
 
-    def __init__(self, run_dir: str | Path, *, console: str = "table", tensorboard: bool = True,
-                 wandb_project: Optional[str] = None, total_steps: int = 0, start_step: int = 0,
-                 run_name: Optional[str] = None, run_id: Optional[str] = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        console: str = "table",
+        tensorboard: bool = True,
+        wandb_project: Optional[str] = None,
+        total_steps: int = 0,
+        start_step: int = 0,
+        run_name: Optional[str] = None,
+        run_id: Optional[str] = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_id = run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 -- open for the run, closed by close()
         self.console_mode = console
         self.console = make_console()
         self.writer = None
@@ -77,13 +86,21 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.wandb = None
         if wandb_project:
-            self.wandb = import_wandb().init(project=wandb_project, name=run_name or self.run_dir.name, dir=str(self.run_dir))
+            self.wandb = import_wandb().init(
+                project=wandb_project, name=run_name or self.run_dir.name, dir=str(self.run_dir)
+            )
         self.progress = None
         if console == "table" and total_steps:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                     TimeRemainingColumn(), console=self.console, transient=False)
+            self.progress = Progress(
+                TextColumn("[bold]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step)
             self.progress.start()
         self._header_printed = False
@@ -109,8 +126,9 @@ class MetricsLogger:
 
     def _row(self, metrics: Dict[str, float]) -> None:
         if not self._header_printed:
-            self.console.print(" ".join(f"{header:>{len(fmt.format(0.0))}}" for _, header, fmt in STEP_COLUMNS),
-                               style="bold")
+            self.console.print(
+                " ".join(f"{header:>{len(fmt.format(0.0))}}" for _, header, fmt in STEP_COLUMNS), style="bold"
+            )
             self._header_printed = True
         cells = []
         for key, _, fmt in STEP_COLUMNS:

@@ -6,7 +6,7 @@ import dataclasses
 import time
 from typing import Any, Dict, Optional
 
-from megatron_zcpo.megatron.batch import RolloutSample
+from megatron_zcpo.training.batch import RolloutSample
 
 
 class OverlappedRollouts:
@@ -40,8 +40,13 @@ class OverlappedRollouts:
         (samples, metrics), waited = self.prefetch.take(step)
         metrics = {**metrics, "time/wait_for_data": waited}
         if samples:
-            metrics.update(staleness_metrics([s.info.get("weight_version") for s in samples], self.trainer.step,
-                                             self.config.rollout.max_staleness))
+            metrics.update(
+                staleness_metrics(
+                    [s.info.get("weight_version") for s in samples],
+                    self.trainer.step,
+                    self.config.rollout.max_staleness,
+                )
+            )
         return samples, metrics
 
     def push_current_weights(self) -> None:
@@ -82,8 +87,9 @@ class OverlappedRollouts:
             self.prefetch.close()
 
 
-def overlapped_rollouts(config, rollout, trainer, engine, stages, loop_state: Dict[str, Any],
-                        waits=None) -> Optional[OverlappedRollouts]:
+def overlapped_rollouts(
+    config, rollout, trainer, engine, stages, loop_state: Dict[str, Any], waits=None
+) -> Optional[OverlappedRollouts]:
     """The run's :class:`OverlappedRollouts` when ``rollout.overlap`` is on, else None (on-policy)."""
     if not config.rollout.overlap:
         return None

@@ -16,7 +16,7 @@ def _check(problems: List[str], key: str, action) -> Any:
     """Run ``action()``; on failure record "key: error" in ``problems`` and return None."""
     try:
         return action()
-    except Exception as error:  # noqa: BLE001 - every failure becomes a named start-up problem
+    except Exception as error:
         problems.append(f"{key}: {type(error).__name__}: {error}")
         return None
 
@@ -35,15 +35,18 @@ def check_reward_function(function_path: str, record) -> float:
     try:
         value = function(record.answer, record.answer, metadata)
     except TypeError as error:
-        raise TypeError(f"calling {function_path}(response, ground_truth, metadata) failed: {error}; reward "
-                        "functions are called as fn(response: str, ground_truth: str, metadata: dict) -> float") from error
+        raise TypeError(
+            f"calling {function_path}(response, ground_truth, metadata) failed: {error}; reward "
+            "functions are called as fn(response: str, ground_truth: str, metadata: dict) -> float"
+        ) from error
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TypeError(f"{function_path} returned {value!r} for the first training record; expected a finite number")
     return float(value)
 
 
-def run_startup_checks(config, *, world_size: Optional[int] = None, overwrite: bool = False,
-                       memory_check: bool = True) -> None:
+def run_startup_checks(
+    config, *, world_size: Optional[int] = None, overwrite: bool = False, memory_check: bool = True
+) -> None:
     """Check a validated :class:`~megatron_zcpo.recipe.config.RunConfig` against the file system,
     before any training process starts.
 
@@ -59,35 +62,45 @@ def run_startup_checks(config, *, world_size: Optional[int] = None, overwrite: b
     """
     import sys
 
+    from megatron_zcpo.checkpoint.io import check_checkpoint_dir
+    from megatron_zcpo.checkpoint.manifest import CheckpointDamagedError
     from megatron_zcpo.data.dataset import load_records
-    from megatron_zcpo.megatron.checkpoint import check_checkpoint_dir
     from megatron_zcpo.recipe.inputs import load_tokenizer
     from megatron_zcpo.recipe.layout_checks import layout_problems, run_architecture
-    from megatron_zcpo.megatron.checkpoint_manifest import CheckpointDamagedError
     from megatron_zcpo.recipe.run_dir import RunMixError, open_run
     from megatron_zcpo.utils.devices import gpu_memory_gib
 
     problems: List[str] = []
     parallel = config.parallel
     world_size = world_size or parallel.tensor * parallel.pipeline * parallel.context
-    tokenizer = _check(problems, "model.tokenizer" if config.model.tokenizer else "model.path", lambda: load_tokenizer(config))
+    tokenizer = _check(
+        problems, "model.tokenizer" if config.model.tokenizer else "model.path", lambda: load_tokenizer(config)
+    )
     model = _check(problems, "model.path", lambda: run_architecture(config))
     if config.model.reference is not None:
         from megatron_zcpo.convert.checkpoint import model_config_at
 
         _check(problems, "model.reference", lambda: model_config_at(config.model.reference))
-    records = _check(problems, "data.train_files" if config.data.train_files else "data.task",
-                     lambda: load_records(config.data))
+    records = _check(
+        problems, "data.train_files" if config.data.train_files else "data.task", lambda: load_records(config.data)
+    )
     if records == []:  # (an empty data file is refused by name when it is read)
-        problems.append(f"data.task={config.data.task!r}: the task produced no records (data.task_size, data.task_options)")
+        problems.append(
+            f"data.task={config.data.task!r}: the task produced no records (data.task_size, data.task_options)"
+        )
     if config.eval.data is not None:
         _check(problems, "eval.data", lambda: load_records(config.eval.data))
     if records:
         _check(problems, "reward.function", lambda: check_reward_function(config.reward.function, records[0]))
     if model is not None:
-        problems += layout_problems(config, model, world_size, world_source="processes (--nproc, or the job's tasks)",
-                                    tokenizer_size=len(tokenizer) if tokenizer is not None else None,
-                                    gpu_memory_gib=gpu_memory_gib() if memory_check else None)
+        problems += layout_problems(
+            config,
+            model,
+            world_size,
+            world_source="processes (--nproc, or the job's tasks)",
+            tokenizer_size=len(tokenizer) if tokenizer is not None else None,
+            gpu_memory_gib=gpu_memory_gib() if memory_check else None,
+        )
     _check(problems, "logging.run_dir", lambda: check_checkpoint_dir(config.logging.run_dir))
     _check(problems, "checkpoint.dir", lambda: check_checkpoint_dir(config.checkpoint_dir))
     if problems:

@@ -30,8 +30,9 @@ class Rank0Wait:
         import torch.distributed as dist
 
         self.timeout_s = timeout_s
-        self.group = None if timeout_s is None else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = (
+            None if timeout_s is None else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        )
 
     def barrier(self) -> None:
         """Wait until every rank (rank 0 included) got here."""

@@ -12,9 +12,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_zcpo.megatron.batch import RolloutSample
-from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.recipe.config import RunConfig
+from megatron_zcpo.training.batch import RolloutSample
+from megatron_zcpo.utils.devices import compute_device
 
 
 def samples_from_groups(result, group_offset: int) -> List[RolloutSample]:
@@ -23,18 +23,23 @@ def samples_from_groups(result, group_offset: int) -> List[RolloutSample]:
     rewards = result.rewards
     for group, (record, completions) in enumerate(zip(result.records, result.completions)):
         for member, completion in enumerate(completions):
-            samples.append(RolloutSample(
-                prompt_ids=list(completion.prompt_ids),
-                response_ids=list(completion.output_ids),
-                group_id=group_offset + group,
-                reward=float(rewards.reward[group, member]),
-                trainable=bool(rewards.loss_mask[group, member]),
-                rollout_logprobs=list(completion.output_logprobs),
-                info={"score": float(rewards.score[group, member]),
-                      "truncated": bool(rewards.truncated[group, member]),
-                      "uid": record.uid, "weight_version": completion.weight_version},
-                routed_experts=completion.routed_experts,
-            ))
+            samples.append(
+                RolloutSample(
+                    prompt_ids=list(completion.prompt_ids),
+                    response_ids=list(completion.output_ids),
+                    group_id=group_offset + group,
+                    reward=float(rewards.reward[group, member]),
+                    trainable=bool(rewards.loss_mask[group, member]),
+                    rollout_logprobs=list(completion.output_logprobs),
+                    info={
+                        "score": float(rewards.score[group, member]),
+                        "truncated": bool(rewards.truncated[group, member]),
+                        "uid": record.uid,
+                        "weight_version": completion.weight_version,
+                    },
+                    routed_experts=completion.routed_experts,
+                )
+            )
     return samples
 
 
@@ -75,21 +80,36 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     if rank == src:
         routed = [s.routed_experts for s in samples if s.routed_experts is not None]
         narrow = all(int(r.max()) < 256 for r in routed if r.numel())
-        header[0] = ([(len(s.prompt_ids), len(s.response_ids), s.group_id, s.reward, s.trainable,
-                       s.rollout_logprobs is not None, s.info,
-                       None if s.routed_experts is None else tuple(s.routed_experts.shape)) for s in samples],
-                     torch.uint8 if narrow else torch.int32)
+        header[0] = (
+            [
+                (
+                    len(s.prompt_ids),
+                    len(s.response_ids),
+                    s.group_id,
+                    s.reward,
+                    s.trainable,
+                    s.rollout_logprobs is not None,
+                    s.info,
+                    None if s.routed_experts is None else tuple(s.routed_experts.shape),
+                )
+                for s in samples
+            ],
+            torch.uint8 if narrow else torch.int32,
+        )
     dist.broadcast_object_list(header, src=src)
     header, routing_dtype = header[0]
     if rank == src:
         tokens = _flat([ids for s in samples for ids in (s.prompt_ids, s.response_ids)], torch.int32).to(device)
-        logprobs = _flat([s.rollout_logprobs for s in samples if s.rollout_logprobs is not None], torch.float32).to(device)
+        logprobs = _flat([s.rollout_logprobs for s in samples if s.rollout_logprobs is not None], torch.float32).to(
+            device
+        )
         routing = _flat([r.reshape(-1) for r in routed], routing_dtype).to(device)
     else:
         tokens = torch.empty(sum(p + r for p, r, *_ in header), dtype=torch.int32, device=device)
         logprobs = torch.empty(sum(r for _, r, _, _, _, has, *_ in header if has), dtype=torch.float32, device=device)
-        routing = torch.empty(sum(shape[0] * shape[1] for *_, shape in header if shape), dtype=routing_dtype,
-                              device=device)
+        routing = torch.empty(
+            sum(shape[0] * shape[1] for *_, shape in header if shape), dtype=routing_dtype, device=device
+        )
     dist.broadcast(tokens, src=src)
     dist.broadcast(logprobs, src=src)
     if routing.numel():
@@ -97,16 +117,16 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     tokens, logprobs, routing = tokens.cpu(), logprobs.cpu(), routing.cpu()
     token_offset, logprob_offset, routing_offset, out = 0, 0, 0, []
     for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info, routing_shape in header:
-        prompt = tokens[token_offset:token_offset + prompt_len]
-        response = tokens[token_offset + prompt_len:token_offset + prompt_len + response_len]
+        prompt = tokens[token_offset : token_offset + prompt_len]
+        response = tokens[token_offset + prompt_len : token_offset + prompt_len + response_len]
         token_offset += prompt_len + response_len
         rollout_logprobs = routed_experts = None
         if has_logprobs:
-            rollout_logprobs = logprobs[logprob_offset:logprob_offset + response_len]
+            rollout_logprobs = logprobs[logprob_offset : logprob_offset + response_len]
             logprob_offset += response_len
         if routing_shape:
             size = routing_shape[0] * routing_shape[1]
-            routed_experts = routing[routing_offset:routing_offset + size].view(routing_shape)
+            routed_experts = routing[routing_offset : routing_offset + size].view(routing_shape)
             routing_offset += size
         out.append(RolloutSample(prompt, response, group_id, reward, trainable, rollout_logprobs, info, routed_experts))
     return out
@@ -114,7 +134,9 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
 
 def _flat(pieces, dtype: torch.dtype) -> torch.Tensor:
     """One 1-D tensor of ``dtype`` from lists or tensors (empty when there are none)."""
-    return torch.cat([torch.as_tensor(piece, dtype=dtype) for piece in pieces]) if pieces else torch.empty(0, dtype=dtype)
+    return (
+        torch.cat([torch.as_tensor(piece, dtype=dtype) for piece in pieces]) if pieces else torch.empty(0, dtype=dtype)
+    )
 
 
 def stop_token_ids(config: RunConfig, tokenizer) -> tuple:
@@ -130,32 +152,46 @@ def make_engine(config: RunConfig, model_config, tokenizer):
 
     SGLang servers are checked once healthy (:func:`megatron_zcpo.recipe.timeouts.check_sglang_servers`:
     API key, context length, seeds, load format, timeouts); launched ones get the settings that
-    must agree with the client from :func:`~megatron_zcpo.rollout.sglang_server.server_config_for_run`.
+    must agree with the client from :func:`~megatron_zcpo.rollout.sglang.server.server_config_for_run`.
     """
     rollout = config.rollout
     if rollout.engine == "embedded":
         from megatron_zcpo.rollout.embedded import EmbeddedEngine
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return EmbeddedEngine(model_config, seed=rollout.seed, quantization=rollout.quantization, pad_token_id=pad,
-                              record_routed_experts=config.train.routing_replay != "none")
+        return EmbeddedEngine(
+            model_config,
+            seed=rollout.seed,
+            quantization=rollout.quantization,
+            pad_token_id=pad,
+            record_routed_experts=config.train.routing_replay != "none",
+        )
     from megatron_zcpo.recipe.timeouts import check_sglang_servers, longest_new_tokens
-    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
 
     if not (rollout.sglang.server_urls or rollout.sglang.launch):
-        raise ValueError("rollout.engine=sglang needs rollout.sglang.server_urls (attach to running servers) "
-                         "or rollout.sglang.launch (start them)")
+        raise ValueError(
+            "rollout.engine=sglang needs rollout.sglang.server_urls (attach to running servers) "
+            "or rollout.sglang.launch (start them)"
+        )
     # Token ids are checked against the trainer's vocabulary (rollout/output_checks.py).
     client = dict(rollout.sglang.client, quantization=rollout.quantization, vocab_size=model_config.vocab_size)
     if rollout.sglang.launch is not None:
-        from megatron_zcpo.rollout.sglang_server import SGLangLauncher, launch_sglang, server_config_for_run
+        from megatron_zcpo.rollout.sglang.server import SGLangLauncher, launch_sglang, server_config_for_run
 
-        servers = server_config_for_run(rollout.sglang.launch, SGLangEngineConfig(server_urls=["unset"], **client),
-                                        config.data.max_prompt_length, longest_new_tokens(config))
+        servers = server_config_for_run(
+            rollout.sglang.launch,
+            SGLangEngineConfig(server_urls=["unset"], **client),
+            config.data.max_prompt_length,
+            longest_new_tokens(config),
+        )
         engine = launch_sglang(SGLangLauncher(servers), **client)
     else:
-        engine = SGLangEngine(SGLangEngineConfig(server_urls=list(rollout.sglang.server_urls),
-                                                 router_url=rollout.sglang.router_url, **client))
+        engine = SGLangEngine(
+            SGLangEngineConfig(
+                server_urls=list(rollout.sglang.server_urls), router_url=rollout.sglang.router_url, **client
+            )
+        )
         engine.wait_until_healthy()  # rollout.sglang.client.startup_timeout_s
     try:
         check_sglang_servers(config, model_config, engine)
@@ -176,9 +212,13 @@ class Rollout:
         self.config = config
         self.tokenizer = tokenizer
         self.stop = stop_token_ids(config, tokenizer)
-        self.params = SamplingParams(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                                     top_k=config.rollout.top_k, max_new_tokens=config.rollout.max_new_tokens,
-                                     stop_token_ids=self.stop)
+        self.params = SamplingParams(
+            temperature=config.rollout.temperature,
+            top_p=config.rollout.top_p,
+            top_k=config.rollout.top_k,
+            max_new_tokens=config.rollout.max_new_tokens,
+            stop_token_ids=self.stop,
+        )
         self.dataset = build_prompt_dataset(config.data, tokenizer)
         self.scorer = RewardScorer(config.reward)
         self.engine = make_engine(config, model_config, tokenizer)
@@ -223,13 +263,14 @@ class Rollout:
                 raise broken_reward from None
             raise
         failure_metrics = self.scorer.check_failure_rate(what)
-        samples = samples_from_groups(result, group_offset=step * 10 ** 6)
+        samples = samples_from_groups(result, group_offset=step * 10**6)
         metrics = dict(result.metrics)
         metrics["rollout/rejected_samples"] = float(getattr(self.engine, "rejected_samples", 0) - rejected_before)
         if not rollout.overlap:  # (overlapped rollouts report their staleness themselves)
             # The engine serves version `step` (pushed after the previous step): anything else is stale.
-            metrics["rollout/stale_samples"] = float(sum(c.weight_version not in (None, step)
-                                                         for group in result.completions for c in group))
+            metrics["rollout/stale_samples"] = float(
+                sum(c.weight_version not in (None, step) for group in result.completions for c in group)
+            )
         metrics.update(result.rewards.metrics())
         metrics.update(failure_metrics)
         if samples:

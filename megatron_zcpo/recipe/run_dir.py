@@ -39,8 +39,8 @@ def new_run_id() -> str:
 
 def checkpoint_run_id(checkpoint: Path) -> Optional[str]:
     """The run id a checkpoint records (its manifest, else its trainer state); None when it has none."""
-    from megatron_zcpo.megatron.checkpoint import TRAINER_STATE, read_checkpoint_file
-    from megatron_zcpo.megatron.checkpoint_manifest import read_manifest
+    from megatron_zcpo.checkpoint.io import TRAINER_STATE, read_checkpoint_file
+    from megatron_zcpo.checkpoint.manifest import read_manifest
 
     manifest = read_manifest(checkpoint)
     if manifest is not None:
@@ -52,7 +52,7 @@ def held_run(config) -> List[str]:
     """What ``config``'s run directory already holds of a run (metrics, checkpoints): [] when nothing.
 
     A run id alone is no run yet (the start of this very run, or one that died before its first step)."""
-    from megatron_zcpo.megatron.checkpoint import STEP_PREFIX
+    from megatron_zcpo.checkpoint.io import STEP_PREFIX
 
     run_dir = Path(config.logging.run_dir)
     held = []
@@ -69,7 +69,7 @@ def held_run(config) -> List[str]:
 def remove_run(config) -> None:
     """Delete the run in ``config``'s run directory (``--overwrite``): its outputs and its checkpoints
     (damaged checkpoints moved aside by a resume, ``*.damaged``, are left alone)."""
-    from megatron_zcpo.megatron.checkpoint import DAMAGED_SUFFIX, LATEST, STEP_PREFIX
+    from megatron_zcpo.checkpoint.io import DAMAGED_SUFFIX, LATEST, STEP_PREFIX
 
     run_dir = Path(config.logging.run_dir)
     for name in RUN_OUTPUTS:
@@ -89,11 +89,11 @@ def open_run(config, warn: Callable[[str], None], *, overwrite: bool = False) ->
 
     ``checkpoint.resume=never`` into a run directory that holds a run is refused unless ``overwrite``
     (which deletes that run first). ``auto`` takes the newest intact checkpoint (a damaged newer one
-    is named through ``warn`` and moved aside, see megatron_zcpo/megatron/checkpoint_verify.py); a
+    is named through ``warn`` and moved aside, see megatron_zcpo/checkpoint/verify.py); a
     path must be intact. A checkpoint of another run id than the run directory's is refused.
-    Raises :class:`RunMixError` or :class:`~megatron_zcpo.megatron.checkpoint_manifest.CheckpointDamagedError`.
+    Raises :class:`RunMixError` or :class:`~megatron_zcpo.checkpoint.manifest.CheckpointDamagedError`.
     """
-    from megatron_zcpo.megatron.checkpoint_verify import newest_intact_checkpoint, verify_checkpoint
+    from megatron_zcpo.checkpoint.verify import newest_intact_checkpoint, verify_checkpoint
 
     run_dir, resume = Path(config.logging.run_dir), config.checkpoint.resume
     if overwrite and resume not in ("auto", "never"):
@@ -106,7 +106,8 @@ def open_run(config, warn: Callable[[str], None], *, overwrite: bool = False) ->
         raise RunMixError(
             f"logging.run_dir={run_dir} already holds run {read_run_id(run_dir) or '(no id)'}: {'; '.join(held)}. "
             "checkpoint.resume=never would write a second run over it. Continue it with checkpoint.resume=auto, "
-            "start the new run in another logging.run_dir, or pass --overwrite to delete the old run")
+            "start the new run in another logging.run_dir, or pass --overwrite to delete the old run"
+        )
     checkpoint = None
     if resume == "auto":
         checkpoint = newest_intact_checkpoint(config.checkpoint_dir, warn)
@@ -121,7 +122,8 @@ def open_run(config, warn: Callable[[str], None], *, overwrite: bool = False) ->
                 f"checkpoint {checkpoint} belongs to run {theirs}, but logging.run_dir={run_dir} holds run {run_id}: "
                 f"runs never mix. To continue run {theirs}, set logging.run_dir to its directory; to start a new run "
                 f"from its weights, set model.path={checkpoint / 'weights'} and checkpoint.resume=never in a new "
-                "logging.run_dir")
+                "logging.run_dir"
+            )
         run_id = run_id or theirs
     run_id = run_id or new_run_id()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 checked against the run's predicted durations, with the key to raise; and the SGLang start-up check.
 
 The chain, innermost first, with what each must outlast (durations from the step-time model,
-:mod:`megatron_zcpo.megatron.step_time` and :mod:`megatron_zcpo.megatron.decode_rate`, at mean
+:mod:`megatron_zcpo.planning.step_time` and :mod:`megatron_zcpo.planning.decode_rate`, at mean
 lengths of half the caps):
 
 * ``rollout.sglang.client.request_timeout_s``: one /generate request, i.e. one response of the
@@ -35,9 +35,9 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from megatron_zcpo.megatron.decode_rate import H100_80GB_BYTES, decode_roofline, decode_tokens_per_s_per_gpu
-from megatron_zcpo.megatron.step_time import INFINIBAND_NDR_BYTES_S
-from megatron_zcpo.rollout.sglang_config import SGLangEngineConfig
+from megatron_zcpo.planning.decode_rate import H100_80GB_BYTES, decode_roofline, decode_tokens_per_s_per_gpu
+from megatron_zcpo.planning.step_time import INFINIBAND_NDR_BYTES_S
+from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 
 CLIENT = "rollout.sglang.client"
 EVAL_BATCH_PROMPTS = 64  # prompts per evaluation generate call (megatron_zcpo/rollout/evaluation.py)
@@ -48,7 +48,7 @@ MEAN_FRACTION = 0.5  # mean prompt and response length as a fraction of the caps
 class RolloutServers:
     """The SGLang servers the predictions assume: how many, GPUs each (``tp_size``), their
     ``mem_fraction_static``, the decode rate per GPU (None: modelled by
-    :mod:`megatron_zcpo.megatron.decode_rate`), GPU memory and the trainer-to-server link."""
+    :mod:`megatron_zcpo.planning.decode_rate`), GPU memory and the trainer-to-server link."""
 
     count: int
     tp_size: int
@@ -73,14 +73,19 @@ class TimeoutCheck:
 
     def problem(self) -> str:
         """What is wrong and what to raise (for a failed check)."""
-        return (f"{self.key} = {self.timeout_s:,.0f} s does not outlast {self.bounds} (predicted "
-                f"{self.predicted_s:,.0f} s): raise {self.key} above {self.predicted_s:,.0f}")
+        return (
+            f"{self.key} = {self.timeout_s:,.0f} s does not outlast {self.bounds} (predicted "
+            f"{self.predicted_s:,.0f} s): raise {self.key} above {self.predicted_s:,.0f}"
+        )
 
 
 def client_config(config) -> SGLangEngineConfig:
     """The run's ``rollout.sglang.client`` settings with their defaults (``config``: a RunConfig)."""
-    return SGLangEngineConfig(server_urls=list(config.rollout.sglang.server_urls) or ["http://unset"],
-                              router_url=config.rollout.sglang.router_url, **config.rollout.sglang.client)
+    return SGLangEngineConfig(
+        server_urls=list(config.rollout.sglang.server_urls) or ["http://unset"],
+        router_url=config.rollout.sglang.router_url,
+        **config.rollout.sglang.client,
+    )
 
 
 def longest_new_tokens(config) -> int:
@@ -94,11 +99,22 @@ def predicted_durations(config, model, servers: RolloutServers) -> Dict[str, flo
     of ``config`` (a RunConfig) with ``model`` (ModelConfig) on ``servers``."""
     client, rollout = client_config(config), config.rollout
     prompt, response = MEAN_FRACTION * config.data.max_prompt_length, MEAN_FRACTION * rollout.max_new_tokens
-    roofline = decode_roofline(model, prompt, response, servers.tp_size, mem_fraction=servers.mem_fraction,
-                               gpu_memory_bytes=servers.gpu_memory_bytes)
+    roofline = decode_roofline(
+        model,
+        prompt,
+        response,
+        servers.tp_size,
+        mem_fraction=servers.mem_fraction,
+        gpu_memory_bytes=servers.gpu_memory_bytes,
+    )
     rate = servers.decode_tokens_per_s_per_gpu or decode_tokens_per_s_per_gpu(
-        model, prompt, response, servers.tp_size, mem_fraction=servers.mem_fraction,
-        gpu_memory_bytes=servers.gpu_memory_bytes)
+        model,
+        prompt,
+        response,
+        servers.tp_size,
+        mem_fraction=servers.mem_fraction,
+        gpu_memory_bytes=servers.gpu_memory_bytes,
+    )
     one_sequence = rate * servers.tp_size / roofline.batch  # tokens/s of one of the batch's sequences
     in_flight = math.ceil(client.max_concurrency / servers.count)
     request = math.ceil(in_flight / max(1.0, math.floor(roofline.batch))) * longest_new_tokens(config) / one_sequence
@@ -112,8 +128,10 @@ def predicted_durations(config, model, servers: RolloutServers) -> Dict[str, flo
     return {
         "request": request,
         "round": call(math.ceil(rollout.prompts_per_step * oversample) * rollout.samples_per_prompt, response),
-        "eval_call": call(min(EVAL_BATCH_PROMPTS, config.eval.num_prompts) * config.eval.k,
-                          MEAN_FRACTION * (config.eval.max_new_tokens or rollout.max_new_tokens)),
+        "eval_call": call(
+            min(EVAL_BATCH_PROMPTS, config.eval.num_prompts) * config.eval.k,
+            MEAN_FRACTION * (config.eval.max_new_tokens or rollout.max_new_tokens),
+        ),
         "bucket": min(client.bucket_bytes, model_bytes) / servers.link_bytes_per_s,
         "push": model_bytes / servers.link_bytes_per_s,
     }
@@ -127,23 +145,47 @@ def timeout_checks(config, model, servers: RolloutServers) -> List[TimeoutCheck]
     retries = client.request_timeout_s * (1 + client.max_retries)
     update = times["push"] if client.weight_sync == "disk" else times["bucket"]
     checks = [
-        TimeoutCheck(f"{CLIENT}.request_timeout_s", "one request (a full-length response, queued behind the "
-                     "requests in flight on its server)", client.request_timeout_s, times["request"]),
-        TimeoutCheck(f"{CLIENT}.rollout_timeout_s", "dynamic sampling's first round", client.rollout_timeout_s,
-                     times["round"]),
-        TimeoutCheck(f"{CLIENT}.rollout_timeout_s", f"a request's {1 + client.max_retries} attempts (a lost request "
-                     "must cost its prompt, not the round)", client.rollout_timeout_s, retries),
+        TimeoutCheck(
+            f"{CLIENT}.request_timeout_s",
+            "one request (a full-length response, queued behind the requests in flight on its server)",
+            client.request_timeout_s,
+            times["request"],
+        ),
+        TimeoutCheck(
+            f"{CLIENT}.rollout_timeout_s", "dynamic sampling's first round", client.rollout_timeout_s, times["round"]
+        ),
+        TimeoutCheck(
+            f"{CLIENT}.rollout_timeout_s",
+            f"a request's {1 + client.max_retries} attempts (a lost request must cost its prompt, not the round)",
+            client.rollout_timeout_s,
+            retries,
+        ),
         TimeoutCheck(f"{CLIENT}.update_timeout_s", "one weight update request", client.update_timeout_s, update),
         TimeoutCheck(f"{CLIENT}.group_timeout_s", "one bucket's broadcast", client.group_timeout_s, times["bucket"]),
-        TimeoutCheck("parallel.collective_timeout_s", "the weight push (ranks wait for it in a training group)",
-                     config.parallel.collective_timeout_s, times["push"]),
+        TimeoutCheck(
+            "parallel.collective_timeout_s",
+            "the weight push (ranks wait for it in a training group)",
+            config.parallel.collective_timeout_s,
+            times["push"],
+        ),
     ]
     if evaluated:
-        checks.insert(2, TimeoutCheck(f"{CLIENT}.rollout_timeout_s", "one evaluation batch",
-                                      client.rollout_timeout_s, times["eval_call"]))
+        checks.insert(
+            2,
+            TimeoutCheck(
+                f"{CLIENT}.rollout_timeout_s", "one evaluation batch", client.rollout_timeout_s, times["eval_call"]
+            ),
+        )
     if client.router_url:
-        checks.insert(1, TimeoutCheck(f"{CLIENT}.router_timeout_s", "the client's request timeout",
-                                      client.router_timeout_s, client.request_timeout_s))
+        checks.insert(
+            1,
+            TimeoutCheck(
+                f"{CLIENT}.router_timeout_s",
+                "the client's request timeout",
+                client.router_timeout_s,
+                client.request_timeout_s,
+            ),
+        )
     return checks
 
 
@@ -158,13 +200,15 @@ def check_timeouts(config, model, servers: RolloutServers) -> List[TimeoutCheck]
 
 def render_timeout_checks(checks: List[TimeoutCheck]) -> str:
     """The checks as text lines: key, timeout, predicted duration, verdict."""
-    from megatron_zcpo.megatron.step_time import format_seconds
+    from megatron_zcpo.planning.step_time import format_seconds
 
-    lines = ["timeouts (predicted durations from megatron_zcpo/megatron/step_time.py):"]
+    lines = ["timeouts (predicted durations from megatron_zcpo/planning/step_time.py):"]
     for check in checks:
         verdict = "ok" if check.ok else f"RAISE above {format_seconds(check.predicted_s)}"
-        lines.append(f"  {check.key:<40} {check.timeout_s:>10,.0f} s  vs {format_seconds(check.predicted_s):>10}  "
-                     f"{check.bounds}: {verdict}")
+        lines.append(
+            f"  {check.key:<40} {check.timeout_s:>10,.0f} s  vs {format_seconds(check.predicted_s):>10}  "
+            f"{check.bounds}: {verdict}"
+        )
     return "\n".join(lines)
 
 
@@ -179,8 +223,12 @@ def rank0_wait_timeout_s(config) -> float:
     sampling = config.rollout.dynamic_sampling
     rounds = sampling.max_rounds if sampling.drop_tied_groups else 1
     evaluation = math.ceil(config.eval.num_prompts / EVAL_BATCH_PROMPTS)
-    return (startup + (2 * rounds + evaluation) * client.rollout_timeout_s + 2 * client.update_timeout_s
-            + config.parallel.collective_timeout_s)
+    return (
+        startup
+        + (2 * rounds + evaluation) * client.rollout_timeout_s
+        + 2 * client.update_timeout_s
+        + config.parallel.collective_timeout_s
+    )
 
 
 def check_sglang_servers(config, model, engine) -> List[TimeoutCheck]:
@@ -190,6 +238,9 @@ def check_sglang_servers(config, model, engine) -> List[TimeoutCheck]:
     real layout. Raises ``RolloutError`` / ``ValueError`` naming what to change."""
     facts = engine.check_servers(config.data.max_prompt_length, longest_new_tokens(config))
     fractions = [fact.mem_fraction_static for fact in facts if fact.mem_fraction_static]
-    servers = RolloutServers(count=len(facts), tp_size=max(fact.tp_size for fact in facts),
-                             mem_fraction=min(fractions) if fractions else RolloutServers.mem_fraction)
+    servers = RolloutServers(
+        count=len(facts),
+        tp_size=max(fact.tp_size for fact in facts),
+        mem_fraction=min(fractions) if fractions else RolloutServers.mem_fraction,
+    )
     return check_timeouts(config, model, servers)

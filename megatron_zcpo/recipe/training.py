@@ -46,10 +46,15 @@ class RLRecipe:
         from megatron_zcpo.recipe.weight_push import push_weights, stage_weight_push
 
         config = self.config
-        setup_megatron(tensor_parallel=config.parallel.tensor, pipeline_parallel=config.parallel.pipeline,
-                       context_parallel=config.parallel.context, seed=config.train.seed,
-                       collective_timeout_s=config.parallel.collective_timeout_s,
-                       expert_parallel=config.parallel.expert, expert_tensor_parallel=config.parallel.expert_tensor)
+        setup_megatron(
+            tensor_parallel=config.parallel.tensor,
+            pipeline_parallel=config.parallel.pipeline,
+            context_parallel=config.parallel.context,
+            seed=config.train.seed,
+            collective_timeout_s=config.parallel.collective_timeout_s,
+            expert_parallel=config.parallel.expert,
+            expert_tensor_parallel=config.parallel.expert_tensor,
+        )
         # The other ranks wait for rank 0's solo phases here, never in a training group (rank0_wait.py).
         self.waits = Rank0Wait(rank0_wait_timeout_s(config))
         self.rank = dist.get_rank()
@@ -64,24 +69,30 @@ class RLRecipe:
             (self.run_dir / "config.yaml").write_text(dump_run_config(config))
         self.logger = self._make_logger() if self.rank == 0 else None
         if self.logger and checkpoint is not None:
-            from megatron_zcpo.megatron.checkpoint_manifest import read_manifest
+            from megatron_zcpo.checkpoint.manifest import read_manifest
 
-            old = "" if read_manifest(checkpoint) else (" (written before checkpoints had manifests: checked "
-                                                       "against the checkpoint library's index only)")
+            old = (
+                ""
+                if read_manifest(checkpoint)
+                else (
+                    " (written before checkpoints had manifests: checked against the checkpoint library's index only)"
+                )
+            )
             self.logger.print(f"resumed from {checkpoint} at step {self.start_step}{old}")
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
         self.stages = stage_weight_push(config, self.engine, self.waits, self.trainer.policy)
         push_weights(self.trainer, self.engine, self.start_step, self.stages, self.waits)
-        self.overlap = overlapped_rollouts(config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state,
-                                           self.waits)
+        self.overlap = overlapped_rollouts(
+            config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state, self.waits
+        )
 
     def _build_trainer(self, tokenizer):
         """``self.trainer`` on the configured model (random, HF or Megatron weights), checked against
         transformers when ``train.verify_against_hf`` says so; returns its ModelConfig."""
         from megatron_zcpo.convert.verify import check_policy_against_hf, startup_check_due
         from megatron_zcpo.diagnostics import build_diagnostics
-        from megatron_zcpo.megatron.trainer import PolicyTrainer
         from megatron_zcpo.recipe.inputs import resolve_model
+        from megatron_zcpo.training.trainer import PolicyTrainer
 
         config = self.config
         if config.model.path is not None:
@@ -90,11 +101,19 @@ class RLRecipe:
         else:
             model_config, initial, reference = config.model.architecture, None, None
         if len(tokenizer) > model_config.vocab_size:
-            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model_config.vocab_size}")
-        self.trainer = PolicyTrainer(model_config, config.algorithm, config.train, config.parallel,
-                                     initial_weights=initial, reference_weights=reference,
-                                     temperature=config.rollout.temperature,
-                                     diagnostics=build_diagnostics(config.diagnostics, config.algorithm))
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model_config.vocab_size}"
+            )
+        self.trainer = PolicyTrainer(
+            model_config,
+            config.algorithm,
+            config.train,
+            config.parallel,
+            initial_weights=initial,
+            reference_weights=reference,
+            temperature=config.rollout.temperature,
+            diagnostics=build_diagnostics(config.diagnostics, config.algorithm),
+        )
         if startup_check_due(config.train.verify_against_hf, config.model.path, model_config):
             check_policy_against_hf(self.trainer, config.model.path, config.train.verify_tolerance)
         return model_config
@@ -112,7 +131,7 @@ class RLRecipe:
         if self.rank == 0:
             try:
                 decision = open_run(self.config, lambda message: print(f"warning: {message}", file=sys.stderr))
-            except Exception as refusal:  # noqa: BLE001 - RunMixError, CheckpointDamagedError, ...: every rank stops with it
+            except Exception as refusal:
                 decision = refusal
         decision = self.waits.broadcast(decision)  # rank 0 verifies the checkpoint alone (rank0_wait.py)
         if isinstance(decision, Exception):
@@ -129,9 +148,15 @@ class RLRecipe:
         from megatron_zcpo.recipe.metrics_log import MetricsLogger
 
         logging = self.config.logging
-        return MetricsLogger(self.run_dir, console=logging.console, tensorboard=logging.tensorboard,
-                             wandb_project=logging.wandb_project, total_steps=self.config.train.steps,
-                             start_step=self.start_step, run_id=self.run_id)
+        return MetricsLogger(
+            self.run_dir,
+            console=logging.console,
+            tensorboard=logging.tensorboard,
+            wandb_project=logging.wandb_project,
+            total_steps=self.config.train.steps,
+            start_step=self.start_step,
+            run_id=self.run_id,
+        )
 
     @property
     def engine(self):
@@ -146,7 +171,7 @@ class RLRecipe:
         after the step in progress, on every rank, with a checkpoint: :class:`Preempted` is raised
         (``zcpo train`` exits with ``PREEMPTED_EXIT_CODE``; ``checkpoint.resume=auto`` continues).
         """
-        from megatron_zcpo.megatron.preemption import Preempted, PreemptionGuard
+        from megatron_zcpo.training.preemption import Preempted, PreemptionGuard
 
         config, trainer = self.config, self.trainer
         with contextlib.ExitStack() as stack:
@@ -189,7 +214,7 @@ class RLRecipe:
         started = time.perf_counter()
         overlap = self.overlap
         if overlap is None:
-            samples, rollout_stats = (self.rollout.collect(step) if self.rank == 0 else (None, {}))
+            samples, rollout_stats = self.rollout.collect(step) if self.rank == 0 else (None, {})
         else:  # take step k's rollout, push, and generate step k+1's while step k trains
             samples, rollout_stats = overlap.collect(step)
             overlap.push_current_weights()
@@ -208,17 +233,25 @@ class RLRecipe:
         metrics.update(rollout_stats)
         push_s = time.perf_counter() - started_push if overlap is None else overlap.push_s
         # time/world_size: the devices this step held, so `zcpo report --align-by gpu-hours` can sum GPU time
-        metrics.update({"time/rollout": time_rollout, "time/weight_sync": push_s,
-                        "time/step": time.perf_counter() - started, "time/world_size": self.world_size})
+        metrics.update(
+            {
+                "time/rollout": time_rollout,
+                "time/weight_sync": push_s,
+                "time/step": time.perf_counter() - started,
+                "time/world_size": self.world_size,
+            }
+        )
         self.logger.log(self.trainer.step, metrics)
         gap = metrics.get("rollout/logprob_diff_max", 0.0)
         rollout, train = self.config.rollout, self.config.train
         # The engine runs the HF model in fp32: in bf16 the trainer alone differs by rounding.
         tolerance = logprob_tolerance(train.verify_tolerance, train.bf16)
         if step == 0 and rollout.engine == "embedded" and not rollout.quantization and gap > tolerance:
-            self.logger.print(f"[yellow]warning: the embedded engine's log-probs differ from the trainer's by up "
-                              f"to {gap:.2e} at step 0 (same weights: expected < {tolerance:g}, "
-                              f"train.verify_tolerance)")
+            self.logger.print(
+                f"[yellow]warning: the embedded engine's log-probs differ from the trainer's by up "
+                f"to {gap:.2e} at step 0 (same weights: expected < {tolerance:g}, "
+                f"train.verify_tolerance)"
+            )
 
     def evaluate(self, step: int) -> Dict[str, float]:
         """Held-out metrics at trainer step ``step`` (rank 0, when there are held-out prompts; {} otherwise).
@@ -231,11 +264,19 @@ class RLRecipe:
             return {}
         k = self.config.eval.k
         rollout = self.rollout  # held-out avg@k / pass@k; per-sample results under run_dir/eval
-        metrics = run_evaluation(self.config, rollout.engine, self.held_out, rollout.score, rollout.stop,
-                                 self.run_dir / "eval" / f"step_{step:06d}.json")
+        metrics = run_evaluation(
+            self.config,
+            rollout.engine,
+            self.held_out,
+            rollout.score,
+            rollout.stop,
+            self.run_dir / "eval" / f"step_{step:06d}.json",
+        )
         self.logger.log(step, metrics, advance=False)
-        self.logger.print(f"eval @ step {step}: avg@{k} = {metrics.get(f'eval/avg@{k}', math.nan):.3f}"
-                          f" on {int(metrics.get('eval/num_problems', 0))} problems x {k} samples")
+        self.logger.print(
+            f"eval @ step {step}: avg@{k} = {metrics.get(f'eval/avg@{k}', math.nan):.3f}"
+            f" on {int(metrics.get('eval/num_problems', 0))} problems x {k} samples"
+        )
         return metrics
 
     # ----------------------------------------------------------------------------- save & cleanup
@@ -248,8 +289,11 @@ class RLRecipe:
                 loop["in_flight"] = self.overlap.state()
             loop["data"] = self.rollout.dataset.state_dict()
         # Every rank passes its state; rank 0's is the one written (it owns the prompt stream).
-        self.trainer.save(self.config.checkpoint_dir, {"loop": loop, "run_id": self.run_id},
-                          keep_last=self.config.checkpoint.keep_last)
+        self.trainer.save(
+            self.config.checkpoint_dir,
+            {"loop": loop, "run_id": self.run_id},
+            keep_last=self.config.checkpoint.keep_last,
+        )
 
     def cleanup(self) -> None:
         """Stop the rollout side (engines, reward workers) and close the loggers."""
@@ -266,7 +310,7 @@ class RLRecipe:
 def run_training(config: RunConfig, guard=None) -> Dict[str, Any]:
     """Run ``config`` in this (already launched) process group; returns a summary on rank 0.
 
-    ``guard``: an installed :class:`~megatron_zcpo.megatron.preemption.PreemptionGuard` (so a
+    ``guard``: an installed :class:`~megatron_zcpo.training.preemption.PreemptionGuard` (so a
     signal during set-up counts), else :meth:`RLRecipe.train` installs its own."""
     recipe = RLRecipe(config)
     try:

@@ -8,9 +8,9 @@ lead its own experts of the stage, through a weight-update group of its own: no 
 another's experts, and nothing funnels through rank 0). The shares push one after another: an
 SGLang server serves weight updates one at a time and a group's first broadcast waits for all its
 members, so two shares pushing at once deadlock as soon as two servers take them in opposite
-orders (see :mod:`megatron_zcpo.rollout.sglang_api`); the pushes are bandwidth-bound either way
+orders (see :mod:`megatron_zcpo.rollout.sglang.api`); the pushes are bandwidth-bound either way
 (one share at a time still leaves every byte on its own sender's link). The engine's transport
-(NCCL broadcast or disk, see :mod:`megatron_zcpo.rollout.update_weight`) only sees streams of
+(NCCL broadcast or disk, see :mod:`megatron_zcpo.rollout.sglang.update_weight`) only sees streams of
 (HF name, tensor). Ranks meet rank 0 before, between and after the shares in the
 :class:`~megatron_zcpo.recipe.rank0_wait.Rank0Wait` group, never in a training group.
 """
@@ -58,11 +58,13 @@ def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeight
 
     if config.rollout.engine != "sglang" or (config.parallel.pipeline == 1 and config.parallel.expert == 1):
         return None
-    servers = waits.broadcast((list(engine.config.server_urls), engine.config.api_key) if dist.get_rank() == 0 else None)
+    servers = waits.broadcast(
+        (list(engine.config.server_urls), engine.config.api_key) if dist.get_rank() == 0 else None
+    )
     share = share_name(model)
     if not share:
         return StageWeightPush()
-    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
 
     client = dict(config.rollout.sglang.client, quantization=config.rollout.quantization, api_key=servers[1])
     client["group_name"] = f"{client.get('group_name', SGLangEngineConfig.group_name)}-{share}"
@@ -84,8 +86,13 @@ def _share_of_turn(model, expert_rank: int) -> Iterator[Tuple[str, Any]]:
         walks_expert_part,
     )
 
-    walks = [("experts", walks_expert_part(model) and ps.get_expert_model_parallel_rank() == expert_rank,
-              is_expert_shard_lead(model))]
+    walks = [
+        (
+            "experts",
+            walks_expert_part(model) and ps.get_expert_model_parallel_rank() == expert_rank,
+            is_expert_shard_lead(model),
+        )
+    ]
     if expert_rank == 0:
         walks.insert(0, ("dense", walks_dense_part(), is_stage_lead()))
     for part, walks_it, sends_it in walks:

@@ -44,7 +44,7 @@ class RewardConfig:
     overlong_penalty_factor: float = 1.0
     overlong_filter: bool = True
 
-    def validate(self) -> "RewardConfig":
+    def validate(self) -> RewardConfig:
         """Raise ValueError naming every bad ``reward.<key>``; returns self."""
         problems = []
         if not isinstance(self.function, str) or not self.function.strip():

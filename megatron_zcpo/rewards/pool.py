@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -86,7 +87,7 @@ def _run_call(function: Callable[..., Any], args: Tuple[Any, ...]) -> CallOutcom
     """``function(*args)`` as a :class:`CallOutcome`: "ok", "invalid" (a non-number) or "error" (it raised)."""
     try:
         value = function(*args)
-    except BaseException:  # noqa: BLE001 - any failure of user code is reported, never fatal to the worker
+    except BaseException:
         return CallOutcome("error", error=traceback.format_exc())
     if isinstance(value, numbers.Real):
         return CallOutcome("ok", value=float(value))
@@ -213,8 +214,12 @@ class RewardWorkerPool:
             self._take_messages(worker, outcomes)  # what it sent between the poll and its exit
             if worker.unanswered:
                 self._fail_running_call(
-                    worker, outcomes, pending,
-                    CallOutcome("died", error=f"reward worker exited with code {worker.process.exitcode} during the call"),
+                    worker,
+                    outcomes,
+                    pending,
+                    CallOutcome(
+                        "died", error=f"reward worker exited with code {worker.process.exitcode} during the call"
+                    ),
                 )
             elif not worker.ready:
                 self.close()
@@ -227,7 +232,9 @@ class RewardWorkerPool:
         now = time.monotonic()
         if worker.unanswered and now >= worker.deadline:
             self._fail_running_call(
-                worker, outcomes, pending,
+                worker,
+                outcomes,
+                pending,
                 CallOutcome("timeout", error=f"no result within {self.timeout_s:g} s; worker killed"),
             )
             self._replace(worker)
@@ -274,10 +281,9 @@ class RewardWorkerPool:
             if worker.unanswered:
                 worker.kill()
                 continue
-            try:  # a worker still starting reads this right after its readiness message
+            # a worker still starting reads this right after its readiness message; OSError: it already exited
+            with contextlib.suppress(OSError):
                 worker.connection.send(None)
-            except OSError:  # it already exited
-                pass
         for worker in workers:
             if not worker.unanswered:
                 worker.process.join(timeout=5.0)
@@ -286,7 +292,7 @@ class RewardWorkerPool:
                 else:
                     worker.connection.close()
 
-    def __enter__(self) -> "RewardWorkerPool":
+    def __enter__(self) -> RewardWorkerPool:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -57,12 +57,12 @@ class RewardBatch:
     valid: torch.Tensor
     loss_mask: torch.Tensor
 
-    def select(self, groups: torch.Tensor) -> "RewardBatch":
+    def select(self, groups: torch.Tensor) -> RewardBatch:
         """The rows (groups) ``groups`` ([K] int64 indices or [P] bool mask), as a new batch of K groups."""
         return RewardBatch(**{f.name: getattr(self, f.name)[groups] for f in dataclasses.fields(self)})
 
     @staticmethod
-    def cat(batches: Sequence["RewardBatch"]) -> "RewardBatch":
+    def cat(batches: Sequence[RewardBatch]) -> RewardBatch:
         """Concatenate batches along the group dimension (all must have the same group size G)."""
         if not batches:
             raise ValueError("RewardBatch.cat needs at least one batch")
@@ -117,7 +117,10 @@ class RewardScorer:
     def __init__(self, config: RewardConfig):
         self.config = config.validate()
         self.pool = RewardWorkerPool(
-            config.function, num_workers=config.num_workers, timeout_s=config.timeout_s, start_method=config.start_method
+            config.function,
+            num_workers=config.num_workers,
+            timeout_s=config.timeout_s,
+            start_method=config.start_method,
         )
         self.tally = FailureTally()
 
@@ -139,7 +142,8 @@ class RewardScorer:
                 f"reward function {config.function!r} failed on {tally.failed} of the {tally.calls} responses of "
                 f"{what} ({fraction:.0%}, above reward.max_failed_fraction={config.max_failed_fraction:g}); the run "
                 f"stops rather than train on the scores reward.on_failure={config.on_failure!r} makes up for them. "
-                f"Fix the reward function (or raise reward.max_failed_fraction). The first failure, on {tally.example}")
+                f"Fix the reward function (or raise reward.max_failed_fraction). The first failure, on {tally.example}"
+            )
         return {"reward/failed_calls": float(tally.failed), "reward/failed_fraction": fraction}
 
     def score(
@@ -195,9 +199,7 @@ class RewardScorer:
         """(score, failed, valid), each [P, G], of the reward function on the ``scorable`` [P, G] responses."""
         num_groups, group_size = scorable.shape
         positions = [(p, j) for p in range(num_groups) for j in range(group_size) if scorable[p, j]]
-        outcomes = self.pool.map(
-            [(responses[p][j], ground_truths[p], dict(metadata[p])) for p, j in positions]
-        )
+        outcomes = self.pool.map([(responses[p][j], ground_truths[p], dict(metadata[p])) for p, j in positions])
 
         score = torch.zeros(num_groups, group_size, dtype=torch.float32)
         failed = torch.zeros(num_groups, group_size, dtype=torch.bool)
@@ -221,8 +223,10 @@ class RewardScorer:
                 failed[p, j] = True
                 failures.append((where, outcome))
                 if self.tally.example is None:
-                    self.tally.example = (f"{where} ({outcome.status}): response {responses[p][j][:200]!r}, ground truth "
-                                          f"{ground_truths[p]!r}:\n{(outcome.error or '').rstrip()}")
+                    self.tally.example = (
+                        f"{where} ({outcome.status}): response {responses[p][j][:200]!r}, ground truth "
+                        f"{ground_truths[p]!r}:\n{(outcome.error or '').rstrip()}"
+                    )
         first_failures = self.tally.failed == 0  # of this tally: only those print the reward's traceback
         self.tally.failed += len(failures)
         if failures:
@@ -254,8 +258,14 @@ class RewardScorer:
         uid = metadata.get("uid")
         return f"prompt {prompt_index}" + (f" (uid {uid})" if uid else "") + f", response {response_index}"
 
-    def _handle_failures(self, failures: List[tuple], score: torch.Tensor, failed: torch.Tensor, valid: torch.Tensor,
-                         with_traceback: bool = True) -> None:
+    def _handle_failures(
+        self,
+        failures: List[tuple],
+        score: torch.Tensor,
+        failed: torch.Tensor,
+        valid: torch.Tensor,
+        with_traceback: bool = True,
+    ) -> None:
         """Apply ``on_failure`` to the failed calls (already marked in ``failed``) and log them (the
         first failure's traceback when ``with_traceback``)."""
         config = self.config
@@ -285,7 +295,7 @@ class RewardScorer:
         """Stop the worker pool."""
         self.pool.close()
 
-    def __enter__(self) -> "RewardScorer":
+    def __enter__(self) -> RewardScorer:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -43,7 +43,7 @@ class DynamicSamplingConfig:
     max_prompts: int = 0
     on_cap: str = "error"
 
-    def validate(self) -> "DynamicSamplingConfig":
+    def validate(self) -> DynamicSamplingConfig:
         """Raise ValueError naming every bad ``rollout.dynamic_sampling.<key>``; returns self."""
         problems = []
         if self.filter_on not in FILTER_ON_CHOICES:
@@ -163,8 +163,14 @@ def sample_groups(
         "dynamic_sampling/cap_hit": float(cap_hit),
     }
     if cap_hit:
-        failed = (f" (the reward function failed on {counts['reward_failed']} responses, whose reward.on_failure "
-                  f"scores tie their groups: fix it first)") if counts["reward_failed"] else ""
+        failed = (
+            (
+                f" (the reward function failed on {counts['reward_failed']} responses, whose reward.on_failure "
+                f"scores tie their groups: fix it first)"
+            )
+            if counts["reward_failed"]
+            else ""
+        )
         message = (
             f"dynamic sampling kept {counts['kept']} of {num_groups} groups after {counts['rounds']} round(s) and "
             f"{counts['prompts']} prompts ({counts['dropped_tied']} groups dropped with tied {config.filter_on}s, "

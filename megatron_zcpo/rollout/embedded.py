@@ -72,8 +72,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> Tuple[torch.T
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         if len(prompt):
-            input_ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
-            attention_mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
 
@@ -92,13 +92,14 @@ def build_hf_causal_lm(model_config, dtype: torch.dtype = torch.float32, device=
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _row_routing(prefill: torch.Tensor, decode: List[torch.Tensor], row: int, prompt_length: int,
-                 output_length: int) -> torch.Tensor:
+def _row_routing(
+    prefill: torch.Tensor, decode: List[torch.Tensor], row: int, prompt_length: int, output_length: int
+) -> torch.Tensor:
     """One completion's experts, int32 [prompt + output - 1, layers * k]: its prompt tokens (the last
     ``prompt_length`` of its left-padded prefill row [T, layers, k]), then every output token but
     the last (decode step s fed output token s)."""
-    steps = [step[row, 0] for step in decode[:output_length - 1]]
-    routing = torch.cat([prefill[prefill.shape[0] - prompt_length:], *[s.unsqueeze(0) for s in steps]])
+    steps = [step[row, 0] for step in decode[: output_length - 1]]
+    routing = torch.cat([prefill[prefill.shape[0] - prompt_length :], *[s.unsqueeze(0) for s in steps]])
     return routing.reshape(routing.shape[0], -1)
 
 
@@ -178,9 +179,13 @@ class EmbeddedEngine(RolloutEngine):
         for name, tensor in named_hf_tensors:
             name, target = self._target_of(name)
             if target is None:
-                raise KeyError(f"pushed tensor {name!r} is not a parameter of the embedded {self.model_config.family} model")
+                raise KeyError(
+                    f"pushed tensor {name!r} is not a parameter of the embedded {self.model_config.family} model"
+                )
             if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"pushed tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+                raise ValueError(
+                    f"pushed tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self._loaded.add(name)
         self._version = int(version)
@@ -238,9 +243,11 @@ class EmbeddedEngine(RolloutEngine):
         owners = [p for p in range(len(prompts)) for _ in range(n)]
         completions: List[Completion] = []
         for start in range(0, len(owners), self.max_batch_size):
-            batch_owners = owners[start:start + self.max_batch_size]
-            completions += self._generate_batch([list(prompts[p]) for p in batch_owners], batch_owners, params, generator)
-        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+            batch_owners = owners[start : start + self.max_batch_size]
+            completions += self._generate_batch(
+                [list(prompts[p]) for p in batch_owners], batch_owners, params, generator
+            )
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _routed(self, rows: int) -> Optional[torch.Tensor]:
         """The last forward's experts as int32 [rows, T, num_layers, k] (zeros for dense layers), or None."""
@@ -265,7 +272,9 @@ class EmbeddedEngine(RolloutEngine):
         )
         return out.logits[:, -1], getattr(out, self._cache_kwarg)
 
-    def _generate_batch(self, rows: List[List[int]], owners: List[int], params: SamplingParams, generator) -> List[Completion]:
+    def _generate_batch(
+        self, rows: List[List[int]], owners: List[int], params: SamplingParams, generator
+    ) -> List[Completion]:
         """Sample the batch ``rows`` (token ids; ``owners[i]`` names row i's prompt, equal owners are
         consecutive and share one prefill)."""
         batch = len(rows)
@@ -283,13 +292,17 @@ class EmbeddedEngine(RolloutEngine):
         decode_routing = []  # per step [batch, 1, layers, k]: the routing of that step's sampled token
         if len(unique_rows) < batch:
             cache.batch_select_indices(expand.to(self.device))
-            logits, attention_mask, position_ids = logits[expand.to(logits.device)], attention_mask[expand], position_ids[expand]
+            logits, attention_mask, position_ids = (
+                logits[expand.to(logits.device)],
+                attention_mask[expand],
+                position_ids[expand],
+            )
         tokens_out, logprobs_out = [], []
         lengths = torch.zeros(batch, dtype=torch.long)
         stopped = torch.zeros(batch, dtype=torch.bool)
         finished = torch.zeros(batch, dtype=torch.bool)
         next_position = position_ids[:, -1:] + 1
-        for step in range(int(budgets.max())):
+        for _ in range(int(budgets.max())):
             tokens, logprobs = sample_next_tokens(logits, params, generator)
             tokens, logprobs = tokens.cpu(), logprobs.cpu()
             tokens_out.append(tokens)
@@ -310,12 +323,13 @@ class EmbeddedEngine(RolloutEngine):
         return [
             Completion(
                 prompt_ids=rows[i],
-                output_ids=all_tokens[i][:int(lengths[i])],
-                output_logprobs=all_logprobs[i][:int(lengths[i])],
+                output_ids=all_tokens[i][: int(lengths[i])],
+                output_logprobs=all_logprobs[i][: int(lengths[i])],
                 finish_reason="stop" if bool(stopped[i]) else "length",
                 weight_version=self._version,
-                routed_experts=None if prefill_routing is None else _row_routing(
-                    prefill_routing[int(expand[i])], decode_routing, i, len(rows[i]), int(lengths[i])),
+                routed_experts=None
+                if prefill_routing is None
+                else _row_routing(prefill_routing[int(expand[i])], decode_routing, i, len(rows[i]), int(lengths[i])),
             )
             for i in range(batch)
         ]

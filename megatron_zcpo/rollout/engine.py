@@ -128,7 +128,7 @@ class RolloutEngine(abc.ABC):
     def shutdown(self) -> None:
         """Release the engine's resources (processes, sessions, memory); idempotent."""
 
-    def __enter__(self) -> "RolloutEngine":
+    def __enter__(self) -> RolloutEngine:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

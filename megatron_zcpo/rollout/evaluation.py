@@ -30,7 +30,9 @@ def pass_at_k(num_samples: torch.Tensor, num_correct: torch.Tensor, k: int) -> t
     if k < 1 or bool((n < k).any()):
         raise ValueError(f"pass@{k} needs 1 <= k <= samples per problem; got samples {num_samples.tolist()}")
     if bool(((c < 0) | (c > n)).any()):
-        raise ValueError(f"num_correct must be in [0, num_samples]; got {num_correct.tolist()} of {num_samples.tolist()}")
+        raise ValueError(
+            f"num_correct must be in [0, num_samples]; got {num_correct.tolist()} of {num_samples.tolist()}"
+        )
     wrong = n - c
     can_all_fail = wrong >= k  # otherwise every draw of k samples holds a correct one
     safe_wrong = torch.where(can_all_fail, wrong, torch.full_like(wrong, float(k)))

@@ -11,8 +11,9 @@ from megatron_zcpo.rollout.engine import Completion
 POSITIVE_LOGPROB_TOLERANCE = 1e-4
 
 
-def engine_output_problem(output_ids: Sequence[int], logprobs: Sequence[float], logprob_ids: Sequence[int],
-                          vocab_size: Optional[int]) -> Optional[str]:
+def engine_output_problem(
+    output_ids: Sequence[int], logprobs: Sequence[float], logprob_ids: Sequence[int], vocab_size: Optional[int]
+) -> Optional[str]:
     """What is wrong with one response, naming the first bad position; None when it is sound.
 
     ``output_ids`` [T] the sampled tokens, ``logprobs`` / ``logprob_ids`` [T] the engine's

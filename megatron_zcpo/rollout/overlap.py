@@ -54,7 +54,7 @@ class RolloutPrefetch:
     def _run(self, step: int) -> None:
         try:
             self._result = self._collect(step)
-        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread by take()
+        except BaseException as error:
             self._error = error
         finally:
             self._finished_at = time.perf_counter()
@@ -102,8 +102,10 @@ def staleness_metrics(versions: Sequence[Optional[int]], trainer_version: int, m
         raise RolloutError("overlapped rollouts need each completion's weight_version; the engine reported none")
     lags = [trainer_version - int(v) for v in versions]
     if max(lags) > max_staleness:
-        raise RolloutError(f"samples generated with weight versions {sorted(set(versions))} are more than "
-                           f"rollout.max_staleness={max_staleness} behind the trainer's version {trainer_version}")
+        raise RolloutError(
+            f"samples generated with weight versions {sorted(set(versions))} are more than "
+            f"rollout.max_staleness={max_staleness} behind the trainer's version {trainer_version}"
+        )
     return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
 
 

@@ -53,7 +53,9 @@ def quantize_fp8_hf_weights(named_hf_tensors: Iterable[Tuple[str, torch.Tensor]]
             yield name, tensor
 
 
-def fake_quantize_fp8_hf_weights(named_hf_tensors: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
+def fake_quantize_fp8_hf_weights(
+    named_hf_tensors: Iterable[Tuple[str, torch.Tensor]],
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """The weight stream rounded through FP8 and back (same names, shapes and dtypes): what a
     full-precision engine must hold to compute like the FP8 server's weights."""
     for name, tensor in named_hf_tensors:

@@ -10,6 +10,7 @@ import torch
 
 from megatron_zcpo.megatron.weights import unflatten_tensors
 
+
 def iter_hf_weights(model, model_config, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's weights as ``(hf_name, tensor)``, converted on the fly by the checkpoint converter.
 
@@ -57,15 +58,23 @@ def init_custom_process_group(
     # torch renamed pg_options to backend_options (2.6); both default to None.
     options = {"backend_options": None} if "backend_options" in helper_args else {"pg_options": None}
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
-        group_name=group_name, timeout=timeout, **options,
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        c10d.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+        **options,
     )
     # Group rank == "global" rank within this private world (what broadcast's src refers to).
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
 
-def start_broadcast(bucket: Sequence[Tuple[str, torch.Tensor]], group, src: int = 0, flat: Optional[torch.Tensor] = None) -> list:
+def start_broadcast(
+    bucket: Sequence[Tuple[str, torch.Tensor]], group, src: int = 0, flat: Optional[torch.Tensor] = None
+) -> list:
     """Start sending ``bucket`` from rank ``src`` of ``group``: each tensor in order (SGLang
     receives them so), or ``flat`` (the bucket's :func:`flatten_tensors`) as one broadcast, SGLang's
     ``load_format="flattened_bucket"``. Returns the async work handles to wait on; the caller
@@ -77,7 +86,12 @@ def start_broadcast(bucket: Sequence[Tuple[str, torch.Tensor]], group, src: int 
 
 
 def receive_bucket(
-    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], group, device="cpu", src: int = 0,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group,
+    device="cpu",
+    src: int = 0,
     flattened: bool = False,
 ) -> List[Tuple[str, torch.Tensor]]:
     """The receiving side of :func:`start_broadcast` (what an SGLang server does for a bucket)."""

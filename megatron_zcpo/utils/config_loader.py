@@ -146,14 +146,16 @@ def load_yaml(path: str | Path) -> Dict[str, Any]:
             raise ConfigError(f"{path}: YAML syntax error: {_yaml_problem(error)}") from None
         lines = text.splitlines()
         shown = lines[mark.line] if mark.line < len(lines) else ""
-        raise ConfigError(f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {_yaml_problem(error)}\n"
-                          f"    {shown}\n    {' ' * mark.column}^") from None
+        raise ConfigError(
+            f"{path}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {_yaml_problem(error)}\n"
+            f"    {shown}\n    {' ' * mark.column}^"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return data
 
 
-def _yaml_problem(error: "yaml.YAMLError") -> str:
+def _yaml_problem(error: yaml.YAMLError) -> str:
     """PyYAML's own words for what is wrong, without its "<unicode string>" position lines."""
     parts = [getattr(error, "context", None), getattr(error, "problem", None)]
     words = "; ".join(part for part in parts if part)

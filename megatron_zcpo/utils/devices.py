@@ -43,7 +43,7 @@ def local_cuda_device(local_rank: int) -> int:
     return local_rank
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_importable() -> bool:
     """Whether ``import triton`` works in this process (asked once)."""
     try:
@@ -71,12 +71,14 @@ def kernel_backend(device: torch.device, requested: str = "auto") -> str:
     if not triton_importable():
         raise ValueError("backend='triton' but triton does not import here: install triton or use backend='torch'")
     if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"backend='triton' on {device} tensors needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-                         "triton is first imported (Triton's interpreter; megatron-core imports triton)")
+        raise ValueError(
+            f"backend='triton' on {device} tensors needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+            "triton is first imported (Triton's interpreter; megatron-core imports triton)"
+        )
     return "triton"
 
 
-def gpu_memory_gib() -> "float | None":
+def gpu_memory_gib() -> float | None:
     """Memory of this node's first visible GPU in GiB, None without CUDA (or when nvidia-smi cannot say).
 
     Asks nvidia-smi rather than torch, so a launcher that only checks a layout creates no CUDA
@@ -85,10 +87,17 @@ def gpu_memory_gib() -> "float | None":
 
     if not has_cuda():
         return None
-    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()  # nvidia-smi -i takes an index or UUID
+    first = (
+        (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+    )  # nvidia-smi -i takes an index or UUID
     try:
-        answer = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first],
-                                capture_output=True, text=True, timeout=30, check=True).stdout
+        answer = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", first],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         return float(answer.split()[0]) / 1024  # MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None

@@ -47,8 +47,9 @@ def route_source_address(family: int, address: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
-def master_address_for(server_urls: Sequence[str], configured: Optional[str] = None, *,
-                       getaddrinfo: Optional[Resolver] = None) -> str:
+def master_address_for(
+    server_urls: Sequence[str], configured: Optional[str] = None, *, getaddrinfo: Optional[Resolver] = None
+) -> str:
     """The address SGLang servers at ``server_urls`` can reach this host at, for the NCCL master.
 
     ``configured`` (the :data:`MASTER_ADDRESS_KEY` setting) wins when given; otherwise it is the
@@ -76,9 +77,11 @@ def master_address_for(server_urls: Sequence[str], configured: Optional[str] = N
         how = f"the local address of the route to {servers[0][0]} ({ip})"
     remote = [url for url, _, _, ip in servers if not is_loopback(ip)]
     if remote and _loopback_name(address, getaddrinfo):
-        raise ValueError(f"weight-update master address {address} ({how}) is a loopback address, but SGLang "
-                         f"servers {remote} are on other hosts and could not reach it: set {MASTER_ADDRESS_KEY} "
-                         "to an address of this host on the servers' network")
+        raise ValueError(
+            f"weight-update master address {address} ({how}) is a loopback address, but SGLang "
+            f"servers {remote} are on other hosts and could not reach it: set {MASTER_ADDRESS_KEY} "
+            "to an address of this host on the servers' network"
+        )
     return address
 
 

@@ -21,8 +21,9 @@ def expand_slurm_nodelist(nodelist: str) -> List[str]:
     """
     if shutil.which("scontrol"):
         try:
-            result = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                                    text=True, timeout=30)
+            result = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+            )
         except (OSError, subprocess.TimeoutExpired):
             result = None
         hosts = result.stdout.split() if result is not None and result.returncode == 0 else []

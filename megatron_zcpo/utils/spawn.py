@@ -45,7 +45,7 @@ def _child(fn, rank, world_size, port, args, kwargs, env, results):
     try:
         value = fn(rank, world_size, *args, **kwargs)
         results.put((rank, True, _serialize(value)))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         try:
@@ -53,7 +53,7 @@ def _child(fn, rank, world_size, port, args, kwargs, env, results):
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

@@ -36,8 +36,15 @@ def test_rpg_frozen_reference_ratio():
     # rho = pi_ref / pi_old = 2 on the first token: omega = 0.5 * 1.1 + 0.1 * (2 - 1.1) = 0.64
     logprob, old = _from_ratios(torch.tensor([[1.1, 1.0]], dtype=F64))
     ref = old + torch.tensor([[math.log(2.0), 0.0]], dtype=F64)
-    out = rpg_loss(logprob, old, torch.tensor([0.5], dtype=F64), torch.ones(1, 2), kl_coef=0.1, ref_logprob=ref,
-                   agg="seq-mean-token-sum")
+    out = rpg_loss(
+        logprob,
+        old,
+        torch.tensor([0.5], dtype=F64),
+        torch.ones(1, 2),
+        kl_coef=0.1,
+        ref_logprob=ref,
+        agg="seq-mean-token-sum",
+    )
     (grad,) = torch.autograd.grad(out.loss, logprob)
     torch.testing.assert_close(-grad, torch.tensor([[0.64, 0.5]], dtype=F64), rtol=1e-13, atol=0)
 
@@ -74,8 +81,15 @@ def test_gvpo_on_policy_gradient_is_minus_beta_advantage():
     """At the snapshot x = 0: loss gradient = -beta * A_i / (G - 1) / normaliser per token (the paper's weight)."""
     logprob = torch.full((3, 2), -1.0, dtype=F64, requires_grad=True)
     advantage = torch.tensor([1.0, 0.5, -1.5], dtype=F64)
-    loss = gvpo_loss(logprob, logprob.detach(), advantage, torch.ones(3, 2), torch.zeros(3, dtype=torch.int64),
-                     beta=0.1, normalizer=1)
+    loss = gvpo_loss(
+        logprob,
+        logprob.detach(),
+        advantage,
+        torch.ones(3, 2),
+        torch.zeros(3, dtype=torch.int64),
+        beta=0.1,
+        normalizer=1,
+    )
     (grad,) = torch.autograd.grad(loss, logprob)
     torch.testing.assert_close(grad, (-0.1 * advantage / 2)[:, None].expand(3, 2))
 

@@ -19,8 +19,11 @@ def test_estimator_values_and_gradients(kind):
     (grad,) = torch.autograd.grad(values.sum(), logprob)
     for lp, r, value, slope in zip(logprob.tolist(), ref.tolist(), values.tolist(), grad.tolist()):
         delta = lp - r
-        expected = {"k1": (delta, 1.0), "k2": (delta ** 2 / 2, delta),
-                    "k3": (math.exp(-delta) + delta - 1, 1 - math.exp(-delta))}[kind]
+        expected = {
+            "k1": (delta, 1.0),
+            "k2": (delta**2 / 2, delta),
+            "k3": (math.exp(-delta) + delta - 1, 1 - math.exp(-delta)),
+        }[kind]
         assert value == pytest.approx(expected[0], rel=1e-13, abs=1e-15)
         assert slope == pytest.approx(expected[1], rel=1e-13, abs=1e-15)
 
@@ -39,7 +42,7 @@ def test_k1_and_k3_are_unbiased_for_the_conditional_kl(kind):
 def test_k3_is_accurate_for_tiny_differences():
     delta = torch.tensor([1e-9, 1e-6, -1e-6, 1e-3], dtype=torch.float64)
     got = kl_penalty(delta, torch.zeros_like(delta), "k3")
-    series = delta ** 2 / 2 - delta ** 3 / 6 + delta ** 4 / 24
+    series = delta**2 / 2 - delta**3 / 6 + delta**4 / 24
     torch.testing.assert_close(got, series, rtol=1e-6, atol=0)
     assert (kl_penalty(delta.float(), torch.zeros(4), "k3") >= 0).all()
 
@@ -57,8 +60,7 @@ def _batch(seed):
 
 def _gradient(config, logprob, old, ref, mask, coefficients):
     algorithm = build_algorithm(config)
-    out = algorithm.loss(logprob, old, mask, coefficients, normalizer=algorithm.normalizer_count(mask),
-                         ref_logprob=ref)
+    out = algorithm.loss(logprob, old, mask, coefficients, normalizer=algorithm.normalizer_count(mask), ref_logprob=ref)
     (grad,) = torch.autograd.grad(out.loss, logprob)
     return grad, out
 
@@ -71,8 +73,9 @@ def test_f1_controls_mask_or_rescale_the_kl_gradient(kind, agg):
     reward_only, _ = _gradient(AlgorithmConfig(name="dapo", agg=agg), logprob, old, ref, mask, coefficients)
     vanilla, out = _gradient(AlgorithmConfig(**common), logprob, old, ref, mask, coefficients)
     masked, _ = _gradient(AlgorithmConfig(**common, f1_control="mask_clipped"), logprob, old, ref, mask, coefficients)
-    scaled, scaled_out = _gradient(AlgorithmConfig(**common, f1_control="match_masked_norm"), logprob, old, ref, mask,
-                                   coefficients)
+    scaled, scaled_out = _gradient(
+        AlgorithmConfig(**common, f1_control="match_masked_norm"), logprob, old, ref, mask, coefficients
+    )
     gate = out.clip_gate
     assert (~gate & (mask != 0)).any() and gate.any()
     kl_gradient = vanilla - reward_only
@@ -107,10 +110,12 @@ def test_full_conditional_kl_loss_gradient(f1_control):
 
 
 def test_kl_in_reward_subtracts_the_summed_k1():
-    stats = ResponseStats(group_ids=torch.tensor([5, 5, 5, 8, 8]),
-                          rewards=torch.tensor([1.0, -1.0, 1.0, 0.0, 1.0], dtype=torch.float64),
-                          lengths=torch.tensor([3, 4, 2, 6, 1]),
-                          k1_sum=torch.tensor([0.5, -0.2, 2.0, 0.1, 0.3], dtype=torch.float64))
+    stats = ResponseStats(
+        group_ids=torch.tensor([5, 5, 5, 8, 8]),
+        rewards=torch.tensor([1.0, -1.0, 1.0, 0.0, 1.0], dtype=torch.float64),
+        lengths=torch.tensor([3, 4, 2, 6, 1]),
+        k1_sum=torch.tensor([0.5, -0.2, 2.0, 0.1, 0.3], dtype=torch.float64),
+    )
     algorithm = build_algorithm({"name": "dapo", "kl_in_reward_coef": 0.1})
     assert algorithm.required_stats == ("k1_sum",) and algorithm.needs_reference
     expected = group_advantages(stats.rewards - 0.1 * stats.k1_sum, stats.group_ids, norm="std")

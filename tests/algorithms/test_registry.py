@@ -33,30 +33,33 @@ def test_every_name_builds_with_its_presets():
     assert build_algorithm({"name": "zcpo", "eps": "1e-6", "beta": "0.5"}).config.beta == 0.5  # YAML strings
 
 
-@pytest.mark.parametrize("section, key", [
-    ({"name": "ppo"}, "algorithm.name"),
-    ({"name": "zcpo", "betta": 1.0}, "algorithm.betta"),
-    ({"name": "zcpo", "kl_loss": "k3"}, "algorithm.kl_loss"),
-    ({"name": "zcpo", "kl_in_reward_coef": 0.1}, "algorithm.kl_in_reward_coef"),
-    ({"name": "grpo", "beta": 0.04}, "algorithm.beta"),
-    ({"name": "dapo", "center": False}, "algorithm.center"),
-    ({"name": "gvpo", "clip_high": 0.3}, "algorithm.clip_high"),
-    ({"name": "rpg", "gvpo_beta": 0.2}, "algorithm.gvpo_beta"),
-    ({"name": "dapo", "f1_control": "mask_clipped"}, "algorithm.f1_control"),
-    ({"name": "grpo", "kl_loss": "full", "f1_control": "match_masked_norm"}, "algorithm.f1_control"),
-    ({"name": "dapo", "kl_coef": 0.04}, "algorithm.kl_coef"),
-    ({"name": "zcpo", "reward_norm": "rank"}, "algorithm.reward_norm"),
-    ({"name": "zcpo", "drift": "k3"}, "algorithm.drift"),
-    ({"name": "zcpo", "agg": "sum"}, "algorithm.agg"),
-    ({"name": "zcpo", "beta": -1.0}, "algorithm.beta"),
-    ({"name": "zcpo", "beta": float("nan")}, "algorithm.beta"),
-    ({"name": "zcpo", "eps": 0.0}, "algorithm.eps"),
-    ({"name": "zcpo", "clip_low": 1.0}, "algorithm.clip_low"),
-    ({"name": "zcpo", "clip_c": 1.0}, "algorithm.clip_c"),
-    ({"name": "zcpo", "gate": "yes"}, "algorithm.gate"),
-    ({"name": "zcpo", "beta": "four"}, "algorithm.beta"),
-    ({"name": "zcpo", "beta": True}, "algorithm.beta"),
-])
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ({"name": "ppo"}, "algorithm.name"),
+        ({"name": "zcpo", "betta": 1.0}, "algorithm.betta"),
+        ({"name": "zcpo", "kl_loss": "k3"}, "algorithm.kl_loss"),
+        ({"name": "zcpo", "kl_in_reward_coef": 0.1}, "algorithm.kl_in_reward_coef"),
+        ({"name": "grpo", "beta": 0.04}, "algorithm.beta"),
+        ({"name": "dapo", "center": False}, "algorithm.center"),
+        ({"name": "gvpo", "clip_high": 0.3}, "algorithm.clip_high"),
+        ({"name": "rpg", "gvpo_beta": 0.2}, "algorithm.gvpo_beta"),
+        ({"name": "dapo", "f1_control": "mask_clipped"}, "algorithm.f1_control"),
+        ({"name": "grpo", "kl_loss": "full", "f1_control": "match_masked_norm"}, "algorithm.f1_control"),
+        ({"name": "dapo", "kl_coef": 0.04}, "algorithm.kl_coef"),
+        ({"name": "zcpo", "reward_norm": "rank"}, "algorithm.reward_norm"),
+        ({"name": "zcpo", "drift": "k3"}, "algorithm.drift"),
+        ({"name": "zcpo", "agg": "sum"}, "algorithm.agg"),
+        ({"name": "zcpo", "beta": -1.0}, "algorithm.beta"),
+        ({"name": "zcpo", "beta": float("nan")}, "algorithm.beta"),
+        ({"name": "zcpo", "eps": 0.0}, "algorithm.eps"),
+        ({"name": "zcpo", "clip_low": 1.0}, "algorithm.clip_low"),
+        ({"name": "zcpo", "clip_c": 1.0}, "algorithm.clip_c"),
+        ({"name": "zcpo", "gate": "yes"}, "algorithm.gate"),
+        ({"name": "zcpo", "beta": "four"}, "algorithm.beta"),
+        ({"name": "zcpo", "beta": True}, "algorithm.beta"),
+    ],
+)
 def test_validation_names_the_key(section, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         build_algorithm(section)
@@ -68,9 +71,13 @@ def _rollout(seed):
     ids = torch.tensor([3] * 6 + [11] * 5 + [4] * 3 + [20] * 2)[torch.randperm(16, generator=gen)]
     rewards = torch.randint(0, 2, (16,), generator=gen).to(F64) * 2 - 1
     lengths = torch.randint(1, 6, (16,), generator=gen)
-    return ResponseStats(group_ids=ids, rewards=rewards, lengths=lengths,
-                         kl_sum=torch.rand(16, generator=gen, dtype=F64) * lengths,
-                         k1_sum=torch.randn(16, generator=gen, dtype=F64))
+    return ResponseStats(
+        group_ids=ids,
+        rewards=rewards,
+        lengths=lengths,
+        kl_sum=torch.rand(16, generator=gen, dtype=F64) * lengths,
+        k1_sum=torch.randn(16, generator=gen, dtype=F64),
+    )
 
 
 @pytest.mark.parametrize("name", ["zcpo", "dapo", "rpg", "gvpo"])
@@ -91,13 +98,27 @@ def test_zcpo_coefficients_through_the_registry():
     algorithm = build_algorithm({"name": "zcpo", "beta": 2.0})
     expected = zcpo_coefficients(stats.rewards, stats.kl_sum / stats.lengths, stats.group_ids, 2.0)
     torch.testing.assert_close(algorithm.coefficients(stats), expected)
-    ablated = build_algorithm({"name": "zcpo", "beta": 2.0, "drift": "k1", "length_normalize": False,
-                               "center": False, "gate": False, "reward_norm": "std"})
-    expected = zcpo_coefficients(stats.rewards, stats.k1_sum, stats.group_ids, 2.0, reward_norm="std",
-                                 center=False, gate=False)
+    ablated = build_algorithm(
+        {
+            "name": "zcpo",
+            "beta": 2.0,
+            "drift": "k1",
+            "length_normalize": False,
+            "center": False,
+            "gate": False,
+            "reward_norm": "std",
+        }
+    )
+    expected = zcpo_coefficients(
+        stats.rewards, stats.k1_sum, stats.group_ids, 2.0, reward_norm="std", center=False, gate=False
+    )
     torch.testing.assert_close(ablated.coefficients(stats), expected)
-    assert algorithm.coefficients(ResponseStats(stats.group_ids, stats.rewards.float(), stats.lengths,
-                                                kl_sum=stats.kl_sum.float())).dtype == torch.float32
+    assert (
+        algorithm.coefficients(
+            ResponseStats(stats.group_ids, stats.rewards.float(), stats.lengths, kl_sum=stats.kl_sum.float())
+        ).dtype
+        == torch.float32
+    )
 
 
 def test_non_finite_drift_in_stats_names_the_group():
@@ -135,10 +156,17 @@ def test_split_over_micro_batches_and_ranks_is_exact(section):
     token_weight = None if not algorithm.supports_token_weight else torch.rand(16, tokens, generator=gen, dtype=F64)
 
     def loss(rows, normalizer):
-        return algorithm.loss(logprob[rows], old[rows], mask[rows], coefficients[rows], normalizer=normalizer,
-                              ref_logprob=ref[rows], current_kl=(kl_leaf * logprob)[rows] if algorithm.needs_current_kl
-                              else None, token_weight=None if token_weight is None else token_weight[rows],
-                              group_ids=stats.group_ids[rows] if algorithm.needs_whole_groups else None).loss
+        return algorithm.loss(
+            logprob[rows],
+            old[rows],
+            mask[rows],
+            coefficients[rows],
+            normalizer=normalizer,
+            ref_logprob=ref[rows],
+            current_kl=(kl_leaf * logprob)[rows] if algorithm.needs_current_kl else None,
+            token_weight=None if token_weight is None else token_weight[rows],
+            group_ids=stats.group_ids[rows] if algorithm.needs_whole_groups else None,
+        ).loss
 
     everything = torch.arange(16)
     full = loss(everything, algorithm.normalizer_count(mask))
@@ -164,8 +192,15 @@ def test_loss_input_checks():
     with pytest.raises(ValueError, match="needs group_ids"):
         gvpo.loss(x, x.detach(), torch.ones(2, 3), torch.zeros(2), normalizer=2)
     with pytest.raises(ValueError, match="token_weight is not supported"):
-        gvpo.loss(x, x.detach(), torch.ones(2, 3), torch.zeros(2), normalizer=2, token_weight=torch.ones(2, 3),
-                  group_ids=torch.zeros(2, dtype=torch.int64))
+        gvpo.loss(
+            x,
+            x.detach(),
+            torch.ones(2, 3),
+            torch.zeros(2),
+            normalizer=2,
+            token_weight=torch.ones(2, 3),
+            group_ids=torch.zeros(2, dtype=torch.int64),
+        )
 
 
 # --- Appendix G: independent KL reverses weak rewards; ZCPO keeps their direction -------------------------
@@ -185,14 +220,19 @@ def _update_coefficients(algorithm_section):
     log_policy, log_reference = POLICY.log(), REFERENCE.log()
     conditional_kl = torch.nn.functional.kl_div(log_reference, log_policy, log_target=True, reduction="sum")
     n = TOKENS.numel()
-    stats = ResponseStats(group_ids=torch.zeros(n, dtype=torch.int64), rewards=REWARDS,
-                          lengths=torch.ones(n, dtype=torch.int64), kl_sum=conditional_kl.expand(n).clone())
+    stats = ResponseStats(
+        group_ids=torch.zeros(n, dtype=torch.int64),
+        rewards=REWARDS,
+        lengths=torch.ones(n, dtype=torch.int64),
+        kl_sum=conditional_kl.expand(n).clone(),
+    )
     coefficients = algorithm.coefficients(stats)
     logprob = log_policy[TOKENS][:, None].clone().requires_grad_(True)
     mask = torch.ones(n, 1)
     normalizer = algorithm.normalizer_count(mask)
-    out = algorithm.loss(logprob, logprob.detach(), mask, coefficients, normalizer=normalizer,
-                         ref_logprob=log_reference[TOKENS][:, None])
+    out = algorithm.loss(
+        logprob, logprob.detach(), mask, coefficients, normalizer=normalizer, ref_logprob=log_reference[TOKENS][:, None]
+    )
     (grad,) = torch.autograd.grad(out.loss, logprob)
     return -grad[:, 0] * normalizer
 
@@ -202,7 +242,7 @@ def test_weak_reward_reversal_under_k3_grpo():
     assert update[WEAK_POSITIVE].item() == pytest.approx(-0.0189649, abs=5e-8)
     assert update[WEAK_NEGATIVE].item() == pytest.approx(+0.0122982, abs=5e-8)
     # the reward part alone has the right signs: it is the KL loss that reverses them
-    advantage = TAU / (math.sqrt((14 + 2 * TAU ** 2) / 15) + EPS_ADV)
+    advantage = TAU / (math.sqrt((14 + 2 * TAU**2) / 15) + EPS_ADV)
     reward_only = _update_coefficients({"name": "dapo", "eps": EPS_ADV})
     assert reward_only[WEAK_POSITIVE].item() == pytest.approx(advantage, rel=1e-12)
     assert reward_only[WEAK_NEGATIVE].item() == pytest.approx(-advantage, rel=1e-12)
@@ -233,17 +273,26 @@ def test_coefficient_metrics_by_hand():
     # group 0 (active): a = (1/3, 1/3, 1/3, -1), K = D~ - 0.2 = (-0.2, -0.1, 0.3, 0), beta = 2:
     # C = (0.7333, 0.5333, -0.2667, -1) -- row 2's drift reverses its positive reward. Group 1 ties,
     # group 2's only response is empty and is left out.
-    stats = ResponseStats(group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 2]),
-                          rewards=torch.tensor([1.0, 1.0, 1.0, -1.0, 0.0, 0.0, 1.0], dtype=F64),
-                          lengths=torch.tensor([1, 1, 1, 1, 2, 2, 0]),
-                          kl_sum=torch.tensor([0.0, 0.1, 0.5, 0.2, 0.6, 0.6, float("nan")], dtype=F64),
-                          k1_sum=torch.tensor([0.1, -0.2, 0.3, -0.1, 0.0, 0.2, float("nan")], dtype=F64))
+    stats = ResponseStats(
+        group_ids=torch.tensor([0, 0, 0, 0, 1, 1, 2]),
+        rewards=torch.tensor([1.0, 1.0, 1.0, -1.0, 0.0, 0.0, 1.0], dtype=F64),
+        lengths=torch.tensor([1, 1, 1, 1, 2, 2, 0]),
+        kl_sum=torch.tensor([0.0, 0.1, 0.5, 0.2, 0.6, 0.6, float("nan")], dtype=F64),
+        k1_sum=torch.tensor([0.1, -0.2, 0.3, -0.1, 0.0, 0.2, float("nan")], dtype=F64),
+    )
     algorithm = build_algorithm({"name": "zcpo", "beta": 2.0})
     coefficients = algorithm.coefficients(stats)
     torch.testing.assert_close(coefficients[:4], torch.tensor([11 / 15, 8 / 15, -4 / 15, -1.0], dtype=F64))
     metrics = algorithm.coefficient_metrics(stats, coefficients)
-    expected = {"active_group_fraction": 0.5, "coef_abs_mean": (38 / 15) / 6, "reward_flip_fraction": 0.25,
-                "k1_negative_fraction": 2 / 6, "drift_mean": 1.4 / 6, "drift_peak_mean": 0.6, "drift_peak_max": 0.6}
+    expected = {
+        "active_group_fraction": 0.5,
+        "coef_abs_mean": (38 / 15) / 6,
+        "reward_flip_fraction": 0.25,
+        "k1_negative_fraction": 2 / 6,
+        "drift_mean": 1.4 / 6,
+        "drift_peak_mean": 0.6,
+        "drift_peak_max": 0.6,
+    }
     assert metrics.keys() == expected.keys()
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, rel=1e-12), name

@@ -78,8 +78,9 @@ def test_gate_and_fractions_by_case():
 
 def test_clipped_token_with_huge_ratio_has_a_finite_gradient():
     logprob = torch.tensor([[800.0, -1.0]], dtype=torch.float64, requires_grad=True)  # exp(800) overflows
-    out = policy_loss(logprob, torch.zeros(1, 2, dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64),
-                      torch.ones(1, 2))
+    out = policy_loss(
+        logprob, torch.zeros(1, 2, dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2)
+    )
     out.loss.backward()
     assert torch.isfinite(logprob.grad).all() and logprob.grad[0, 0] == 0
 
@@ -97,8 +98,9 @@ def test_token_weight_multiplies_each_token():
     logprob, old, coef, mask = _batch(3)
     weight = torch.rand(N, T, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     got = policy_loss(logprob, old, coef, mask, token_weight=weight, agg="seq-mean-token-sum").loss
-    reference = _reference_aggregate(_reference_token_losses(logprob, old, coef, 0.2, 0.28, None) * weight, mask,
-                                     "seq-mean-token-sum")
+    reference = _reference_aggregate(
+        _reference_token_losses(logprob, old, coef, 0.2, 0.28, None) * weight, mask, "seq-mean-token-sum"
+    )
     torch.testing.assert_close(got, reference, rtol=1e-13, atol=0)
 
 
@@ -123,8 +125,10 @@ def test_micro_batch_and_data_parallel_split_is_exact(agg):
     (full_grad,) = torch.autograd.grad(full, logprob)
     splits = [[0, 5], [3], [1, 2], [4]]  # rank 0: micro-batches 0-1, rank 1: micro-batches 2-3
     normalizer = sum(loss_normalizer(mask[rows], agg) for rows in splits)
-    total = sum(policy_loss(logprob[rows], old[rows], coef[rows], mask[rows], agg=agg, normalizer=normalizer).loss
-                for rows in splits)
+    total = sum(
+        policy_loss(logprob[rows], old[rows], coef[rows], mask[rows], agg=agg, normalizer=normalizer).loss
+        for rows in splits
+    )
     (split_grad,) = torch.autograd.grad(total, logprob)
     torch.testing.assert_close(total, full, rtol=1e-14, atol=1e-16)
     torch.testing.assert_close(split_grad, full_grad, rtol=1e-14, atol=1e-16)

@@ -29,8 +29,9 @@ def _group_sums(values, ids):
 def test_sequence_drift_sums_and_means_masked_tokens():
     values = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 6.0], [7.0, 8.0, 9.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0]])
-    torch.testing.assert_close(sequence_drift(values, mask, length_normalize=False),
-                               torch.tensor([3.0, 10.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        sequence_drift(values, mask, length_normalize=False), torch.tensor([3.0, 10.0, 0.0], dtype=torch.float64)
+    )
     torch.testing.assert_close(sequence_drift(values, mask.bool()), torch.tensor([1.5, 5.0, 0.0], dtype=torch.float64))
     with pytest.raises(ValueError, match="token_values and mask"):
         sequence_drift(values, mask[:, :2])
@@ -53,8 +54,12 @@ def test_shared_drift_shift_changes_nothing():
     rewards, drift, ids = _rollout(3)
     shifts = {g: 10.0 * (k + 1) for k, g in enumerate(ids.unique().tolist())}
     shifted = drift + torch.tensor([shifts[g] for g in ids.tolist()], dtype=torch.float64)
-    torch.testing.assert_close(zcpo_coefficients(rewards, shifted, ids, beta=4.0),
-                               zcpo_coefficients(rewards, drift, ids, beta=4.0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        zcpo_coefficients(rewards, shifted, ids, beta=4.0),
+        zcpo_coefficients(rewards, drift, ids, beta=4.0),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 def test_equal_rewards_lower_drift_gets_larger_coefficient():
@@ -106,8 +111,9 @@ def test_gate_ties_and_singletons():
 def test_ablation_switches():
     rewards = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
     ids = torch.tensor([0, 0, 0, 1, 0])  # group 0: rows 0, 1, 2, 4; group 1: the singleton row 3
-    token_kl = torch.tensor([[0.1, 0.3, 0.0], [0.2, 0.0, 0.0], [0.4, 0.4, 0.4], [0.5, 0.0, 0.0], [0.3, 0.1, 0.2]],
-                            dtype=torch.float64)
+    token_kl = torch.tensor(
+        [[0.1, 0.3, 0.0], [0.2, 0.0, 0.0], [0.4, 0.4, 0.4], [0.5, 0.0, 0.0], [0.3, 0.1, 0.2]], dtype=torch.float64
+    )
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
     beta = 0.5
     mean_drift = sequence_drift(token_kl, mask)
@@ -124,17 +130,20 @@ def test_ablation_switches():
     centred_total = total_drift - torch.where(group0, total_drift[group0].mean(), total_drift[3])
     torch.testing.assert_close(zcpo_coefficients(rewards, mean_drift, ids, beta), expected(a_max, centred_mean))
     # no centring: K_i <- D~_i (the zero sum is lost)
-    torch.testing.assert_close(zcpo_coefficients(rewards, mean_drift, ids, beta, center=False),
-                               expected(a_max, mean_drift))
+    torch.testing.assert_close(
+        zcpo_coefficients(rewards, mean_drift, ids, beta, center=False), expected(a_max, mean_drift)
+    )
     # no length normalisation: K_i <- D_i - mean D
     torch.testing.assert_close(zcpo_coefficients(rewards, total_drift, ids, beta), expected(a_max, centred_total))
     # std normalisation: a_i <- (R - mean) / (sample std + eps); sample std of (1, -1, -1, 1) is sqrt(4/3)
     a_std = a_max / ((4.0 / 3.0) ** 0.5 + 1e-6)
-    torch.testing.assert_close(zcpo_coefficients(rewards, mean_drift, ids, beta, reward_norm="std"),
-                               expected(a_std, centred_mean))
+    torch.testing.assert_close(
+        zcpo_coefficients(rewards, mean_drift, ids, beta, reward_norm="std"), expected(a_std, centred_mean)
+    )
     # k1 drift: any per-token values work, including negative sampled log-ratios
-    k1 = torch.tensor([[-0.3, 0.1, 9.0], [0.2, 9.0, 9.0], [0.0, 0.1, -0.4], [1.0, 9.0, 9.0], [0.3, 0.3, 0.3]],
-                      dtype=torch.float64)
+    k1 = torch.tensor(
+        [[-0.3, 0.1, 9.0], [0.2, 9.0, 9.0], [0.0, 0.1, -0.4], [1.0, 9.0, 9.0], [0.3, 0.3, 0.3]], dtype=torch.float64
+    )
     k1_drift = sequence_drift(k1, mask)
     torch.testing.assert_close(k1_drift, torch.tensor([-0.1, 0.2, -0.1, 1.0, 0.3], dtype=torch.float64))
     centred_k1 = k1_drift - torch.where(group0, k1_drift[group0].mean(), k1_drift[3])

@@ -1,6 +1,6 @@
 """One trainer step of every registered algorithm and KL variant, several per spawned process."""
 
-from megatron_zcpo.megatron.rollout_step import RolloutStep
+from megatron_zcpo.training.rollout_step import RolloutStep
 from tests.cases import trainer_cases
 
 # name -> AlgorithmConfig fields; a KL coefficient large enough that a wrong KL gradient shows.
@@ -29,8 +29,12 @@ def every_variant(rank, world, layouts, policy, reference):
             samples = trainer_cases.rollout()
             probe = _reference_probe_norm(trainer, samples) if trainer.algorithm.needs_current_kl else None
             metrics = trainer.train_step(samples)
-            results[tp, pp, variant] = {"coefficients": trainer.last_coefficients, "metrics": metrics,
-                                        "params": trainer.global_state_dict(), "probe_norm": probe}
+            results[tp, pp, variant] = {
+                "coefficients": trainer.last_coefficients,
+                "metrics": metrics,
+                "params": trainer.global_state_dict(),
+                "probe_norm": probe,
+            }
     return results
 
 
@@ -40,7 +44,11 @@ def _reference_probe_norm(trainer, samples):
     plan = trainer.assign_minibatches(samples)
     experience = trainer.experience(samples, plan)
     coefficients, stats = trainer.calibrate(samples, experience)
-    vector = trainer.gradient_vector(RolloutStep(samples, plan, experience, coefficients, stats), plan.mine[0],
-                                     trainer.normalizer(samples, plan.minibatches[0]),
-                                     lambda inputs: trainer.algorithm_loss(inputs).loss, use_reference=True)
+    vector = trainer.gradient_vector(
+        RolloutStep(samples, plan, experience, coefficients, stats),
+        plan.mine[0],
+        trainer.normalizer(samples, plan.minibatches[0]),
+        lambda inputs: trainer.algorithm_loss(inputs).loss,
+        use_reference=True,
+    )
     return trainer.gradient_dot(vector, vector) ** 0.5

@@ -44,7 +44,7 @@ def resume_and_verify(trainer, root) -> int:
     RNG: a checkpoint that loads wrongly (mixed steps, missing shards, other RNG) fails here.
     Returns the resumed step (0 when there is none).
     """
-    from megatron_zcpo.megatron.checkpoint import find_latest
+    from megatron_zcpo.checkpoint.io import find_latest
 
     latest = find_latest(root)
     if latest is None:
@@ -79,7 +79,7 @@ def save_until_killed(rank, world, root, report):
 
 def verify_then_fail_a_save(rank, world, root):
     """Verify the newest checkpoint, then save with rank 1 unable to write more than 1 KiB per file."""
-    from megatron_zcpo.megatron.checkpoint import CheckpointWriteError
+    from megatron_zcpo.checkpoint.io import CheckpointWriteError
 
     trainer = _trainer()
     step = resume_and_verify(trainer, root)
@@ -99,7 +99,13 @@ def verify_then_fail_a_save(rank, world, root):
 
 def rank_main(rank, world, port, fn, *args):
     """Entry point of one raw rank process (the test kills these with SIGKILL)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     fn(rank, world, *args)

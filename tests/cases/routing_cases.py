@@ -34,8 +34,9 @@ class RouterNoise:
 def routing_step(rank, world, tp, weights, mode, engine_routing=None, noise=0.0):
     """One step of ``train.routing_replay = mode`` (TP ``tp`` with SP): its metrics, and the routing
     the experience pass recorded or replayed ({sample: int [sequence, layers * k]}, this rank's)."""
-    trainer = trainer_cases.make_trainer(tp, 1, *weights, model=MOE, sequence_parallel=tp > 1,
-                                         train_overrides={"routing_replay": mode})
+    trainer = trainer_cases.make_trainer(
+        tp, 1, *weights, model=MOE, sequence_parallel=tp > 1, train_overrides={"routing_replay": mode}
+    )
     trainer.diagnostics = RouterNoise(noise) if noise else None
     samples = trainer_cases.rollout()
     for index, routing in (engine_routing or {}).items():
@@ -53,9 +54,9 @@ def engine_completions(rank, world, weights, prompts):
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.rollout.embedded import EmbeddedEngine
     from megatron_zcpo.rollout.engine import SamplingParams
-    from megatron_zcpo.rollout.mock_server import MockSGLangServer
-    from megatron_zcpo.rollout.sglang_api import NEWEST_CHECKED_RELEASE, PINNED_RELEASE
-    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.rollout.sglang.api import NEWEST_CHECKED_RELEASE, PINNED_RELEASE
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.testing.mock_server import MockSGLangServer
 
     setup_megatron()
     engine = EmbeddedEngine(MOE, seed=1, record_routed_experts=True)
@@ -65,11 +66,12 @@ def engine_completions(rank, world, weights, prompts):
     served = {}
     for release in (NEWEST_CHECKED_RELEASE, PINNED_RELEASE):
         with MockSGLangServer(engine, release=release) as server:
-            client = SGLangEngine(SGLangEngineConfig(server_urls=[server.url], return_routed_experts=True,
-                                                     max_retries=0))
+            client = SGLangEngine(
+                SGLangEngineConfig(server_urls=[server.url], return_routed_experts=True, max_retries=0)
+            )
             try:
                 served[release] = client.generate(prompts, params, n=2)
-            except Exception as error:  # noqa: BLE001 - the pinned release refuses the field (400)
+            except Exception as error:
                 served[release] = str(error)
             client.shutdown()
     return direct, served

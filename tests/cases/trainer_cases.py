@@ -3,22 +3,50 @@
 import random
 
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.megatron.rollout_step import RolloutStep
+from megatron_zcpo.training.rollout_step import RolloutStep
 
-MODEL = ModelConfig(family="qwen2", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+MODEL = ModelConfig(
+    family="qwen2",
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 # Qwen3: per-head q/k norms (their gradients are split over TP ranks by heads), head_dim != hidden/heads.
-QWEN3 = ModelConfig(family="qwen3", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+QWEN3 = ModelConfig(
+    family="qwen3",
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=True,
+)
 # Qwen3-MoE: 4 experts of 32, top-2, renormalised (megatron's MoE layers, SequentialMLP experts on CPUs).
-QWEN3_MOE = ModelConfig(family="qwen3_moe", vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+QWEN3_MOE = ModelConfig(
+    family="qwen3_moe",
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
 
 
 def rollout(num_groups=5, group_sizes=(3, 4, 2, 5, 4), seed=0, vocab=MODEL.vocab_size):
     """A synthetic rollout: groups of unequal size, varied lengths, mixed rewards, one truncated."""
-    from megatron_zcpo.megatron.batch import RolloutSample
+    from megatron_zcpo.training.batch import RolloutSample
 
     rng = random.Random(seed)
     samples = []
@@ -29,8 +57,11 @@ def rollout(num_groups=5, group_sizes=(3, 4, 2, 5, 4), seed=0, vocab=MODEL.vocab
             reward = 1.0 if rng.random() < 0.5 else -1.0
             if group == 2:
                 reward = 1.0  # an all-tied group: gated out
-            samples.append(RolloutSample(prompt, response, group_id=100 + group, reward=reward,
-                                         trainable=not (group == 1 and member == 0)))
+            samples.append(
+                RolloutSample(
+                    prompt, response, group_id=100 + group, reward=reward, trainable=not (group == 1 and member == 0)
+                )
+            )
     return samples
 
 
@@ -49,31 +80,68 @@ def policy_and_reference(rank, world):
     return weights(21), weights(22)
 
 
-def make_trainer(tp, pp, policy, reference, algorithm="zcpo", mini_batches=2, micro_batch_tokens=24,
-                 distributed_optimizer=False, cp=1, packing="thd", importance_sampling=False, model=MODEL,
-                 sequence_parallel=False, ep=1, etp=None, train_overrides=None,
-                 **algorithm_overrides):
+def make_trainer(
+    tp,
+    pp,
+    policy,
+    reference,
+    algorithm="zcpo",
+    mini_batches=2,
+    micro_batch_tokens=24,
+    distributed_optimizer=False,
+    cp=1,
+    packing="thd",
+    importance_sampling=False,
+    model=MODEL,
+    sequence_parallel=False,
+    ep=1,
+    etp=None,
+    train_overrides=None,
+    **algorithm_overrides,
+):
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
-    from megatron_zcpo.megatron.train_config import (
+    from megatron_zcpo.training.config import (
         ImportanceSamplingConfig,
         OptimizerSettings,
         ParallelConfig,
         TrainConfig,
     )
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
+    from megatron_zcpo.training.trainer import PolicyTrainer
 
-    setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, seed=9, expert_parallel=ep,
-                   expert_tensor_parallel=etp)
-    train = TrainConfig(steps=4, mini_batches=mini_batches, micro_batch_tokens=micro_batch_tokens, packing=packing,
-                        optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0, adam_eps=1e-6, weight_decay=0.0),
-                        importance_sampling=ImportanceSamplingConfig(enabled=bool(importance_sampling),
-                                                                     **(importance_sampling or {})),
-                        **(train_overrides or {}))
-    return PolicyTrainer(model, AlgorithmConfig(name=algorithm, **algorithm_overrides), train,
-                         ParallelConfig(tensor=tp, pipeline=pp, context=cp, distributed_optimizer=distributed_optimizer,
-                                        sequence_parallel=sequence_parallel, expert=ep, expert_tensor=etp),
-                         initial_weights=policy, reference_weights=reference)
+    setup_megatron(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        context_parallel=cp,
+        seed=9,
+        expert_parallel=ep,
+        expert_tensor_parallel=etp,
+    )
+    train = TrainConfig(
+        steps=4,
+        mini_batches=mini_batches,
+        micro_batch_tokens=micro_batch_tokens,
+        packing=packing,
+        optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0, adam_eps=1e-6, weight_decay=0.0),
+        importance_sampling=ImportanceSamplingConfig(enabled=bool(importance_sampling), **(importance_sampling or {})),
+        **(train_overrides or {}),
+    )
+    return PolicyTrainer(
+        model,
+        AlgorithmConfig(name=algorithm, **algorithm_overrides),
+        train,
+        ParallelConfig(
+            tensor=tp,
+            pipeline=pp,
+            context=cp,
+            distributed_optimizer=distributed_optimizer,
+            sequence_parallel=sequence_parallel,
+            expert=ep,
+            expert_tensor=etp,
+        ),
+        initial_weights=policy,
+        reference_weights=reference,
+    )
 
 
 def with_rollout_logprobs(samples, seed=3):
@@ -85,19 +153,51 @@ def with_rollout_logprobs(samples, seed=3):
     return samples
 
 
-def one_update(rank, world, tp, pp, policy, reference, algorithm="zcpo", distributed_optimizer=False, cp=1,
-               packing="thd", importance_sampling=False, sequence_parallel=False, model=MODEL, ep=1, etp=None):
+def one_update(
+    rank,
+    world,
+    tp,
+    pp,
+    policy,
+    reference,
+    algorithm="zcpo",
+    distributed_optimizer=False,
+    cp=1,
+    packing="thd",
+    importance_sampling=False,
+    sequence_parallel=False,
+    model=MODEL,
+    ep=1,
+    etp=None,
+):
     """Coefficients, metrics and the updated global weights after one rollout step."""
-    trainer = make_trainer(tp, pp, policy, reference, algorithm, distributed_optimizer=distributed_optimizer, cp=cp,
-                           packing=packing, importance_sampling=importance_sampling,
-                           sequence_parallel=sequence_parallel, model=model, ep=ep, etp=etp)
+    trainer = make_trainer(
+        tp,
+        pp,
+        policy,
+        reference,
+        algorithm,
+        distributed_optimizer=distributed_optimizer,
+        cp=cp,
+        packing=packing,
+        importance_sampling=importance_sampling,
+        sequence_parallel=sequence_parallel,
+        model=model,
+        ep=ep,
+        etp=etp,
+    )
     samples = rollout()
     if importance_sampling:
         samples = with_rollout_logprobs(samples)
     plan = trainer.assign_minibatches(samples)
     metrics = trainer.train_step(samples)
-    return {"coefficients": trainer.last_coefficients, "metrics": metrics, "params": trainer.global_state_dict(),
-            "my_samples": plan.my_indices, "groups_of_mine": sorted({samples[i].group_id for i in plan.my_indices})}
+    return {
+        "coefficients": trainer.last_coefficients,
+        "metrics": metrics,
+        "params": trainer.global_state_dict(),
+        "my_samples": plan.my_indices,
+        "groups_of_mine": sorted({samples[i].group_id for i in plan.my_indices}),
+    }
 
 
 def probe_norm(rank, world, tp, pp, policy, reference, model=MODEL):
@@ -111,7 +211,7 @@ def probe_norm(rank, world, tp, pp, policy, reference, model=MODEL):
     normalizer = trainer.normalizer(samples, plan.minibatches[0])
     vector = trainer.gradient_vector(step, plan.mine[0], normalizer, lambda inputs: trainer.algorithm_loss(inputs).loss)
     probed = trainer.gradient_dot(vector, vector) ** 0.5
-    from megatron_zcpo.megatron.metrics import MetricAccumulator
+    from megatron_zcpo.training.metrics import MetricAccumulator
 
     grad_norms = trainer.update(step, MetricAccumulator())
     return probed, grad_norms[0]
@@ -134,13 +234,16 @@ def bf16_steps(rank, world, tp):
     """Two bf16 steps with the distributed optimizer (Float16 optimizer, fp32 main params)."""
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
-    from megatron_zcpo.megatron.train_config import OptimizerSettings, ParallelConfig, TrainConfig
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
+    from megatron_zcpo.training.config import OptimizerSettings, ParallelConfig, TrainConfig
+    from megatron_zcpo.training.trainer import PolicyTrainer
 
     setup_megatron(tensor_parallel=tp, seed=1)
-    trainer = PolicyTrainer(MODEL, AlgorithmConfig(name="zcpo"),
-                            TrainConfig(bf16=True, optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0)),
-                            ParallelConfig(tensor=tp, distributed_optimizer=True))
+    trainer = PolicyTrainer(
+        MODEL,
+        AlgorithmConfig(name="zcpo"),
+        TrainConfig(bf16=True, optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0)),
+        ParallelConfig(tensor=tp, distributed_optimizer=True),
+    )
     dtypes = {p.dtype for p in trainer.policy.parameters()}
     return dtypes, [trainer.train_step(rollout(seed=seed)) for seed in (0, 1)]
 

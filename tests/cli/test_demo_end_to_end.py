@@ -36,8 +36,19 @@ def _tiny_assets(tmp_path, monkeypatch, task: str):
 def test_demo_runs_and_reports_the_paired_gain(tmp_path, monkeypatch):
     _tiny_assets(tmp_path, monkeypatch, "addition")
     _small_demo_config(tmp_path, monkeypatch)
-    args = argparse.Namespace(compare=False, arms=None, seed=2, seeds=None, out=str(tmp_path / "out"), steps=2,
-                              nproc=None, task="addition", diagnostics=None, jobs=None, reuse=False)
+    args = argparse.Namespace(
+        compare=False,
+        arms=None,
+        seed=2,
+        seeds=None,
+        out=str(tmp_path / "out"),
+        steps=2,
+        nproc=None,
+        task="addition",
+        diagnostics=None,
+        jobs=None,
+        reuse=False,
+    )
     assert demo.run(args) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["seed"] == 2 and summary["steps"] == 2 and summary["problems"] == 8
@@ -64,9 +75,19 @@ def test_scratchpad_assets_and_beta0_zcpo_equals_dapo_with_max_abs(tmp_path, mon
     assert 0.3 < len(worked) / len(responses) < 0.7 and all("=" in r for r in worked)
     # An untrained model answers at random: a reward by response length splits its groups instead.
     _small_demo_config(tmp_path, monkeypatch, reward={"function": "tests.cli.varied_reward:length_parity_reward"})
-    args = argparse.Namespace(compare=True, arms="zcpo-beta0,dapo:algorithm.reward_norm=max_abs", seed=3, seeds=1,
-                              out=str(tmp_path / "out"), steps=2, nproc=2, task="scratchpad", diagnostics=False,
-                              jobs=2, reuse=False)
+    args = argparse.Namespace(
+        compare=True,
+        arms="zcpo-beta0,dapo:algorithm.reward_norm=max_abs",
+        seed=3,
+        seeds=1,
+        out=str(tmp_path / "out"),
+        steps=2,
+        nproc=2,
+        task="scratchpad",
+        diagnostics=False,
+        jobs=2,
+        reuse=False,
+    )
     assert demo.run(args) == 0
     runs = [tmp_path / "out" / name / "seed_3" for name in ("zcpo-beta0", "dapo+algorithm.reward_norm=max_abs")]
     configs = [yaml.safe_load((run / "config.yaml").read_text()) for run in runs]

@@ -65,9 +65,14 @@ def test_the_demo_recipe_learns_on_fixed_seeds(guard_assets, tmp_path):
     third = GUARD_STEPS // 3
     first, last = [], []
     for run_dir in runs.values():
-        rewards = [json.loads(line)["rollout/reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                   if "rollout/reward_mean" in line]
+        rewards = [
+            json.loads(line)["rollout/reward_mean"]
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "rollout/reward_mean" in line
+        ]
         first += rewards[:third]
         last += rewards[-third:]
     drop = sum(first) / len(first) - sum(last) / len(last)
-    assert drop <= MAX_REWARD_DROP, f"the training reward fell by {drop:.3f} from the first to the last third of the steps"
+    assert drop <= MAX_REWARD_DROP, (
+        f"the training reward fell by {drop:.3f} from the first to the last third of the steps"
+    )

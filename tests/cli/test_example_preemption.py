@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE
+from megatron_zcpo.training.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "examples" / "common" / "zcpo_job.sh"

@@ -11,45 +11,99 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zcpo.recipe.config import load_run_config
+from megatron_zcpo.checkpoint.io import write_model_config
 from megatron_zcpo.cli.plan import model_config_of, plan_inputs
 from megatron_zcpo.convert.presets import preset_model_config
-from megatron_zcpo.megatron.checkpoint import write_model_config
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.megatron.planner import GIB, plan_memory, suggest_layout
-from megatron_zcpo.rollout.sglang_client import SGLangEngineConfig
+from megatron_zcpo.planning.planner import GIB, plan_memory, suggest_layout
+from megatron_zcpo.recipe.config import load_run_config
+from megatron_zcpo.rollout.sglang.client import SGLangEngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 # config.json of the public checkpoints (Hugging Face hub).
-QWEN25_32B = ModelConfig(family="qwen2", hidden_size=5120, num_layers=64, num_attention_heads=40,
-                         num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
-                         max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, qkv_bias=True)
-LLAMA33_70B = ModelConfig(family="llama", hidden_size=8192, num_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
-                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                          tie_word_embeddings=False, qkv_bias=False,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-QWEN25_72B = ModelConfig(family="qwen2", hidden_size=8192, num_layers=80, num_attention_heads=64,
-                         num_key_value_heads=8, intermediate_size=29568, vocab_size=152064,
-                         max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, qkv_bias=True)
-QWEN3_4B_THINKING = ModelConfig(family="qwen3", hidden_size=2560, num_layers=36, num_attention_heads=32,
-                                num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
-                                max_position_embeddings=262144, rope_theta=5000000.0, rms_norm_eps=1e-6,
-                                tie_word_embeddings=True)
-MODELS = {"qwen2.5-32b-zcpo": QWEN25_32B, "llama-3.3-70b-zcpo": LLAMA33_70B, "qwen2.5-72b-zcpo": QWEN25_72B,
-          "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING,
-          # mixture of experts: the hub's config.json fields (megatron_zcpo/convert/presets.py)
-          "qwen3-30b-a3b-zcpo": preset_model_config("Qwen3-30B-A3B"),
-          "qwen3-235b-a22b-zcpo": preset_model_config("Qwen3-235B-A22B")}
+QWEN25_32B = ModelConfig(
+    family="qwen2",
+    hidden_size=5120,
+    num_layers=64,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    intermediate_size=27648,
+    vocab_size=152064,
+    max_position_embeddings=131072,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
+LLAMA33_70B = ModelConfig(
+    family="llama",
+    hidden_size=8192,
+    num_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    intermediate_size=28672,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+QWEN25_72B = ModelConfig(
+    family="qwen2",
+    hidden_size=8192,
+    num_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    intermediate_size=29568,
+    vocab_size=152064,
+    max_position_embeddings=131072,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+)
+QWEN3_4B_THINKING = ModelConfig(
+    family="qwen3",
+    hidden_size=2560,
+    num_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=9728,
+    vocab_size=151936,
+    max_position_embeddings=262144,
+    rope_theta=5000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+MODELS = {
+    "qwen2.5-32b-zcpo": QWEN25_32B,
+    "llama-3.3-70b-zcpo": LLAMA33_70B,
+    "qwen2.5-72b-zcpo": QWEN25_72B,
+    "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING,
+    # mixture of experts: the hub's config.json fields (megatron_zcpo/convert/presets.py)
+    "qwen3-30b-a3b-zcpo": preset_model_config("Qwen3-30B-A3B"),
+    "qwen3-235b-a22b-zcpo": preset_model_config("Qwen3-235B-A22B"),
+}
 # (training GPUs, GiB per GPU) quoted in the example's config.yaml and examples/README.md.
-QUOTED = {"qwen2.5-32b-zcpo": (32, 55.35), "llama-3.3-70b-zcpo": (64, 59.03), "qwen2.5-72b-zcpo": (64, 60.73),
-          "qwen3-4b-long-context-zcpo": (32, 61.39), "qwen3-30b-a3b-zcpo": (16, 78.85),
-          "qwen3-235b-a22b-zcpo": (128, 75.27)}
+QUOTED = {
+    "qwen2.5-32b-zcpo": (32, 55.35),
+    "llama-3.3-70b-zcpo": (64, 59.03),
+    "qwen2.5-72b-zcpo": (64, 60.73),
+    "qwen3-4b-long-context-zcpo": (32, 61.39),
+    "qwen3-30b-a3b-zcpo": (16, 78.85),
+    "qwen3-235b-a22b-zcpo": (128, 75.27),
+}
 # The configured layout is the planner's (memory-only) suggestion, except where the config says why not.
 SUGGESTED_INSTEAD = {"qwen3-4b-long-context-zcpo": ("TP2 PP1 CP2 DP8 distopt recompute=full", 77.93)}
 
@@ -92,11 +146,17 @@ def test_config_validates_with_the_sbatch_overrides(example, tmp_path):
     assert model_config_of(config) == MODELS[example]
     assert config.rollout.engine == "sglang" and config.rollout.sglang.launch is None
     # rollout.sglang.client is only read when the engine starts: check its keys now.
-    SGLangEngineConfig(server_urls=config.rollout.sglang.server_urls, router_url=config.rollout.sglang.router_url,
-                       **config.rollout.sglang.client).validate()
+    SGLangEngineConfig(
+        server_urls=config.rollout.sglang.server_urls,
+        router_url=config.rollout.sglang.router_url,
+        **config.rollout.sglang.client,
+    ).validate()
     settings = sbatch_settings(example)
     assert (int(settings["TRAIN_TP"]), int(settings["TRAIN_PP"]), int(settings.get("TRAIN_CP", 1))) == (
-        config.parallel.tensor, config.parallel.pipeline, config.parallel.context)
+        config.parallel.tensor,
+        config.parallel.pipeline,
+        config.parallel.context,
+    )
     assert config.reward.max_response_length == config.rollout.max_new_tokens
     assert settings["CONFIG"] == f"examples/{example}/config.yaml"
 
@@ -107,19 +167,30 @@ def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sg
     check (mock servers with the same flags), and every timeout outlasts the predicted duration it bounds."""
     from megatron_zcpo.recipe.config import dump_run_config
     from megatron_zcpo.recipe.timeouts import RolloutServers, check_timeouts
-    from megatron_zcpo.rollout.mock_server import MockSGLangServer
-    from megatron_zcpo.rollout.sglang_client import SGLangEngine
-    from megatron_zcpo.rollout.sglang_server import ServerSpec, router_command, server_command
-    from tests.rollout.test_sglang_client import ScriptedEngine
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine
+    from megatron_zcpo.rollout.sglang.server import ServerSpec, router_command, server_command
+    from megatron_zcpo.testing.mock_server import MockSGLangServer
+    from tests.rollout.sglang.test_sglang_client import ScriptedEngine
 
     config = run_config(example, tmp_path)
     resolved = tmp_path / "config.resolved.yaml"
     resolved.write_text(dump_run_config(config))
     settings, sglang_node = sbatch_settings(example), load_sglang_node()
     monkeypatch.setenv("ZCPO_SGLANG_API_KEY", "per-job-key")
-    launch = sglang_node.server_config(sglang_node.parse_args([
-        "--model-path", "/m", "--nodes", "gpu05,gpu06", "--tp-size", settings["ROLLOUT_TP"],
-        "--run-config", str(resolved)]))
+    launch = sglang_node.server_config(
+        sglang_node.parse_args(
+            [
+                "--model-path",
+                "/m",
+                "--nodes",
+                "gpu05,gpu06",
+                "--tp-size",
+                settings["ROLLOUT_TP"],
+                "--run-config",
+                str(resolved),
+            ]
+        )
+    )
     client = SGLangEngineConfig(server_urls=["http://x:1"], router_url="http://r:2", **config.rollout.sglang.client)
     command = server_command(ServerSpec("gpu05", 30000, ("0",)), launch)
     flags = dict(zip(command[3::2], command[4::2]))
@@ -128,16 +199,25 @@ def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sg
     assert int(router[router.index("--request-timeout-secs") + 1]) == client.router_timeout_s > client.request_timeout_s
     assert ("--enable-deterministic-inference" in command) == client.sampling_seeds
     prompt, new_tokens = config.data.max_prompt_length, config.rollout.max_new_tokens
-    with MockSGLangServer(ScriptedEngine(), context_length=int(flags["--context-length"]), api_key="per-job-key",
-                          deterministic_inference="--enable-deterministic-inference" in command) as server, \
-            SGLangEngine(SGLangEngineConfig(server_urls=[server.url], **config.rollout.sglang.client)) as engine:
+    with (
+        MockSGLangServer(
+            ScriptedEngine(),
+            context_length=int(flags["--context-length"]),
+            api_key="per-job-key",
+            deterministic_inference="--enable-deterministic-inference" in command,
+        ) as server,
+        SGLangEngine(SGLangEngineConfig(server_urls=[server.url], **config.rollout.sglang.client)) as engine,
+    ):
         engine.check_servers(prompt, new_tokens)
     # every node must start its servers with the job's one key: none in the environment, no servers
     monkeypatch.delenv("ZCPO_SGLANG_API_KEY")
     assert sglang_node.main(["--model-path", "/m", "--nodes", "gpu05", "--tp-size", "8"]) == 2
     rollout_gpus = (int(settings["nodes"]) - int(settings["TRAIN_NODES"])) * int(settings["gpus-per-node"])
-    check_timeouts(config, MODELS[example], RolloutServers(count=rollout_gpus // int(settings["ROLLOUT_TP"]),
-                                                           tp_size=int(settings["ROLLOUT_TP"])))
+    check_timeouts(
+        config,
+        MODELS[example],
+        RolloutServers(count=rollout_gpus // int(settings["ROLLOUT_TP"]), tp_size=int(settings["ROLLOUT_TP"])),
+    )
 
 
 @pytest.mark.parametrize("example", sorted(MODELS))
@@ -175,7 +255,12 @@ def test_qwen_example_has_the_papers_hyper_parameters(tmp_path):
     rollout, train, algorithm, reward = config.rollout, config.train, config.algorithm, config.reward
     assert (rollout.samples_per_prompt, rollout.prompts_per_step, train.mini_batches) == (16, 512, 16)
     assert (algorithm.name, algorithm.beta, algorithm.clip_low, algorithm.clip_high, algorithm.agg) == (
-        "zcpo", 4.0, 0.2, 0.28, "token-mean")
+        "zcpo",
+        4.0,
+        0.2,
+        0.28,
+        "token-mean",
+    )
     assert algorithm.resolved().kl_loss == "none" and algorithm.drift == "conditional_kl"
     assert rollout.max_new_tokens == reward.max_response_length == 16384 + 4096 and reward.overlong_buffer == 4096
     assert reward.overlong_penalty and reward.overlong_filter and rollout.dynamic_sampling.drop_tied_groups
@@ -188,12 +273,27 @@ def test_long_context_example_has_appendix_e_and_its_recipes_values(tmp_path):
     config = run_config("qwen3-4b-long-context-zcpo", tmp_path)
     model = model_config_of(config)
     assert (model.family, model.qk_layernorm, model.qkv_bias, model.head_dim, model.hidden_size) == (
-        "qwen3", True, False, 128, 2560)
-    algorithm, train, rollout, sampling = config.algorithm, config.train, config.rollout, config.train.importance_sampling
+        "qwen3",
+        True,
+        False,
+        128,
+        2560,
+    )
+    algorithm, train, rollout, sampling = (
+        config.algorithm,
+        config.train,
+        config.rollout,
+        config.train.importance_sampling,
+    )
     assert (algorithm.name, algorithm.beta, algorithm.gate, algorithm.clip_c) == ("zcpo", 4.0, True, 3.0)
     assert (algorithm.clip_low, algorithm.clip_high, algorithm.agg) == (0.2, 0.28, "token-mean")
     assert (sampling.enabled, sampling.upper, sampling.lower, sampling.veto, sampling.mode) == (
-        True, 5.0, 0.5, 1e-4, "truncate")
+        True,
+        5.0,
+        0.5,
+        1e-4,
+        "truncate",
+    )
     assert (config.data.max_prompt_length, rollout.max_new_tokens) == (160 * 1024, 16 * 1024)
     assert (rollout.prompts_per_step, rollout.samples_per_prompt, train.mini_batches) == (128, 16, 1)
     assert (config.parallel.context, config.parallel.tensor) == (8, 1) and train.micro_batch_tokens == 180224
@@ -203,26 +303,66 @@ def test_long_context_example_has_appendix_e_and_its_recipes_values(tmp_path):
 
 TAGS = ("[paper", "[ours", "[GoLongRL")
 # Hyper-parameters every example config must attribute (the line or, for a pair, the line above it).
-HYPER_PARAMETERS = {"steps", "mini_batches", "micro_batch_tokens", "lr", "warmup_steps", "weight_decay",
-                    "clip_grad", "beta", "drift", "center", "length_normalize", "gate", "clip_low", "clip_high",
-                    "clip_c", "agg", "prompts_per_step", "samples_per_prompt", "temperature", "top_p",
-                    "max_new_tokens", "oversample_factor", "overlong_penalty", "overlong_filter",
-                    "max_prompt_length", "k", "tensor", "context", "every", "keep_last", "bf16", "recompute"}
+HYPER_PARAMETERS = {
+    "steps",
+    "mini_batches",
+    "micro_batch_tokens",
+    "lr",
+    "warmup_steps",
+    "weight_decay",
+    "clip_grad",
+    "beta",
+    "drift",
+    "center",
+    "length_normalize",
+    "gate",
+    "clip_low",
+    "clip_high",
+    "clip_c",
+    "agg",
+    "prompts_per_step",
+    "samples_per_prompt",
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "oversample_factor",
+    "overlong_penalty",
+    "overlong_filter",
+    "max_prompt_length",
+    "k",
+    "tensor",
+    "context",
+    "every",
+    "keep_last",
+    "bf16",
+    "recompute",
+}
 PAIRED = {"clip_high": "clip_low", "top_p": "temperature"}  # may share the tag of the line above
 
 
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/config.yaml"))
-                         + ["megatron_zcpo/cli/demo.yaml"])
+@pytest.mark.parametrize(
+    "path", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/config.yaml")) + ["megatron_zcpo/cli/demo.yaml"]
+)
 def test_every_hyper_parameter_says_whether_it_is_the_papers_or_ours(path):
     lines = (ROOT / path).read_text().splitlines()
     untagged = []
     for number, line in enumerate(lines):
         match = re.match(r"^\s*(\w+):\s*[^\s#{]", line)
-        sections = [lines[n] for n in range(number - 1, -1, -1)
-                    if len(lines[n]) - len(lines[n].lstrip()) < len(line) - len(line.lstrip())][:1]
-        above = [lines[number - 1]] if match and re.match(rf"^\s*{PAIRED.get(match.group(1), '-')}:", lines[number - 1]) else []
-        if match and match.group(1) in HYPER_PARAMETERS and not any(
-                tag in text for text in [line] + above + sections for tag in TAGS):
+        sections = [
+            lines[n]
+            for n in range(number - 1, -1, -1)
+            if len(lines[n]) - len(lines[n].lstrip()) < len(line) - len(line.lstrip())
+        ][:1]
+        above = (
+            [lines[number - 1]]
+            if match and re.match(rf"^\s*{PAIRED.get(match.group(1), '-')}:", lines[number - 1])
+            else []
+        )
+        if (
+            match
+            and match.group(1) in HYPER_PARAMETERS
+            and not any(tag in text for text in [line] + above + sections for tag in TAGS)
+        ):
             untagged.append(f"{path}:{number + 1}: {line.strip()}")
     assert not untagged, "hyper-parameters without [paper: ...] / [ours: ...]:\n" + "\n".join(untagged)
 
@@ -236,8 +376,9 @@ def load_sglang_node():
 
 def test_sglang_node_plans_two_tp4_servers_per_rollout_node():
     sglang_node = load_sglang_node()
-    args = sglang_node.parse_args(["--model-path", "/models/Qwen2.5-32B", "--nodes", "gpu05,gpu06,gpu07,gpu08",
-                                   "--tp-size", "4"])
+    args = sglang_node.parse_args(
+        ["--model-path", "/models/Qwen2.5-32B", "--nodes", "gpu05,gpu06,gpu07,gpu08", "--tp-size", "4"]
+    )
     addresses = sglang_node.planned_addresses(sglang_node.server_config(args))
     assert len(addresses["server_urls"]) == 8
     assert addresses["server_urls"][:2] == ["http://gpu05:30000", "http://gpu05:30010"]
@@ -300,7 +441,7 @@ def fake_slurm_bin(tmp_path: Path) -> Path:
         "srun": FAKE_SRUN.format(python=sys.executable),
         "scontrol": "#!/bin/bash\nprintf 'gpu%02d\\n' $(seq 1 ${FAKE_NODES:-8})\n",
         "curl": FAKE_CURL.format(python=sys.executable),
-        "python": f"#!/bin/bash\nexec {sys.executable} \"$@\"\n",
+        "python": f'#!/bin/bash\nexec {sys.executable} "$@"\n',
     }
     for name, text in scripts.items():
         (bin_dir / name).write_text(text)
@@ -316,17 +457,32 @@ def run_sbatch(example: str, tmp_path: Path, args=(), **env_changes) -> list:
     (tmp_path / "venv" / "bin" / "activate").write_text("")
     log = tmp_path / "srun.jsonl"
     env = dict(  # nothing else from this environment: no Slurm, layout or container variables leak in
-        PATH=f"{bin_dir}:{os.environ['PATH']}", HOME=os.environ.get("HOME", str(tmp_path)),
-        SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu[01-08]",
-        SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="64", SLURM_SUBMIT_DIR=str(ROOT),
-        HF_MODEL=str(tmp_path / "hf"), MEGATRON_CKPT=str(tmp_path / "ckpt"), RUN_DIR=str(tmp_path / "run"),
-        TRAIN_DATA="/data/dapo.parquet", EVAL_DATA="/data/aime24.jsonl,/data/aime25.jsonl",
-        VENV=str(tmp_path / "venv"), FAKE_SRUN_LOG=str(log), SGLANG_STARTUP_TIMEOUT="30",
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        HOME=os.environ.get("HOME", str(tmp_path)),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="gpu[01-08]",
+        SLURM_GPUS_ON_NODE="8",
+        SLURM_CPUS_ON_NODE="64",
+        SLURM_SUBMIT_DIR=str(ROOT),
+        HF_MODEL=str(tmp_path / "hf"),
+        MEGATRON_CKPT=str(tmp_path / "ckpt"),
+        RUN_DIR=str(tmp_path / "run"),
+        TRAIN_DATA="/data/dapo.parquet",
+        EVAL_DATA="/data/aime24.jsonl,/data/aime25.jsonl",
+        VENV=str(tmp_path / "venv"),
+        FAKE_SRUN_LOG=str(log),
+        SGLANG_STARTUP_TIMEOUT="30",
         FAKE_MODEL_CONFIG=str(tmp_path / "model_config_source" / "model_config.json"),
     )
     env.update(env_changes)
-    result = subprocess.run(["bash", f"examples/{example}/train.sbatch", *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", f"examples/{example}/train.sbatch", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return [json.loads(line) for line in log.read_text().splitlines()]
 
@@ -343,7 +499,9 @@ def in_launch_order(steps: list) -> list:
 def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_overrides(tmp_path):
     steps = run_sbatch("qwen2.5-32b-zcpo", tmp_path, ["train.steps=3"], ZCPO_OVERRIDES="train.seed=7")
     convert, probe, dry_run, sglang, train = in_launch_order(steps)
-    assert convert["command"][-6:] == ["--tp", "8", "--pp", "1", "--ep", "1"] and "--nodelist=gpu01" in convert["options"]
+    assert (
+        convert["command"][-6:] == ["--tp", "8", "--pp", "1", "--ep", "1"] and "--nodelist=gpu01" in convert["options"]
+    )
     assert (tmp_path / "ckpt" / "model_config.json").is_file()  # renamed from .partial once complete
     assert "--print" in probe["command"]
     assert "--nodelist=gpu05,gpu06,gpu07,gpu08" in sglang["options"] and "--ntasks-per-node=1" in sglang["options"]
@@ -351,15 +509,19 @@ def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_ove
     assert {"--nodes=4", "--ntasks-per-node=8", "--nodelist=gpu01,gpu02,gpu03,gpu04"} <= set(train["options"])
     key = sglang["env"].pop("ZCPO_SGLANG_API_KEY")  # one fresh key per job, for the servers and the trainer
     assert re.fullmatch(r"[0-9a-f]{64}", key) and train["env"] == {
-        "MASTER_ADDR": "gpu01", "MASTER_PORT": str(20000 + 4242), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        "ZCPO_SGLANG_API_KEY": key}
+        "MASTER_ADDR": "gpu01",
+        "MASTER_PORT": str(20000 + 4242),
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "ZCPO_SGLANG_API_KEY": key,
+    }
     assert train["command"][:3] == ["zcpo", "train", "examples/qwen2.5-32b-zcpo/config.yaml"]
     assert dry_run["command"] == train["command"] + ["--dry-run"]
     # What the training tasks receive is a valid run config pointing at the servers just started.
     config = load_run_config(train["command"][2], train["command"][3:])
     assert config.model.path == str(tmp_path / "ckpt")
-    assert config.rollout.sglang.server_urls == [f"http://gpu{n:02d}:{port}"
-                                                 for n in range(5, 9) for port in (30000, 30010)]
+    assert config.rollout.sglang.server_urls == [
+        f"http://gpu{n:02d}:{port}" for n in range(5, 9) for port in (30000, 30010)
+    ]
     assert config.rollout.sglang.router_url == "http://gpu05:29000"
     assert config.data.train_files == ["/data/dapo.parquet"]
     assert config.eval.data.train_files == ["/data/aime24.jsonl", "/data/aime25.jsonl"]
@@ -368,8 +530,9 @@ def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_ove
 
 def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_path):
     write_model_config(tmp_path / "ckpt", LLAMA33_70B)  # already converted: no conversion step
-    steps = run_sbatch("llama-3.3-70b-zcpo", tmp_path, FAKE_NODES="8",
-                       SGLANG_SERVER_URLS="http://infer1:30000,http://infer2:30000")
+    steps = run_sbatch(
+        "llama-3.3-70b-zcpo", tmp_path, FAKE_NODES="8", SGLANG_SERVER_URLS="http://infer1:30000,http://infer2:30000"
+    )
     dry_run, train = steps
     assert {"--nodes=8", "--ntasks-per-node=8"} <= set(train["options"])
     config = load_run_config(train["command"][2], train["command"][3:])
@@ -379,18 +542,26 @@ def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_pat
 
 
 def test_long_context_sbatch_needs_the_reward_function_and_passes_it(tmp_path):
-    steps = run_sbatch("qwen3-4b-long-context-zcpo", tmp_path, REWARD_FUNCTION="megatron_zcpo.rewards.math:dapo_math_reward")
+    steps = run_sbatch(
+        "qwen3-4b-long-context-zcpo", tmp_path, REWARD_FUNCTION="megatron_zcpo.rewards.math:dapo_math_reward"
+    )
     convert, _, dry_run, _, train = in_launch_order(steps)
     assert convert["command"][-6:] == ["--tp", "1", "--pp", "1", "--ep", "1"]
     config = load_run_config(train["command"][2], train["command"][3:])
     assert config.reward.function == "megatron_zcpo.rewards.math:dapo_math_reward" and config.parallel.context == 8
-    result = subprocess.run(["bash", "examples/qwen3-4b-long-context-zcpo/train.sbatch"], cwd=ROOT,
-                            env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "1"}, capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", "examples/qwen3-4b-long-context-zcpo/train.sbatch"],
+        cwd=ROOT,
+        env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "1"},
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0 and "REWARD_FUNCTION" in result.stderr
 
 
-@pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/*.s*")
-                                          if p.suffix in (".sbatch", ".sh")))
+@pytest.mark.parametrize(
+    "script", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/*.s*") if p.suffix in (".sbatch", ".sh"))
+)
 def test_scripts_parse(script):
     result = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -7,9 +7,9 @@ import pytest
 from megatron_zcpo.cli.main import main
 from megatron_zcpo.cli.plan import load_plan_config, model_config_of
 from megatron_zcpo.convert.presets import HF_CONFIGS, preset_model_config
-from megatron_zcpo.megatron.decode_rate import decode_tokens_per_s_per_gpu
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.megatron.step_time import Cluster, StepLoad, predict_step_time, push_bytes_per_stage
+from megatron_zcpo.planning.decode_rate import decode_tokens_per_s_per_gpu
+from megatron_zcpo.planning.step_time import Cluster, StepLoad, predict_step_time, push_bytes_per_stage
 from tests.cli.test_examples import EXAMPLES, LLAMA33_70B, QUOTED, QWEN3_4B_THINKING, QWEN25_32B, QWEN25_72B
 
 QWEN_EXAMPLE = str(EXAMPLES / "qwen2.5-32b-zcpo" / "config.yaml")
@@ -61,11 +61,19 @@ def test_planned_sections_are_still_validated():
 
 
 def test_step_time_terms_by_hand():
-    model = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = ModelConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     load = StepLoad(generated_sequences=200, trained_sequences=100, prompt_tokens=100, response_tokens=300)
-    cluster = Cluster(train_gpus=4, rollout_gpus=2, decode_tokens_per_s_per_gpu=1000.0, mfu=0.5,
-                      peak_flops=1e9, link_bytes_per_s=1e6)
+    cluster = Cluster(
+        train_gpus=4, rollout_gpus=2, decode_tokens_per_s_per_gpu=1000.0, mfu=0.5, peak_flops=1e9, link_bytes_per_s=1e6
+    )
     time = predict_step_time(model, load, cluster, pipeline_parallel=2, recompute="none")
     assert time.rollout_s == pytest.approx(200 * 300 / 2000)
     dense = model.num_parameters - 1000 * 64
@@ -78,9 +86,14 @@ def test_step_time_terms_by_hand():
     assert time.overlapped_s < time.sequential_s and time.idle_share_overlapped < time.idle_share_sequential
 
 
-@pytest.mark.parametrize("example,gpus,preset", [("qwen2.5-32b-zcpo", 32, "Qwen2.5-32B"),
-                                                 ("llama-3.3-70b-zcpo", 64, "Llama-3.3-70B"),
-                                                 ("qwen2.5-72b-zcpo", 64, "Qwen2.5-72B")])
+@pytest.mark.parametrize(
+    "example,gpus,preset",
+    [
+        ("qwen2.5-32b-zcpo", 32, "Qwen2.5-32B"),
+        ("llama-3.3-70b-zcpo", 64, "Llama-3.3-70B"),
+        ("qwen2.5-72b-zcpo", 64, "Qwen2.5-72B"),
+    ],
+)
 def test_the_examples_quote_the_predicted_step_time(example, gpus, preset, capsys):
     path = str(EXAMPLES / example / "config.yaml")
     main(["plan", path, "--gpus", str(gpus), "--preset", preset, "--json"])
@@ -108,11 +121,17 @@ def test_the_decode_rate_is_modelled_unless_given(capsys):
     assert modelled["step_time"]["rollout_s"] == pytest.approx(12288 * 10240 / (expected * 32))
     tp8 = _plan_json(capsys, "--rollout-tp", "8")
     assert tp8["decode_tokens_per_s_per_gpu"] == pytest.approx(
-        decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 8, mem_fraction=0.85))
-    launched = _plan_json(capsys, "rollout.sglang.launch.model_path=hf", "rollout.sglang.launch.tp_size=8",
-                          "rollout.sglang.launch.mem_fraction_static=0.9")
+        decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 8, mem_fraction=0.85)
+    )
+    launched = _plan_json(
+        capsys,
+        "rollout.sglang.launch.model_path=hf",
+        "rollout.sglang.launch.tp_size=8",
+        "rollout.sglang.launch.mem_fraction_static=0.9",
+    )
     assert launched["decode_tokens_per_s_per_gpu"] == pytest.approx(
-        decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 8, mem_fraction=0.9))
+        decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 8, mem_fraction=0.9)
+    )
     assert launched["decode_source"].startswith("modelled for TP8 servers (mem_fraction_static 0.9)")
     given = _plan_json(capsys, "--decode-tokens-per-s", "1000")
     assert given["decode_tokens_per_s_per_gpu"] == 1000 and given["decode_source"].startswith("given")
@@ -130,8 +149,21 @@ def test_plan_checks_every_timeout_against_the_predicted_durations(capsys):
     text = capsys.readouterr().out
     assert "rollout.sglang.client.rollout_timeout_s" in text and "parallel.collective_timeout_s" in text
     assert "RAISE" not in text
-    assert main(["plan", QWEN_EXAMPLE, "--gpus", "32", "--preset", "Qwen2.5-32B",
-                 "rollout.sglang.client.rollout_timeout_s=7200", "--json"]) == 1
+    assert (
+        main(
+            [
+                "plan",
+                QWEN_EXAMPLE,
+                "--gpus",
+                "32",
+                "--preset",
+                "Qwen2.5-32B",
+                "rollout.sglang.client.rollout_timeout_s=7200",
+                "--json",
+            ]
+        )
+        == 1
+    )
     failed = [check for check in json.loads(capsys.readouterr().out)["timeouts"] if not check["ok"]]
     assert {check["key"] for check in failed} == {"rollout.sglang.client.rollout_timeout_s"}
     assert any("first round" in check["bounds"] and 9900 < check["predicted_s"] < 10100 for check in failed)
@@ -145,4 +177,6 @@ def test_without_the_cluster_size_short_timeouts_are_reported_not_fatal(capsys):
     assert answer["cluster_given"] is False and answer["timeouts_checked_for_rollout_gpus"] < 32
     assert main(["plan", QWEN_EXAMPLE, "--preset", "Qwen2.5-32B"]) == 0
     assert "a guess: give --gpus N" in capsys.readouterr().out
-    assert main(["plan", QWEN_EXAMPLE, "--preset", "Qwen2.5-32B", "--gpus", "32", "--rollout-gpus", "8"]) == 1  # a given cluster: fatal
+    assert (
+        main(["plan", QWEN_EXAMPLE, "--preset", "Qwen2.5-32B", "--gpus", "32", "--rollout-gpus", "8"]) == 1
+    )  # a given cluster: fatal

@@ -20,12 +20,27 @@ def _write_run(directory, algorithm, rewards, *, diag=True, eval_steps=(0, 4), b
     (directory / "config.yaml").write_text(f"algorithm:\n  {algorithm}\nlogging:\n  run_dir: {directory}\n")
     lines = []
     for step, reward in enumerate(rewards):
-        lines.append({"step": step, "time": 100.0 + step, "rollout/reward_mean": reward,
-                      "rollout/accuracy": (reward + 1) / 2, "experience/kl": 1e-3 * step,
-                      "rollout/response_length_mean": 10 + step, "update/grad_norm": math.nan})
+        lines.append(
+            {
+                "step": step,
+                "time": 100.0 + step,
+                "rollout/reward_mean": reward,
+                "rollout/accuracy": (reward + 1) / 2,
+                "experience/kl": 1e-3 * step,
+                "rollout/response_length_mean": 10 + step,
+                "update/grad_norm": math.nan,
+            }
+        )
         if diag and step % 2 == 0:  # diagnostics on their own line of the same step
-            lines.append({"step": step, "time": 100.5 + step, "diag/grad_kl_share": 0.1 * step,
-                          "diag/f6_kl_top1pct_share": 0.5, "diag/f6_kl_pos_0_1": 0.02 * (step + 1)})
+            lines.append(
+                {
+                    "step": step,
+                    "time": 100.5 + step,
+                    "diag/grad_kl_share": 0.1 * step,
+                    "diag/f6_kl_top1pct_share": 0.5,
+                    "diag/f6_kl_pos_0_1": 0.02 * (step + 1),
+                }
+            )
         if step in eval_steps:
             lines.append({"step": step, "time": 100.7 + step, "eval/avg@4": 0.2 + 0.1 * step, "eval/num_problems": 8})
     text = "\n".join(json.dumps(line) for line in lines) + "\n"
@@ -37,13 +52,26 @@ def _write_run(directory, algorithm, rewards, *, diag=True, eval_steps=(0, 4), b
 
 def test_report_of_several_runs(tmp_path, capsys):
     zcpo = _write_run(tmp_path / "runs" / "zcpo", "name: zcpo", [-0.5, 0.1, 0.6, 0.4, 0.5], broken_tail=True)
-    dapo = _write_run(tmp_path / "runs" / "dapo_k3", "{name: dapo, kl_loss: k3, kl_coef: 0.04}", [-0.2, 0.0, 0.3],
-                      diag=False, eval_steps=(2,))
+    dapo = _write_run(
+        tmp_path / "runs" / "dapo_k3",
+        "{name: dapo, kl_loss: k3, kl_coef: 0.04}",
+        [-0.2, 0.0, 0.3],
+        diag=False,
+        eval_steps=(2,),
+    )
     args = _parser().parse_args(["report", str(zcpo), str(dapo)])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
-    for text in ("zcpo", "dapo_k3", "beta=4", "k3 KL 0.04", "rollout/reward_mean", "diag/grad_kl_share",
-                 "best 0.6 @2", "eval/avg@4"):
+    for text in (
+        "zcpo",
+        "dapo_k3",
+        "beta=4",
+        "k3 KL 0.04",
+        "rollout/reward_mean",
+        "diag/grad_kl_share",
+        "best 0.6 @2",
+        "eval/avg@4",
+    ):
         assert text in printed, text
     out = tmp_path / "runs"  # the runs' common parent
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

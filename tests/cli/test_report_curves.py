@@ -25,8 +25,12 @@ class FakeRun:
 
 
 def test_seeds_of_a_method_become_mean_and_standard_error():
-    runs = [FakeRun("a1", "dapo", {1: 0.0, 2: 1.0}), FakeRun("a2", "dapo", {1: 2.0, 2: 1.0}),
-            FakeRun("b1", "zcpo", {1: 5.0, 2: 6.0}), FakeRun("b2", "zcpo", {1: 7.0})]
+    runs = [
+        FakeRun("a1", "dapo", {1: 0.0, 2: 1.0}),
+        FakeRun("a2", "dapo", {1: 2.0, 2: 1.0}),
+        FakeRun("b1", "zcpo", {1: 5.0, 2: 6.0}),
+        FakeRun("b2", "zcpo", {1: 7.0}),
+    ]
     curves = {label: rest for label, *rest in curves_of(runs, "rollout/reward_mean")}
     steps, mean, error = curves["dapo (n=2)"]
     assert steps == [1, 2] and mean == [1.0, 1.0]

@@ -40,11 +40,19 @@ def write_config(tmp_path, model_dir, **changes):
     config = {
         "model": {"path": str(model_dir)},
         "parallel": {"tensor": 2},
-        "train": {"steps": 2, "mini_batches": 2, "micro_batch_tokens": 256,
-                  "optimizer": {"lr": 1e-4, "warmup_steps": 0}},
+        "train": {
+            "steps": 2,
+            "mini_batches": 2,
+            "micro_batch_tokens": 256,
+            "optimizer": {"lr": 1e-4, "warmup_steps": 0},
+        },
         "algorithm": {"name": "zcpo", "beta": 1.0},
-        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 6,
-                    "dynamic_sampling": {"drop_tied_groups": False}},
+        "rollout": {
+            "prompts_per_step": 4,
+            "samples_per_prompt": 2,
+            "max_new_tokens": 6,
+            "dynamic_sampling": {"drop_tied_groups": False},
+        },
         "data": {"train_files": [str(model_dir / "train.jsonl")]},
         "eval": {"data": {"train_files": [str(model_dir / "eval.jsonl")]}, "num_prompts": 4, "k": 2},
         "reward": {"num_workers": 1},
@@ -78,8 +86,13 @@ def test_config_errors_name_the_key(tmp_path, tiny_model, capsys):
 def _train(path, *overrides):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    return subprocess.run([sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(path), *overrides],
-                          capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(path), *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_train_checkpoints_and_resumes(tmp_path, tiny_model):
@@ -96,8 +109,11 @@ def test_train_checkpoints_and_resumes(tmp_path, tiny_model):
     assert trained == [1, 2, 3]
     # A random model ties most groups (all wrong, gated out), so gradients may be zero; the
     # step still ran experience, calibration and update.
-    assert all(r["experience/kl"] >= 0 and r["update/grad_norm"] >= 0 and "coef/active_group_fraction" in r
-               for r in records if "rollout/reward_mean" in r)
+    assert all(
+        r["experience/kl"] >= 0 and r["update/grad_norm"] >= 0 and "coef/active_group_fraction" in r
+        for r in records
+        if "rollout/reward_mean" in r
+    )
     evals = sorted(p.name for p in (run / "eval").iterdir())
     assert evals == ["step_000000.json", "step_000002.json", "step_000003.json"]
     assert (run / "checkpoints" / "latest").read_text() == "step_00000003"
@@ -109,9 +125,24 @@ def test_eval_and_plan_on_the_trained_checkpoint(tmp_path, tiny_model, capsys):
     assert _train(path).returncode == 0
     step = tmp_path / "run" / "checkpoints" / "step_00000001"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "megatron_zcpo.cli.main", "eval", str(path), "--checkpoint",
-                             str(step), "--output", str(tmp_path / "eval.json"), "eval.k=3"],
-                            capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_zcpo.cli.main",
+            "eval",
+            str(path),
+            "--checkpoint",
+            str(step),
+            "--output",
+            str(tmp_path / "eval.json"),
+            "eval.k=3",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((tmp_path / "eval.json").read_text())
     assert saved["num_problems"] == 4 and saved["num_samples"] == 12
@@ -122,20 +153,25 @@ def test_eval_and_plan_on_the_trained_checkpoint(tmp_path, tiny_model, capsys):
 
 
 def _broadcast(rank, world):
-    from megatron_zcpo.megatron.batch import RolloutSample, collate_packed
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.recipe.rollout import broadcast_samples
+    from megatron_zcpo.training.batch import RolloutSample, collate_packed
 
     setup_megatron()
-    samples = [RolloutSample([1, 2], [3, 4, 5], 7, 1.0, True, [-0.5, -0.25, -0.1], {"uid": "a"}),
-               RolloutSample([9], [8], 8, -1.0, False, None, {}),
-               RolloutSample([70000, 6], [5, 4], 9, 0.5, True, [-1.0 / 3, -2.0], {"uid": "c"})]
+    samples = [
+        RolloutSample([1, 2], [3, 4, 5], 7, 1.0, True, [-0.5, -0.25, -0.1], {"uid": "a"}),
+        RolloutSample([9], [8], 8, -1.0, False, None, {}),
+        RolloutSample([70000, 6], [5, 4], 9, 0.5, True, [-1.0 / 3, -2.0], {"uid": "c"}),
+    ]
     samples[0].routed_experts = torch.arange(16, dtype=torch.int32).reshape(4, 4) % 7  # MoE routing (R3)
     samples[2].routed_experts = torch.full((3, 4), 127, dtype=torch.int32)
     received = broadcast_samples(samples if rank == 0 else None)
     storages = {t.untyped_storage().data_ptr() for s in received for t in (s.prompt_ids, s.response_ids)}
-    return {"samples": received, "token_storages": len(storages),
-            "batch": collate_packed(received, [0, 1, 2], 0, 1).tokens}
+    return {
+        "samples": received,
+        "token_storages": len(storages),
+        "batch": collate_packed(received, [0, 1, 2], 0, 1).tokens,
+    }
 
 
 def test_rollout_broadcast_keeps_tokens_in_tensors_and_round_trips_exactly():
@@ -148,9 +184,14 @@ def test_rollout_broadcast_keeps_tokens_in_tensors_and_round_trips_exactly():
             for tensor in (sample.prompt_ids, sample.response_ids):
                 assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int32 and tensor.dim() == 1
         assert result["token_storages"] == 1  # views of one flat token tensor, no per-token objects
-        assert [(s.prompt_ids.tolist(), s.response_ids.tolist(), s.group_id, s.reward, s.trainable, s.info)
-                for s in received] == [([1, 2], [3, 4, 5], 7, 1.0, True, {"uid": "a"}), ([9], [8], 8, -1.0, False, {}),
-                                       ([70000, 6], [5, 4], 9, 0.5, True, {"uid": "c"})]
+        assert [
+            (s.prompt_ids.tolist(), s.response_ids.tolist(), s.group_id, s.reward, s.trainable, s.info)
+            for s in received
+        ] == [
+            ([1, 2], [3, 4, 5], 7, 1.0, True, {"uid": "a"}),
+            ([9], [8], 8, -1.0, False, {}),
+            ([70000, 6], [5, 4], 9, 0.5, True, {"uid": "c"}),
+        ]
         assert received[1].rollout_logprobs is None and received[1].routed_experts is None
         assert torch.equal(received[0].routed_experts.int(), torch.arange(16, dtype=torch.int32).reshape(4, 4) % 7)
         assert torch.equal(received[2].routed_experts.int(), torch.full((3, 4), 127, dtype=torch.int32))

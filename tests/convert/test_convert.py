@@ -19,25 +19,67 @@ from megatron_zcpo.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 16  # short sequences: rotary tables of both libraries agree to fp32 rounding there
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=16384)
 # name -> (transformers family, config overrides, saved dtype, legacy (transformers<5) config style)
 CASES = {
-    "qwen2-gqa-tied": ("qwen2", dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=2,
-                                     tie_word_embeddings=True, rope_theta=1e6), torch.float32, False),
-    "qwen2-mha-untied-bf16": ("qwen2", dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=4,
-                                            tie_word_embeddings=False), torch.bfloat16, False),
-    "llama3-gqa-untied": ("llama", dict(vocab_size=400, num_hidden_layers=4, num_key_value_heads=2,
-                                        tie_word_embeddings=False, rope_theta=500000.0,
-                                        rope_scaling=LLAMA3_ROPE), torch.float32, True),
-    "llama-mha-tied": ("llama", dict(vocab_size=260, num_hidden_layers=2, num_key_value_heads=4,
-                                     tie_word_embeddings=True), torch.float32, False),
+    "qwen2-gqa-tied": (
+        "qwen2",
+        dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+        torch.float32,
+        False,
+    ),
+    "qwen2-mha-untied-bf16": (
+        "qwen2",
+        dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=4, tie_word_embeddings=False),
+        torch.bfloat16,
+        False,
+    ),
+    "llama3-gqa-untied": (
+        "llama",
+        dict(
+            vocab_size=400,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=LLAMA3_ROPE,
+        ),
+        torch.float32,
+        True,
+    ),
+    "llama-mha-tied": (
+        "llama",
+        dict(vocab_size=260, num_hidden_layers=2, num_key_value_heads=4, tie_word_embeddings=True),
+        torch.float32,
+        False,
+    ),
     # Qwen3: per-head q/k norms, no bias, head_dim 32 != hidden/heads = 16 (as Qwen3-4B: 128 vs 80)
-    "qwen3-gqa-tied-headdim": ("qwen3", dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=2, head_dim=32,
-                                             tie_word_embeddings=True, rope_theta=1e6), torch.float32, False),
-    "qwen3-mha-untied-bf16": ("qwen3", dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=4,
-                                            tie_word_embeddings=False), torch.bfloat16, True),
+    "qwen3-gqa-tied-headdim": (
+        "qwen3",
+        dict(
+            vocab_size=300,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+        ),
+        torch.float32,
+        False,
+    ),
+    "qwen3-mha-untied-bf16": (
+        "qwen3",
+        dict(vocab_size=300, num_hidden_layers=2, num_key_value_heads=4, tie_word_embeddings=False),
+        torch.bfloat16,
+        True,
+    ),
 }
 TOKENIZER_CASE = "qwen2-gqa-tied"
 STREAMING_CASE = "llama3-gqa-untied"
@@ -47,7 +89,22 @@ def _save_tokenizer(directory: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = "the quick brown fox jumps over lazy dog question what is answer because twelve".split()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "dog",
+        "question",
+        "what",
+        "is",
+        "answer",
+        "because",
+        "twelve",
+    ]
     vocab = {"<unk>": 0, **{word: i + 1 for i, word in enumerate(words)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -67,11 +124,13 @@ def _to_legacy_config(directory: Path) -> None:
 
 
 def _make_hf_model(directory: Path, family: str, overrides: dict, dtype: torch.dtype, seed: int) -> None:
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-                             "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**SMALL, **copy.deepcopy(overrides)))  # transformers edits rope dicts
     with torch.no_grad():  # random norms and biases, so a swapped or dropped one changes the logits
@@ -110,9 +169,9 @@ def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 def round_trips_and_logits(root: Path, names, tokens) -> dict:
     """In this process (after setup_megatron): HF -> Megatron -> HF of every case under ``root`` and
     {case: the converted checkpoint's Megatron logits for ``tokens(vocab_size)``} at TP1/EP1."""
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint
     from megatron_zcpo.convert.checkpoint import convert_megatron_to_hf
     from megatron_zcpo.convert.verify import megatron_logits
-    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
 
     logits = {}
@@ -129,7 +188,7 @@ def _convert_round_trip_and_tp1_logits(rank, world, root, names):
     """In one process: HF -> Megatron -> HF for every case, TP1 logits, a refused foreign config."""
     import dataclasses
 
-    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint, read_model_config
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
 
@@ -155,6 +214,7 @@ def _streaming_probe(case_dir: Path) -> dict:
     requested, alive_at_request, produced = [], [], []
 
     with SafetensorsCheckpoint(case_dir / "hf") as source:
+
         def global_tensor(name):
             alive_at_request.append(sum(ref() is not None for ref in produced))
             requested.append(name)
@@ -162,16 +222,21 @@ def _streaming_probe(case_dir: Path) -> dict:
             produced.append(weakref.ref(tensor))
             return tensor
 
-        save_streaming_checkpoint(case_dir / "streamed", model, global_tensor,
-                                  lambda name: mapping.hf_to_megatron_tensor(name, source.meta, model))
+        save_streaming_checkpoint(
+            case_dir / "streamed",
+            model,
+            global_tensor,
+            lambda name: mapping.hf_to_megatron_tensor(name, source.meta, model),
+        )
     return {"requested": requested, "max_alive": max(alive_at_request), "names": mapping.megatron_tensor_names(model)}
 
 
 def _parallel_logits(rank, world, tp, pp, root, names, resave):
     """Load every checkpoint at (TP, PP); optionally re-save one with megatron-core's own writer."""
-    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint, read_model_config, write_model_config
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config, write_model_config
     from megatron_zcpo.convert.verify import megatron_logits
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
@@ -221,7 +286,9 @@ def _assert_same_hf_checkpoint(expected_dir: Path, actual_dir: Path) -> None:
             a, b = actual.tensor(tensor_name), expected.tensor(tensor_name)
             assert a.dtype == b.dtype and a.shape == b.shape, tensor_name
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{tensor_name} differs"
-    assert json.loads((actual_dir / "config.json").read_text()) == json.loads((expected_dir / "config.json").read_text())
+    assert json.loads((actual_dir / "config.json").read_text()) == json.loads(
+        (expected_dir / "config.json").read_text()
+    )
 
 
 # ----------------------------------------------------------------------------- tests
@@ -234,7 +301,9 @@ def test_round_trip_reproduces_every_tensor_and_the_config(workdir, converted, n
     assert len(set(index["weight_map"].values())) > 1  # written in several shards
     assert (workdir / name / "hf_back" / "generation_config.json").is_file()
     if name == TOKENIZER_CASE:
-        assert (workdir / name / "hf_back" / "tokenizer.json").read_bytes() == (workdir / name / "hf" / "tokenizer.json").read_bytes()
+        assert (workdir / name / "hf_back" / "tokenizer.json").read_bytes() == (
+            workdir / name / "hf" / "tokenizer.json"
+        ).read_bytes()
 
 
 @pytest.mark.parametrize("layout", ["TP1", "TP2", "PP2"])
@@ -264,25 +333,50 @@ def test_checkpoint_of_another_architecture_is_refused(converted):
 
 
 def _run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tools" / script), *args], capture_output=True, text=True,
-                          timeout=600, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
 
 
 def test_tool_converts_a_megatron_saved_tp2_checkpoint_back_bit_exact(workdir, tp2_logits, tmp_path):
     # Saved by megatron-core's own writer from a TP=2 model: padded vocabulary 512, not 400.
-    result = _run_tool("convert_megatron_to_hf.py", "--ckpt", str(workdir / "llama3-gqa-untied" / "resaved_tp2_pp1"),
-                       "--out", str(tmp_path / "hf"))
+    result = _run_tool(
+        "convert_megatron_to_hf.py",
+        "--ckpt",
+        str(workdir / "llama3-gqa-untied" / "resaved_tp2_pp1"),
+        "--out",
+        str(tmp_path / "hf"),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    with SafetensorsCheckpoint(tmp_path / "hf") as back, SafetensorsCheckpoint(workdir / "llama3-gqa-untied" / "hf") as original:
+    with (
+        SafetensorsCheckpoint(tmp_path / "hf") as back,
+        SafetensorsCheckpoint(workdir / "llama3-gqa-untied" / "hf") as original,
+    ):
         assert sorted(back.names()) == sorted(original.names())
         for tensor_name in original.names():
             assert torch.equal(back.tensor(tensor_name), original.tensor(tensor_name)), tensor_name
 
 
 def test_tool_verify_reports_the_logit_difference_last(workdir, tmp_path):
-    result = _run_tool("convert_hf_to_megatron.py", "--hf-dir", str(workdir / TOKENIZER_CASE / "hf"),
-                       "--out", str(tmp_path / "megatron"), "--pp", "2", "--verify", "--tolerance", "1e-4",
-                       "--seq-length", str(SEQ))
+    result = _run_tool(
+        "convert_hf_to_megatron.py",
+        "--hf-dir",
+        str(workdir / TOKENIZER_CASE / "hf"),
+        "--out",
+        str(tmp_path / "megatron"),
+        "--pp",
+        "2",
+        "--verify",
+        "--tolerance",
+        "1e-4",
+        "--seq-length",
+        str(SEQ),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("max abs logit difference:"), result.stdout
@@ -293,18 +387,31 @@ def test_tool_verify_reports_the_logit_difference_last(workdir, tmp_path):
 
 
 def test_fused_qkv_is_megatrons_interleaved_per_group_layout():
-    model = ModelConfig(family="llama", vocab_size=10, hidden_size=8, num_attention_heads=6,
-                        num_key_value_heads=2, head_dim=3, num_layers=1, intermediate_size=4)
+    model = ModelConfig(
+        family="llama",
+        vocab_size=10,
+        hidden_size=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=3,
+        num_layers=1,
+        intermediate_size=4,
+    )
     d, per_group = model.head_dim, 3
     q = torch.arange(6 * d * 8, dtype=torch.float64).reshape(6 * d, 8)
     k = -1 - torch.arange(2 * d * 8, dtype=torch.float64).reshape(2 * d, 8)
     v = 1000 + torch.arange(2 * d * 8, dtype=torch.float64).reshape(2 * d, 8)
-    hf = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
-          "model.layers.0.self_attn.v_proj.weight": v}
+    hf = {
+        "model.layers.0.self_attn.q_proj.weight": q,
+        "model.layers.0.self_attn.k_proj.weight": k,
+        "model.layers.0.self_attn.v_proj.weight": v,
+    }
     fused = mapping.hf_to_megatron_tensor("decoder.layers.0.self_attention.linear_qkv.weight", hf.__getitem__, model)
     groups = fused.reshape(2, per_group + 2, d, 8)
     for g in range(2):
-        torch.testing.assert_close(groups[g, :per_group], q.reshape(6, d, 8)[g * per_group:(g + 1) * per_group], rtol=0, atol=0)
+        torch.testing.assert_close(
+            groups[g, :per_group], q.reshape(6, d, 8)[g * per_group : (g + 1) * per_group], rtol=0, atol=0
+        )
         torch.testing.assert_close(groups[g, per_group], k.reshape(2, d, 8)[g], rtol=0, atol=0)
         torch.testing.assert_close(groups[g, per_group + 1], v.reshape(2, d, 8)[g], rtol=0, atol=0)
     back = dict(mapping.megatron_to_hf_tensors("decoder.layers.0.self_attention.linear_qkv.weight", fused, model))
@@ -312,12 +419,24 @@ def test_fused_qkv_is_megatrons_interleaved_per_group_layout():
 
 
 def _v5_config(**changes) -> dict:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
-              "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 16384, "rms_norm_eps": 1e-5,
-              "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "dtype": "bfloat16",
-              "initializer_range": 0.02,
-              "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 16384,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "initializer_range": 0.02,
+        "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0},
+    }
     config.update(changes)
     return config
 
@@ -334,16 +453,19 @@ def test_config_round_trips_in_both_rope_styles():
     assert mapping.model_config_from_hf(mapping.hf_config_from_model_config(model)) == model
 
 
-@pytest.mark.parametrize("changes,named", [
-    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "mistral"),
-    (dict(architectures=["Qwen2ForCausalLM"]), "Qwen2ForCausalLM"),
-    (dict(hidden_size=None), "hidden_size"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(mlp_bias=True), "mlp_bias"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "yarn"),
-    (dict(rope_parameters={**LLAMA3_ROPE, "low_freq_factor": 2.0, "rope_theta": 1e6}), "low_freq_factor"),
-])
+@pytest.mark.parametrize(
+    "changes,named",
+    [
+        (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "mistral"),
+        (dict(architectures=["Qwen2ForCausalLM"]), "Qwen2ForCausalLM"),
+        (dict(hidden_size=None), "hidden_size"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "yarn"),
+        (dict(rope_parameters={**LLAMA3_ROPE, "low_freq_factor": 2.0, "rope_theta": 1e6}), "low_freq_factor"),
+    ],
+)
 def test_unsupported_configs_are_refused_by_name(changes, named):
     with pytest.raises((KeyError, ValueError), match=named):
         mapping.model_config_from_hf(_v5_config(**changes))
@@ -371,13 +493,22 @@ def _edited_copy(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("edit,error,named", [
-    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), KeyError, "model.layers.1.self_attn.k_proj.weight"),
-    (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 32)), ValueError,
-     "model.layers.0.mlp.up_proj.weight"),
-    (lambda t: t.__setitem__("model.layers.0.self_attn.q_norm.weight", torch.ones(16)), ValueError,
-     "model.layers.0.self_attn.q_norm.weight"),
-])
+@pytest.mark.parametrize(
+    "edit,error,named",
+    [
+        (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), KeyError, "model.layers.1.self_attn.k_proj.weight"),
+        (
+            lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 32)),
+            ValueError,
+            "model.layers.0.mlp.up_proj.weight",
+        ),
+        (
+            lambda t: t.__setitem__("model.layers.0.self_attn.q_norm.weight", torch.ones(16)),
+            ValueError,
+            "model.layers.0.self_attn.q_norm.weight",
+        ),
+    ],
+)
 def test_broken_hf_checkpoints_fail_naming_the_tensor_before_writing(workdir, tmp_path, edit, error, named):
     broken = _edited_copy(workdir / "qwen2-gqa-tied" / "hf", tmp_path / "broken", edit)
     with pytest.raises(error, match=named.replace(".", r"\.")):

@@ -16,20 +16,56 @@ from megatron_zcpo.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 16
-TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, num_experts=4, num_experts_per_tok=2)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
 # name -> (transformers family, config overrides, saved dtype)
 CASES = {
     # Qwen3-MoE as released: renormalised top-k, every layer sparse, q/k norms, head_dim != hidden/heads
-    "qwen3moe-untied": ("qwen3_moe", dict(vocab_size=300, num_hidden_layers=2, head_dim=32, norm_topk_prob=True,
-                                          tie_word_embeddings=False, rope_theta=1e6), torch.float32),
+    "qwen3moe-untied": (
+        "qwen3_moe",
+        dict(
+            vocab_size=300,
+            num_hidden_layers=2,
+            head_dim=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            rope_theta=1e6,
+        ),
+        torch.float32,
+    ),
     # a dense first layer (mlp_only_layers), no renormalisation (pre-softmax), tied, stored in bf16
-    "qwen3moe-dense-first-bf16": ("qwen3_moe", dict(vocab_size=260, num_hidden_layers=2, head_dim=16,
-                                                    norm_topk_prob=False, mlp_only_layers=[0],
-                                                    tie_word_embeddings=True), torch.bfloat16),
+    "qwen3moe-dense-first-bf16": (
+        "qwen3_moe",
+        dict(
+            vocab_size=260,
+            num_hidden_layers=2,
+            head_dim=16,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+            tie_word_embeddings=True,
+        ),
+        torch.bfloat16,
+    ),
     # Qwen2-MoE: q/k/v biases and a sigmoid-gated shared expert
-    "qwen2moe-shared-expert": ("qwen2_moe", dict(vocab_size=300, num_hidden_layers=2, shared_expert_intermediate_size=48,
-                                                 norm_topk_prob=False, tie_word_embeddings=False), torch.float32),
+    "qwen2moe-shared-expert": (
+        "qwen2_moe",
+        dict(
+            vocab_size=300,
+            num_hidden_layers=2,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        torch.float32,
+    ),
 }
 RESAVED = "qwen3moe-untied"
 
@@ -37,8 +73,10 @@ RESAVED = "qwen3moe-untied"
 def _make_hf_model(directory: Path, family: str, overrides: dict, dtype: torch.dtype, seed: int) -> None:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config_cls, model_cls = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-                             "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}[family]
+    config_cls, model_cls = {
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    }[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**TINY, **copy.deepcopy(overrides)))
     with torch.no_grad():  # every tensor random: a swapped expert, router row or norm changes the logits
@@ -78,10 +116,11 @@ def _convert_round_trip_and_logits(rank, world, root, names):
 
 def _expert_parallel_logits(rank, world, root, names, resave):
     """Load every checkpoint at EP2 (two ranks, one expert half each); re-save one with megatron-core's writer."""
-    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config, write_model_config
     from megatron_zcpo.convert.verify import megatron_logits
-    from megatron_zcpo.megatron.checkpoint import load_model_checkpoint, read_model_config, write_model_config
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
     from megatron_zcpo.megatron.weights import named_global_parameters
@@ -100,8 +139,13 @@ def _expert_parallel_logits(rank, world, root, names, resave):
                 write_model_config(target, model)
             torch.distributed.barrier()
             dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(target))
-            experts = sorted({n.split(".mlp.experts.local_experts.")[1].split(".")[0]
-                              for n, _ in named_global_parameters(gpt) if ".local_experts." in n})
+            experts = sorted(
+                {
+                    n.split(".mlp.experts.local_experts.")[1].split(".")[0]
+                    for n, _ in named_global_parameters(gpt)
+                    if ".local_experts." in n
+                }
+            )
     return {"logits": logits if ps.get_data_parallel_rank() == 0 else None, "experts": experts}
 
 
@@ -119,8 +163,14 @@ def ep2(workdir, converted):
 
 
 def _run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tools" / script), *args], capture_output=True, text=True,
-                          timeout=600, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
 
 
 # ----------------------------------------------------------------------------- tests
@@ -128,7 +178,10 @@ def _run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_round_trip_reproduces_every_tensor_and_the_config(workdir, converted, name):
-    with SafetensorsCheckpoint(workdir / name / "hf") as expected, SafetensorsCheckpoint(workdir / name / "hf_back") as actual:
+    with (
+        SafetensorsCheckpoint(workdir / name / "hf") as expected,
+        SafetensorsCheckpoint(workdir / name / "hf_back") as actual,
+    ):
         assert sorted(actual.names()) == sorted(expected.names())
         assert any(".mlp.experts.3.down_proj" in n for n in expected.names())
         for tensor_name in expected.names():
@@ -153,8 +206,9 @@ def test_logits_match_transformers_at_ep1_and_ep2(workdir, converted, ep2):
 
 def test_expert_parallel_checkpoint_converts_back_bit_exact(workdir, ep2, tmp_path):
     """Saved by megatron-core's own writer at EP2 (each rank its experts), read back in one process."""
-    result = _run_tool("convert_megatron_to_hf.py", "--ckpt", str(workdir / RESAVED / "resaved_ep2"),
-                       "--out", str(tmp_path / "hf"))
+    result = _run_tool(
+        "convert_megatron_to_hf.py", "--ckpt", str(workdir / RESAVED / "resaved_ep2"), "--out", str(tmp_path / "hf")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     with SafetensorsCheckpoint(tmp_path / "hf") as back, SafetensorsCheckpoint(workdir / RESAVED / "hf") as original:
         assert sorted(back.names()) == sorted(original.names())
@@ -164,9 +218,25 @@ def test_expert_parallel_checkpoint_converts_back_bit_exact(workdir, ep2, tmp_pa
 
 def test_tool_verifies_at_tp2_x_ep2(workdir, tmp_path):
     """--tp 2 --ep 2 --etp 1 (the experts split over the TP ranks, as slime's tp4/ep8/etp1), with SP."""
-    result = _run_tool("convert_hf_to_megatron.py", "--hf-dir", str(workdir / "qwen2moe-shared-expert" / "hf"),
-                       "--out", str(tmp_path / "megatron"), "--tp", "2", "--ep", "2", "--etp", "1",
-                       "--sequence-parallel", "--verify", "--tolerance", "1e-4", "--seq-length", str(SEQ))
+    result = _run_tool(
+        "convert_hf_to_megatron.py",
+        "--hf-dir",
+        str(workdir / "qwen2moe-shared-expert" / "hf"),
+        "--out",
+        str(tmp_path / "megatron"),
+        "--tp",
+        "2",
+        "--ep",
+        "2",
+        "--etp",
+        "1",
+        "--sequence-parallel",
+        "--verify",
+        "--tolerance",
+        "1e-4",
+        "--seq-length",
+        str(SEQ),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "EP=2 ETP=1" in result.stdout and "active" in result.stdout
     assert float(result.stdout.strip().splitlines()[-1].split(":")[1]) < 1e-4
@@ -184,8 +254,15 @@ def test_experts_not_divisible_by_expert_parallelism_are_refused(workdir):
         check_parallel_layout(model, 1, 1, expert_parallel=2, expert_tensor_parallel=3)
     with pytest.raises(ValueError, match=r"parallel\.expert=3 must divide the model's num_experts=4"):
         transformer_config(model, expert_parallel=3)
-    result = _run_tool("convert_hf_to_megatron.py", "--hf-dir", str(workdir / "qwen3moe-untied" / "hf"),
-                       "--out", str(workdir / "never"), "--ep", "3")
+    result = _run_tool(
+        "convert_hf_to_megatron.py",
+        "--hf-dir",
+        str(workdir / "qwen3moe-untied" / "hf"),
+        "--out",
+        str(workdir / "never"),
+        "--ep",
+        "3",
+    )
     assert result.returncode != 0 and "not divisible by expert parallelism 3" in result.stderr
     assert not (workdir / "never").exists()
 
@@ -206,17 +283,30 @@ def test_moe_config_fields_round_trip_and_count_active_parameters(workdir):
 
 
 def test_unknown_expert_tensors_are_named():
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 100,
-              "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128, "num_experts": 4,
-              "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    }
     model = mapping.model_config_from_hf(config)
     with pytest.raises(KeyError, match="local_experts.4"):
-        mapping.megatron_to_hf_tensors("decoder.layers.0.mlp.experts.local_experts.4.linear_fc2.weight",
-                                       torch.zeros(64, 32), model)
+        mapping.megatron_to_hf_tensors(
+            "decoder.layers.0.mlp.experts.local_experts.4.linear_fc2.weight", torch.zeros(64, 32), model
+        )
     with pytest.raises(ValueError, match=r"mlp\.experts\.local_experts\.1\.linear_fc1"):
-        mapping.megatron_to_hf_tensors("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight",
-                                       torch.zeros(32, 64), model)
+        mapping.megatron_to_hf_tensors(
+            "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", torch.zeros(32, 64), model
+        )
     with pytest.raises(KeyError, match="num_experts"):
         mapping.model_config_from_hf({k: v for k, v in config.items() if k != "num_experts"})
 
@@ -225,8 +315,12 @@ def test_transformer_engine_grouped_expert_names_map_to_global_indices():
     """TE's grouped MLP names experts ``linear_fc1.weight{j}``; SequentialMLP ``local_experts.{j}``: same global name."""
     from megatron_zcpo.megatron.weights import global_name
 
-    assert (global_name("decoder.layers.1.mlp.experts.linear_fc1.weight3", 4, expert_offset=8)
-            == "decoder.layers.5.mlp.experts.local_experts.11.linear_fc1.weight")
-    assert (global_name("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight", 4, expert_offset=8)
-            == "decoder.layers.5.mlp.experts.local_experts.11.linear_fc2.weight")
+    assert (
+        global_name("decoder.layers.1.mlp.experts.linear_fc1.weight3", 4, expert_offset=8)
+        == "decoder.layers.5.mlp.experts.local_experts.11.linear_fc1.weight"
+    )
+    assert (
+        global_name("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight", 4, expert_offset=8)
+        == "decoder.layers.5.mlp.experts.local_experts.11.linear_fc2.weight"
+    )
     assert global_name("decoder.layers.0.mlp.router.weight", 2, expert_offset=8) == "decoder.layers.2.mlp.router.weight"

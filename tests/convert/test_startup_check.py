@@ -5,9 +5,17 @@ import torch
 
 from megatron_zcpo.testing import run_distributed
 
-HF_CONFIG = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-                 initializer_range=0.2)  # large weights: a swapped gate/up moves the log-probs visibly
+HF_CONFIG = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    initializer_range=0.2,
+)  # large weights: a swapped gate/up moves the log-probs visibly
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +36,21 @@ def _gaps(rank, world, hf_dir, tp):
     from megatron_zcpo.convert.mapping import hf_to_megatron_tensors
     from megatron_zcpo.convert.verify import check_policy_against_hf
     from megatron_zcpo.megatron.initialize import setup_megatron
-    from megatron_zcpo.megatron.train_config import ParallelConfig, TrainConfig
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
+    from megatron_zcpo.training.config import ParallelConfig, TrainConfig
+    from megatron_zcpo.training.trainer import PolicyTrainer
 
     setup_megatron(tensor_parallel=tp, seed=3)
     model = model_config_at(hf_dir)
     weights = dict(hf_to_megatron_tensors(SafetensorsCheckpoint(hf_dir).tensor, model))
 
     def trainer(initial):
-        return PolicyTrainer(model, AlgorithmConfig(name="zcpo"), TrainConfig(), initial_weights=initial,
-                             parallel=ParallelConfig(tensor=tp, sequence_parallel=tp > 1))
+        return PolicyTrainer(
+            model,
+            AlgorithmConfig(name="zcpo"),
+            TrainConfig(),
+            initial_weights=initial,
+            parallel=ParallelConfig(tensor=tp, sequence_parallel=tp > 1),
+        )
 
     gap = check_policy_against_hf(trainer(weights), hf_dir)
     name = "decoder.layers.0.mlp.linear_fc1.weight"
@@ -75,10 +88,28 @@ def test_convert_tool_verifies_at_tp2_with_sequence_parallelism(hf_dir, tmp_path
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, str(root / "tools" / "convert_hf_to_megatron.py"), "--hf-dir", str(hf_dir),
-                             "--out", str(tmp_path / "megatron"), "--tp", "2", "--sequence-parallel", "--verify",
-                             "--tolerance", "1e-4", "--seq-length", "16"],
-                            capture_output=True, text=True, cwd=root, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tools" / "convert_hf_to_megatron.py"),
+            "--hf-dir",
+            str(hf_dir),
+            "--out",
+            str(tmp_path / "megatron"),
+            "--tp",
+            "2",
+            "--sequence-parallel",
+            "--verify",
+            "--tolerance",
+            "1e-4",
+            "--seq-length",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert "TP=2 PP=1 SP=True" in lines[-2] and float(lines[-1].split(":")[1]) < 1e-4, result.stdout

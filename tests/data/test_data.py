@@ -110,7 +110,9 @@ def test_bad_rows_are_reported_with_line_numbers(tmp_path):
 
 def test_bad_parquet_rows_name_the_row(tmp_path):
     path = str(tmp_path / "rows.parquet")
-    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "", "answer": "2"}]), path)
+    pyarrow.parquet.write_table(
+        pyarrow.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "", "answer": "2"}]), path
+    )
     with pytest.raises(DataError, match=r"rows.parquet:2 \(row 2\): 'prompt' is empty"):
         read_prompt_file(path)
 
@@ -118,9 +120,15 @@ def test_bad_parquet_rows_name_the_row(tmp_path):
 def test_chat_template_and_plain_fallback(qwen_tokenizer, bpe_tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 2?"}]
     text, add_special = render_prompt(messages, qwen_tokenizer)
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert add_special is False
-    assert render_prompt(messages, qwen_tokenizer, "plain") == ("System: Be brief.\n\nUser: What is 1 + 2?\n\nAssistant:", True)
+    assert render_prompt(messages, qwen_tokenizer, "plain") == (
+        "System: Be brief.\n\nUser: What is 1 + 2?\n\nAssistant:",
+        True,
+    )
     assert render_prompt(messages, bpe_tokenizer) == render_prompt(messages, qwen_tokenizer, "plain")
 
     records = [PromptRecord(uid=f"r{i}", messages=messages, answer="3") for i in range(2)]
@@ -163,7 +171,9 @@ def test_prompt_length_filter_counts_tokens(bpe_tokenizer):
 
 
 def _records(count):
-    return [PromptRecord(uid=f"r{i}", messages=[{"role": "user", "content": str(i)}], answer=str(i)) for i in range(count)]
+    return [
+        PromptRecord(uid=f"r{i}", messages=[{"role": "user", "content": str(i)}], answer=str(i)) for i in range(count)
+    ]
 
 
 def test_stream_epochs_are_seeded_permutations():
@@ -199,14 +209,18 @@ def test_resume_reproduces_the_same_prompts():
 
 def test_reasoning_gym_records_are_seeded_and_verifiable():
     first = reasoning_gym_records("chain_sum", size=5, seed=7, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
-    assert first == reasoning_gym_records("chain_sum", size=5, seed=7, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
-    assert first != reasoning_gym_records("chain_sum", size=5, seed=8, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    assert first == reasoning_gym_records(
+        "chain_sum", size=5, seed=7, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
+    assert first != reasoning_gym_records(
+        "chain_sum", size=5, seed=8, min_terms=2, max_terms=2, min_digits=1, max_digits=1
+    )
     for index, record in enumerate(first):
         assert record.uid == f"reasoning_gym/chain_sum:{index}"
         assert record.data_source == "reasoning_gym/chain_sum"
         assert record.messages[0]["content"].endswith("\nPut the final answer in \\boxed{}.")
         # the answer is the value of the expression in the task's metadata
-        assert int(record.answer) == eval(record.extra_info["expression"])  # noqa: S307 - digits and +/- only
+        assert int(record.answer) == eval(record.extra_info["expression"])
     with pytest.raises(DataError, match="unknown reasoning-gym task 'no_such_task'; known tasks: .*basic_arithmetic"):
         reasoning_gym_records("no_such_task", size=1, seed=0)
     with pytest.raises(DataError, match="bad task options"):
@@ -219,8 +233,18 @@ def test_worked_steps_of_the_scratchpad_task_reach_the_answer_and_score():
 
     assert worked_steps("4 - 1 - 7") == ["4-1=3", "3-7=-4"]
     assert worked_steps("10 + 0") == ["10+0=10"]
-    records = reasoning_gym_records("basic_arithmetic", size=50, seed=3, min_terms=3, max_terms=5, min_digits=1,
-                                    max_digits=1, operators=("+", "-"), allow_parentheses=False, allow_negation=False)
+    records = reasoning_gym_records(
+        "basic_arithmetic",
+        size=50,
+        seed=3,
+        min_terms=3,
+        max_terms=5,
+        min_digits=1,
+        max_digits=1,
+        operators=("+", "-"),
+        allow_parentheses=False,
+        allow_negation=False,
+    )
     for record in records:
         steps = worked_steps(record.extra_info["expression"])
         assert len(steps) == record.extra_info["num_terms"] - 1

@@ -11,13 +11,20 @@ from megatron_zcpo.diagnostics.drift import drift_dispersion, gvpo_noise_rms, he
 
 def _stats(group_ids, rewards, lengths, kl_sum, k1_sum):
     as64 = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
-    return ResponseStats(torch.tensor(group_ids), as64(rewards), as64(lengths), kl_sum=as64(kl_sum), k1_sum=as64(k1_sum))
+    return ResponseStats(
+        torch.tensor(group_ids), as64(rewards), as64(lengths), kl_sum=as64(kl_sum), k1_sum=as64(k1_sum)
+    )
 
 
 # Three groups of one-token responses: within a group every response shares the context, so the
 # conditional KL is the same while k1 differs with the sampled token; group 2's rewards tie.
-SINGLE_TOKEN = dict(group_ids=[0, 0, 0, 0, 1, 1, 1, 2, 2], rewards=[1, 0, 0, 1, 0, 1, 0, 1, 1], lengths=[1] * 9,
-                    kl_sum=[0.03] * 4 + [0.01] * 3 + [0.02] * 2, k1_sum=[0.2, -0.1, 0.05, 0.4, -0.3, 0.1, 0.2, 0.7, -0.2])
+SINGLE_TOKEN = dict(
+    group_ids=[0, 0, 0, 0, 1, 1, 1, 2, 2],
+    rewards=[1, 0, 0, 1, 0, 1, 0, 1, 1],
+    lengths=[1] * 9,
+    kl_sum=[0.03] * 4 + [0.01] * 3 + [0.02] * 2,
+    k1_sum=[0.2, -0.1, 0.05, 0.4, -0.3, 0.1, 0.2, 0.7, -0.2],
+)
 
 
 def test_f7_rmse_is_on_k_and_the_coefficient_residual_is_beta_times_it():
@@ -28,8 +35,12 @@ def test_f7_rmse_is_on_k_and_the_coefficient_residual_is_beta_times_it():
     assert float(k1_drift_rmse(stats)) == pytest.approx(expected, rel=1e-12)
     # For a ZCPO run: C^k1 - C^kappa = -beta (K^k1 - K^kappa), so the old coefficient-level figure was beta x.
     beta = 3.0
-    coefficients = {drift: build_algorithm(AlgorithmConfig(name="zcpo", beta=beta, drift=drift).resolved())
-                    .coefficients(stats).double() for drift in ("k1", "conditional_kl")}
+    coefficients = {
+        drift: build_algorithm(AlgorithmConfig(name="zcpo", beta=beta, drift=drift).resolved())
+        .coefficients(stats)
+        .double()
+        for drift in ("k1", "conditional_kl")
+    }
     residual = (coefficients["k1"] - coefficients["conditional_kl"])[:7]
     assert float(residual.square().mean().sqrt()) == pytest.approx(beta * expected, rel=1e-12)
     # k1 equal to the conditional KL (no token-sampling noise): zero RMSE
@@ -73,23 +84,33 @@ def test_f7_dispersion_ratio_is_one_when_k1_is_pure_sampling_noise():
     exact_ratio = math.sqrt(float((p * (delta - kl).square()).sum()) / (2 * kl))
     groups, G, T = 375, 8, 16
     tokens = torch.multinomial(p.expand(groups * G, -1), T, replacement=True, generator=generator)
-    stats = ResponseStats(torch.arange(groups).repeat_interleave(G), torch.arange(groups * G).double() % 2,
-                          torch.full((groups * G,), float(T), dtype=torch.float64),
-                          kl_sum=torch.full((groups * G,), T * kl, dtype=torch.float64), k1_sum=delta[tokens].sum(-1))
+    stats = ResponseStats(
+        torch.arange(groups).repeat_interleave(G),
+        torch.arange(groups * G).double() % 2,
+        torch.full((groups * G,), float(T), dtype=torch.float64),
+        kl_sum=torch.full((groups * G,), T * kl, dtype=torch.float64),
+        k1_sum=delta[tokens].sum(-1),
+    )
     dispersion = drift_dispersion(stats)
     assert abs(exact_ratio - 1) < 0.05  # the small-KL approximation itself
     assert float(dispersion.k1_ratio) == pytest.approx(exact_ratio, rel=0.04)  # sd of the estimate ~ 1.4%
     assert float(dispersion.reference_scale) == pytest.approx(math.sqrt(2 * kl / T), rel=1e-12)
     # and the RMSE on K is the k1 noise itself: sqrt((G-1)/G) of the per-response sd
     assert float(k1_drift_rmse(stats)) == pytest.approx(
-        exact_ratio * math.sqrt(2 * kl / T) * math.sqrt((G - 1) / G), rel=0.04)
+        exact_ratio * math.sqrt(2 * kl / T) * math.sqrt((G - 1) / G), rel=0.04
+    )
 
 
 def test_gvpo_noise_rms_is_beta_times_the_centred_sequence_sum_residual():
     # residual S^k1 - S^kappa = (1.5, -0.5, 3.5, -2.5) in group 0 (mean 0.5 -> (1, -1, 3, -3)): RMS sqrt(5);
     # not length-normalised (GVPO's x_i is a sum); group 1 is tied and left out.
-    stats = _stats([0, 0, 0, 0, 1, 1], [1, 0, 1, 0, 2, 2], [3, 30, 7, 1, 2, 2],
-                   [0.5, 1.0, 0.5, 3.0, 0.0, 0.0], [2.0, 0.5, 4.0, 0.5, 9.0, -9.0])
+    stats = _stats(
+        [0, 0, 0, 0, 1, 1],
+        [1, 0, 1, 0, 2, 2],
+        [3, 30, 7, 1, 2, 2],
+        [0.5, 1.0, 0.5, 3.0, 0.0, 0.0],
+        [2.0, 0.5, 4.0, 0.5, 9.0, -9.0],
+    )
     assert float(gvpo_noise_rms(stats, beta=0.1)) == pytest.approx(0.1 * math.sqrt(5.0), rel=1e-12)
 
 

@@ -17,7 +17,6 @@ from megatron_zcpo.diagnostics.statistics import (
     top_shares,
 )
 
-
 # ------------------------------------------------------------------------------------------ F6
 
 
@@ -65,6 +64,7 @@ def test_top_shares_reduce_adds_ranks():
             total = slots[0] + slots[1]
             barrier.wait()
             return total
+
         results[rank] = top_shares(halves[rank], [0.05, 0.25], reduce)
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in (0, 1)]
@@ -131,26 +131,40 @@ def test_decile_medians():
 
 
 def _loss_inputs(coefficients, logprob, mask, ref_shift=0.3):
-    from megatron_zcpo.megatron.update import LossInputs
+    from megatron_zcpo.training.update import LossInputs
 
-    return LossInputs(sample_indices=list(range(logprob.shape[0])), logprob=logprob,
-                      old_logprob=logprob.detach().clone(), ref_logprob=logprob.detach() - ref_shift * mask,
-                      mask=mask, coefficients=coefficients.float(), normalizer=float(mask.sum()), current_kl=None,
-                      token_weight=None, group_ids=torch.zeros(logprob.shape[0], dtype=torch.long))
+    return LossInputs(
+        sample_indices=list(range(logprob.shape[0])),
+        logprob=logprob,
+        old_logprob=logprob.detach().clone(),
+        ref_logprob=logprob.detach() - ref_shift * mask,
+        mask=mask,
+        coefficients=coefficients.float(),
+        normalizer=float(mask.sum()),
+        current_kl=None,
+        token_weight=None,
+        group_ids=torch.zeros(logprob.shape[0], dtype=torch.long),
+    )
 
 
-@pytest.mark.parametrize("config", [
-    dict(name="zcpo", beta=2.0),
-    dict(name="zcpo", beta=2.0, gate=False),
-    dict(name="grpo", kl_loss="k3", kl_coef=0.04),
-    dict(name="dapo", kl_in_reward_coef=0.1, kl_loss="k2", kl_coef=0.01, agg="seq-mean-token-mean"),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(name="zcpo", beta=2.0),
+        dict(name="zcpo", beta=2.0, gate=False),
+        dict(name="grpo", kl_loss="k3", kl_coef=0.04),
+        dict(name="dapo", kl_in_reward_coef=0.1, kl_loss="k2", kl_coef=0.01, agg="seq-mean-token-mean"),
+    ],
+)
 def test_branches_add_up_to_the_training_loss_without_clipping(config):
     group_ids = torch.tensor([0, 0, 0, 1, 1])
-    stats = ResponseStats(group_ids, torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0], dtype=torch.float64),
-                          torch.tensor([3.0, 2.0, 4.0, 1.0, 2.0], dtype=torch.float64),
-                          kl_sum=torch.tensor([0.3, 0.1, 0.2, 0.05, 0.3], dtype=torch.float64),
-                          k1_sum=torch.tensor([0.2, -0.1, 0.4, 0.1, 0.3], dtype=torch.float64))
+    stats = ResponseStats(
+        group_ids,
+        torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0], dtype=torch.float64),
+        torch.tensor([3.0, 2.0, 4.0, 1.0, 2.0], dtype=torch.float64),
+        kl_sum=torch.tensor([0.3, 0.1, 0.2, 0.05, 0.3], dtype=torch.float64),
+        k1_sum=torch.tensor([0.2, -0.1, 0.4, 0.1, 0.3], dtype=torch.float64),
+    )
     algorithm = build_algorithm(AlgorithmConfig(**config))
     split = BranchSplit(algorithm, stats)
     coefficients = algorithm.coefficients(stats)
@@ -158,9 +172,17 @@ def test_branches_add_up_to_the_training_loss_without_clipping(config):
     mask = (torch.arange(4)[None, :] < stats.lengths[:, None]).float()
     logprob = (-torch.rand(5, 4, generator=torch.Generator().manual_seed(1)) - 0.1).requires_grad_(True)
     inputs = _loss_inputs(coefficients, logprob, mask)
-    (total_grad,) = torch.autograd.grad(algorithm.loss(logprob, inputs.old_logprob, mask, inputs.coefficients,
-                                                       normalizer=inputs.normalizer, ref_logprob=inputs.ref_logprob
-                                                       ).loss, logprob)
+    (total_grad,) = torch.autograd.grad(
+        algorithm.loss(
+            logprob,
+            inputs.old_logprob,
+            mask,
+            inputs.coefficients,
+            normalizer=inputs.normalizer,
+            ref_logprob=inputs.ref_logprob,
+        ).loss,
+        logprob,
+    )
     (split_grad,) = torch.autograd.grad(split.reward_loss(inputs) + split.kl_loss(inputs), logprob)
     torch.testing.assert_close(split_grad, total_grad, rtol=1e-6, atol=1e-8)
     if config["name"] == "zcpo":  # the tied group's KL part: 0 when gated, else -beta * K = -+beta * 0.05
@@ -176,8 +198,14 @@ def test_restrict_keeps_only_the_selected_tokens_gradient():
     inputs = _loss_inputs(torch.tensor([0.7, -0.7]), logprob, mask)
 
     def loss(given):
-        return algorithm.loss(given.logprob, given.old_logprob, given.mask, given.coefficients,
-                              normalizer=given.normalizer, ref_logprob=given.ref_logprob).loss
+        return algorithm.loss(
+            given.logprob,
+            given.old_logprob,
+            given.mask,
+            given.coefficients,
+            normalizer=given.normalizer,
+            ref_logprob=given.ref_logprob,
+        ).loss
 
     (full,) = torch.autograd.grad(loss(inputs), logprob)
     selection = torch.tensor([[True, False, False], [False, False, True]])
@@ -192,12 +220,19 @@ def test_restrict_keeps_only_the_selected_tokens_gradient():
 
 def test_config_validation_names_the_key():
     DiagnosticsConfig().validate()
-    for overrides, key in [({"families": ["f8"]}, "families"), ({"families": ["f1", "f1"]}, "families"),
-                           ({"every": 0}, "every"), ({"groups": 1}, "groups"), ({"seed": -1}, "seed"),
-                           ({"cancellation_tokens": 2.5}, "cancellation_tokens"),
-                           ({"top_fractions": [0.0]}, "top_fractions"), ({"top_fractions": []}, "top_fractions"),
-                           ({"position_buckets": [10, 5]}, "position_buckets"),
-                           ({"position_buckets": [0, 5]}, "position_buckets"), ({"enabled": "yes"}, "enabled")]:
+    for overrides, key in [
+        ({"families": ["f8"]}, "families"),
+        ({"families": ["f1", "f1"]}, "families"),
+        ({"every": 0}, "every"),
+        ({"groups": 1}, "groups"),
+        ({"seed": -1}, "seed"),
+        ({"cancellation_tokens": 2.5}, "cancellation_tokens"),
+        ({"top_fractions": [0.0]}, "top_fractions"),
+        ({"top_fractions": []}, "top_fractions"),
+        ({"position_buckets": [10, 5]}, "position_buckets"),
+        ({"position_buckets": [0, 5]}, "position_buckets"),
+        ({"enabled": "yes"}, "enabled"),
+    ]:
         with pytest.raises(ValueError, match=f"diagnostics.{key}"):
             DiagnosticsConfig(**overrides).validate()
 
@@ -206,8 +241,9 @@ def test_build_diagnostics_from_the_config_section():
     from megatron_zcpo.utils.config_loader import ConfigError
 
     assert build_diagnostics({"every": 5}) is None  # disabled by default
-    hook = build_diagnostics({"enabled": True, "every": 5, "families": ["f6", "f7"], "seed": 7},
-                             AlgorithmConfig(name="gvpo"))  # no branch family: fine for gvpo
+    hook = build_diagnostics(
+        {"enabled": True, "every": 5, "families": ["f6", "f7"], "seed": 7}, AlgorithmConfig(name="gvpo")
+    )  # no branch family: fine for gvpo
     assert isinstance(hook, KLDiagnostics)
     assert [hook.due(step) for step in range(11)] == [s % 5 == 0 for s in range(11)]
     with pytest.raises(ConfigError, match="diagnostics.evry"):

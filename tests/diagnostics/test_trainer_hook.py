@@ -27,10 +27,21 @@ def test_hook_runs_every_family_through_train_step(single):
     for algorithm in ("zcpo", "grpo"):
         assert single[f"{algorithm}_update_change"] == 0.0  # the probes never reach the optimizer
         metrics = single[algorithm]
-        for name in ("grad_kl_share", "f2_cancellation", "f2_kl_share_high_cancellation", "f3_tied_group_fraction",
-                     "f4_corr_length_kl_sum", "f5_kl_share_long", "f6_kl_top1pct_share", "f6_first_token_kl",
-                     "f6_head10_var_share", "f7_k1_drift_rmse", "f7_noise_reference_scale",
-                     "f7_k1_dispersion_ratio", "f7_gvpo_noise_rms"):
+        for name in (
+            "grad_kl_share",
+            "f2_cancellation",
+            "f2_kl_share_high_cancellation",
+            "f3_tied_group_fraction",
+            "f4_corr_length_kl_sum",
+            "f5_kl_share_long",
+            "f6_kl_top1pct_share",
+            "f6_first_token_kl",
+            "f6_head10_var_share",
+            "f7_k1_drift_rmse",
+            "f7_noise_reference_scale",
+            "f7_k1_dispersion_ratio",
+            "f7_gvpo_noise_rms",
+        ):
             assert math.isfinite(metrics[f"diag/{name}"]), (algorithm, name)
         assert metrics["diag/f3_tied_group_fraction"] == 0.2  # one group of five has identical rewards
         assert 0 < metrics["diag/grad_kl_share"] < 1
@@ -41,8 +52,9 @@ def test_hook_runs_every_family_through_train_step(single):
     assert 0 <= single["grpo"]["diag/f1_closed_fraction"] < 1
 
 
-@pytest.mark.parametrize("tp,pp,world", [pytest.param(2, 1, 2, id="TP2"), pytest.param(1, 2, 2, id="PP2"),
-                                         pytest.param(1, 1, 2, id="DP2")])
+@pytest.mark.parametrize(
+    "tp,pp,world", [pytest.param(2, 1, 2, id="TP2"), pytest.param(1, 2, 2, id="PP2"), pytest.param(1, 1, 2, id="DP2")]
+)
 def test_layouts_give_the_single_process_values(single, weights, tp, pp, world):
     results = run_distributed(diagnostics_cases.hook_metrics, world, tp, pp, *weights)
     for rank, result in enumerate(results):
@@ -66,8 +78,13 @@ def test_f2_shared_prefix_cancels_exactly(closed):
         assert metrics["diag/grad_reward_norm"] < 1e-6
     # vanilla: the KL loss does not cancel, so it is the whole gradient of these groups
     assert result["grpo"]["diag/grad_kl_norm"] > 1e-4
-    for name in ("grad_kl_share", "f2_kl_share_low_cancellation", "f2_kl_share_high_cancellation",
-                 "f5_kl_share_short", "f5_kl_share_long"):
+    for name in (
+        "grad_kl_share",
+        "f2_kl_share_low_cancellation",
+        "f2_kl_share_high_cancellation",
+        "f5_kl_share_short",
+        "f5_kl_share_long",
+    ):
         assert result["grpo"][f"diag/{name}"] == pytest.approx(1.0, abs=1e-4), name
     # ZCPO: identical responses have identical drift, so K = 0 and there is no KL branch at all
     assert result["zcpo"]["diag/grad_kl_norm"] == 0.0
@@ -95,7 +112,7 @@ def test_f7_single_token_groups(closed):
 
 def test_f1_closed_gates(closed):
     result = closed["clipped_last_minibatch"]
-    for name, case in result.items():
+    for case in result.values():
         metrics = case["metrics"]
         assert case["first"] == {}  # F1 is measured before the last mini-batch only
         assert metrics["diag/f1_closed_tokens"] == case["closed_tokens"] > 0
@@ -108,7 +125,8 @@ def test_f1_closed_gates(closed):
     vanilla = result["grpo"]["metrics"]
     assert 0 < vanilla["diag/f1_kl_share_closed"] < 1
     assert vanilla["diag/f1_direct_grad_closed_norm"] == pytest.approx(
-        vanilla["diag/f1_kl_share_closed"] * vanilla["diag/f1_kl_grad_norm"], rel=1e-5)
+        vanilla["diag/f1_kl_share_closed"] * vanilla["diag/f1_kl_grad_norm"], rel=1e-5
+    )
     # F1-B masks the KL loss at closed gates: nothing is left there
     masked = result["grpo_f1b"]["metrics"]
     assert masked["diag/f1_kl_share_closed"] == 0.0 and masked["diag/f1_direct_grad_closed_norm"] == 0.0

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_zcpo.megatron.attention import _batched, _plan_of, attention_plan, packed_attention
-from megatron_zcpo.megatron.batch import RolloutSample, collate_packed
+from megatron_zcpo.training.batch import RolloutSample, collate_packed
 
 
 # ----------------------------------------------------------------------------- the reference: the old per-call path
@@ -21,8 +21,9 @@ def _reference_bucket(query, key, value, lengths, offsets, scale, cp_rank, cp_si
     query_index = torch.where(query_valid, offsets.unsqueeze(1) + j, torch.zeros_like(j))
     queries = _batched(query, query_index)
     if cp_size == 1:
-        out = F.scaled_dot_product_attention(queries, _batched(key, query_index), _batched(value, query_index),
-                                             is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(
+            queries, _batched(key, query_index), _batched(value, query_index), is_causal=True, scale=scale
+        )
     else:
         chunk = (lengths // (2 * cp_size)).unsqueeze(1)
         mirrored = 2 * cp_size - 1 - cp_rank
@@ -35,8 +36,9 @@ def _reference_bucket(query, key, value, lengths, offsets, scale, cp_rank, cp_si
         within = torch.where(which < cp_size, p - which * chunk, chunk + p - which * chunk)
         key_index = torch.where(key_valid, owner * local_tokens + offsets.unsqueeze(1) + within, torch.zeros_like(p))
         mask = (p.unsqueeze(1) <= query_position.unsqueeze(2)) & key_valid.unsqueeze(1)
-        out = F.scaled_dot_product_attention(queries, _batched(key, key_index), _batched(value, key_index),
-                                             attn_mask=mask.unsqueeze(1), scale=scale)
+        out = F.scaled_dot_product_attention(
+            queries, _batched(key, key_index), _batched(value, key_index), attn_mask=mask.unsqueeze(1), scale=scale
+        )
     return out.transpose(1, 2)[query_valid], query_index[query_valid]
 
 
@@ -48,8 +50,9 @@ def _reference(query, key, value, cu_seqlens, scale, cp_rank, cp_size):
     outputs, indices = [], []
     for value_of_bucket in torch.unique(bucket).tolist():
         chosen = torch.nonzero(bucket == value_of_bucket).reshape(-1)
-        out, index = _reference_bucket(query, key, value, lengths[chosen], offsets[chosen], scale, cp_rank, cp_size,
-                                       query.shape[0])
+        out, index = _reference_bucket(
+            query, key, value, lengths[chosen], offsets[chosen], scale, cp_rank, cp_size, query.shape[0]
+        )
         outputs.append(out)
         indices.append(index)
     return torch.cat(outputs).index_select(0, torch.argsort(torch.cat(indices)))
@@ -72,8 +75,10 @@ def test_planned_attention_matches_the_per_call_path_with_gradients(seed, cp_siz
     generator = torch.Generator().manual_seed(seed)
     for cp_rank in range(cp_size):
         # key/value as gathered over the CP group: [cp * t, heads, d]
-        inputs = [torch.randn(n, heads, dim, generator=generator, dtype=torch.float64)
-                  for n in (local_tokens, cp_size * local_tokens, cp_size * local_tokens)]
+        inputs = [
+            torch.randn(n, heads, dim, generator=generator, dtype=torch.float64)
+            for n in (local_tokens, cp_size * local_tokens, cp_size * local_tokens)
+        ]
         grad_out = torch.randn(local_tokens, heads, dim, generator=generator, dtype=torch.float64)
         results = []
         for run in ("planned", "reference"):
@@ -89,8 +94,10 @@ def test_planned_attention_matches_the_per_call_path_with_gradients(seed, cp_siz
 
 
 def test_plan_is_shared_by_calls_on_one_micro_batch_and_never_by_another():
-    samples = [RolloutSample([1, 2, 3], [4, 5], group_id=0, reward=0.0),
-               RolloutSample([6], [7, 8, 9, 10], group_id=0, reward=0.0)]
+    samples = [
+        RolloutSample([1, 2, 3], [4, 5], group_id=0, reward=0.0),
+        RolloutSample([6], [7, 8, 9, 10], group_id=0, reward=0.0),
+    ]
     params = collate_packed(samples, [0, 1]).packed_seq_params
     plan = _plan_of(params, 0, 1, "cpu")
     assert _plan_of(params, 0, 1, torch.device("cpu")) is plan  # later layers, the reference, later passes
@@ -108,7 +115,10 @@ def test_plan_is_shared_by_calls_on_one_micro_batch_and_never_by_another():
 
 
 def test_plan_of_padded_boundaries_wins_over_the_real_ones():
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32),
-                             cu_seqlens_q_padded=torch.tensor([0, 4, 8], dtype=torch.int32))
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32),
+        cu_seqlens_q_padded=torch.tensor([0, 4, 8], dtype=torch.int32),
+    )
     plan = _plan_of(params, 1, 2, "cpu")
     assert plan.local_tokens == 4 and plan.source is params.cu_seqlens_q_padded

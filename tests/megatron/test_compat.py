@@ -69,7 +69,9 @@ def test_every_megatron_import_in_the_package_is_listed():
     for path, module, name in _megatron_imports():
         value = getattr(importlib.import_module(module), name)
         if isinstance(value, types.ModuleType):
-            covered = any(target.startswith(value.__name__ + ":") for target in targets) or any(v is value for v in listed)
+            covered = any(target.startswith(value.__name__ + ":") for target in targets) or any(
+                v is value for v in listed
+            )
         else:
             covered = any(v is value for v in listed)
         if not covered:

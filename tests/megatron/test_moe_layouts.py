@@ -5,8 +5,8 @@ import torch
 
 from megatron_zcpo.testing import run_distributed
 from tests.cases import trainer_cases
-from tests.megatron.test_trainer_checkpoint import run_steps
-from tests.megatron.test_trainer_layouts import _assert_same_step
+from tests.checkpoint.test_trainer_checkpoint import run_steps
+from tests.training.test_trainer_layouts import _assert_same_step
 
 MOE = trainer_cases.QWEN3_MOE
 
@@ -29,15 +29,20 @@ def test_single_process_moe_step_is_meaningful(single, moe_weights):
     assert single["metrics"]["experience/kl"] > 1e-3
     expert = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
     assert (single["params"][expert] - moe_weights[0][expert]).abs().max() > 1e-4  # the experts train
-    assert (single["params"]["decoder.layers.0.mlp.router.weight"] - moe_weights[0]["decoder.layers.0.mlp.router.weight"]).abs().max() > 1e-4
+    assert (
+        single["params"]["decoder.layers.0.mlp.router.weight"] - moe_weights[0]["decoder.layers.0.mlp.router.weight"]
+    ).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("tp,pp,ep,world,options", [
-    pytest.param(1, 1, 2, 2, {}, id="EP2"),
-    # The experts over the two TP ranks (ETP1, as slime's tp4/ep8/etp1); MoE under TP needs SP.
-    pytest.param(2, 1, 2, 2, {"etp": 1, "sequence_parallel": True}, id="TP2xEP2"),
-    pytest.param(1, 2, 2, 4, {}, id="PP2xEP2"),
-])
+@pytest.mark.parametrize(
+    "tp,pp,ep,world,options",
+    [
+        pytest.param(1, 1, 2, 2, {}, id="EP2"),
+        # The experts over the two TP ranks (ETP1, as slime's tp4/ep8/etp1); MoE under TP needs SP.
+        pytest.param(2, 1, 2, 2, {"etp": 1, "sequence_parallel": True}, id="TP2xEP2"),
+        pytest.param(1, 2, 2, 4, {}, id="PP2xEP2"),
+    ],
+)
 def test_expert_parallel_layouts_match_ep1(single, moe_weights, tp, pp, ep, world, options):
     results = run_distributed(trainer_cases.one_update, world, tp, pp, *moe_weights, model=MOE, ep=ep, **options)
     _assert_same_step(results, single)
@@ -60,10 +65,11 @@ def test_moe_run_resumes_exactly(tmp_path, moe_weights):
 
 
 def _router_after_one_update(rank, world, weights, aux_loss_coeff):
-    from megatron_zcpo.megatron.train_config import MoETraining
+    from megatron_zcpo.training.config import MoETraining
 
-    trainer = trainer_cases.make_trainer(1, 1, *weights, model=MOE,
-                                         train_overrides={"moe": MoETraining(aux_loss_coeff=aux_loss_coeff)})
+    trainer = trainer_cases.make_trainer(
+        1, 1, *weights, model=MOE, train_overrides={"moe": MoETraining(aux_loss_coeff=aux_loss_coeff)}
+    )
     trainer.train_step(trainer_cases.rollout())
     return trainer.global_state_dict()["decoder.layers.0.mlp.router.weight"]
 
@@ -77,7 +83,7 @@ def test_load_balancing_loss_reaches_the_router_only_when_asked(moe_weights, sin
 
 
 def test_moe_settings_are_checked_at_start_up():
-    from megatron_zcpo.megatron.train_config import MoETraining, ParallelConfig, TrainConfig, check_experts
+    from megatron_zcpo.training.config import MoETraining, ParallelConfig, TrainConfig, check_experts
 
     train = TrainConfig()
     with pytest.raises(ValueError, match="parallel.sequence_parallel"):
@@ -87,7 +93,9 @@ def test_moe_settings_are_checked_at_start_up():
     with pytest.raises(ValueError, match="has no experts"):
         check_experts(trainer_cases.MODEL, ParallelConfig(expert=2), train, diagnostics=False)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        check_experts(trainer_cases.MODEL, ParallelConfig(), TrainConfig(routing_replay="experience"), diagnostics=False)
+        check_experts(
+            trainer_cases.MODEL, ParallelConfig(), TrainConfig(routing_replay="experience"), diagnostics=False
+        )
     with pytest.raises(ValueError, match="train.recompute='full'"):
         check_experts(MOE, ParallelConfig(), TrainConfig(routing_replay="rollout", recompute="full"), diagnostics=False)
     with pytest.raises(ValueError, match="train.moe.aux_loss_coeff"):

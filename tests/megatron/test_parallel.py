@@ -6,8 +6,16 @@ import torch
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.testing import run_distributed
 
-MODEL = ModelConfig(family="qwen2", vocab_size=500, hidden_size=64, intermediate_size=128, num_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+MODEL = ModelConfig(
+    family="qwen2",
+    vocab_size=500,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 GLOBAL_BATCH, SEQ = 4, 12
 
 
@@ -37,8 +45,7 @@ def _train_one_step(rank, world, tp, pp, model_config, weights, distributed_opti
     near-zero gradient moves a parameter by at most ~lr * 1e-9 / eps, well inside the tolerance.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -47,8 +54,7 @@ def _train_one_step(rank, world, tp, pp, model_config, weights, distributed_opti
     from megatron_zcpo.megatron.weights import gather_full_state_dict, load_global_state_dict
 
     layout = setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, seed=5)
-    config = transformer_config(model_config, tensor_parallel=tp, pipeline_parallel=pp,
-                                calculate_per_token_loss=True)
+    config = transformer_config(model_config, tensor_parallel=tp, pipeline_parallel=pp, calculate_per_token_loss=True)
     model = build_gpt_model(model_config, config)
     load_global_state_dict(model, weights)
     ddp = DistributedDataParallel(
@@ -58,7 +64,9 @@ def _train_one_step(rank, world, tp, pp, model_config, weights, distributed_opti
     )
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, adam_eps=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer),
+        OptimizerConfig(
+            optimizer="adam", lr=1e-3, adam_eps=1e-6, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
+        ),
         [ddp],
     )
     tokens, labels, mask = _batch()
@@ -68,9 +76,9 @@ def _train_one_step(rank, world, tp, pp, model_config, weights, distributed_opti
 
     def forward_step(data_iterator, model):
         row = next(data_iterator)
-        t, l, m = tokens[row:row + 1], labels[row:row + 1], mask[row:row + 1]
+        t, lab, m = tokens[row : row + 1], labels[row : row + 1], mask[row : row + 1]
         position_ids = torch.arange(SEQ).unsqueeze(0)
-        output = model(t, position_ids, None, labels=l)
+        output = model(t, position_ids, None, labels=lab)
 
         def loss_func(per_token_loss):
             total = (per_token_loss.float() * m).sum()
@@ -82,8 +90,13 @@ def _train_one_step(rank, world, tp, pp, model_config, weights, distributed_opti
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=micro_batches, model=[ddp],
-        num_microbatches=per_rank, seq_length=SEQ, micro_batch_size=1, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=micro_batches,
+        model=[ddp],
+        num_microbatches=per_rank,
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=False,
     )
     _, grad_norm, _ = optimizer.step()
     stats = torch.zeros(2)

@@ -7,11 +7,18 @@ from megatron_zcpo.megatron import initialize
 from megatron_zcpo.utils import devices
 
 
-@pytest.mark.parametrize("visible,local_rank,expected", [
-    (1, 0, 0), (1, 3, 0), (1, 7, 0),  # srun --gpus-per-task=1: each task's own GPU is device 0
-    (8, 0, 0), (8, 3, 3), (8, 7, 7),  # all of the node's GPUs visible: device LOCAL_RANK
-    (4, 2, 2),
-])
+@pytest.mark.parametrize(
+    "visible,local_rank,expected",
+    [
+        (1, 0, 0),
+        (1, 3, 0),
+        (1, 7, 0),  # srun --gpus-per-task=1: each task's own GPU is device 0
+        (8, 0, 0),
+        (8, 3, 3),
+        (8, 7, 7),  # all of the node's GPUs visible: device LOCAL_RANK
+        (4, 2, 2),
+    ],
+)
 def test_local_cuda_device(monkeypatch, visible, local_rank, expected):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     assert devices.local_cuda_device(local_rank) == expected

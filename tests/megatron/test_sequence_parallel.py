@@ -5,7 +5,7 @@ import torch
 
 from megatron_zcpo.testing import run_distributed
 from tests.cases import trainer_cases
-from tests.megatron.test_trainer_layouts import _assert_same_step
+from tests.training.test_trainer_layouts import _assert_same_step
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def single_thd(weights):
 
 
 def test_packed_sequences_are_padded_to_a_multiple_of_tp_times_2cp():
-    from megatron_zcpo.megatron.batch import collate, collate_packed
+    from megatron_zcpo.training.batch import collate, collate_packed
 
     samples = trainer_cases.rollout()
     indices = [0, 1, 2, 3]
@@ -29,7 +29,9 @@ def test_packed_sequences_are_padded_to_a_multiple_of_tp_times_2cp():
         for mb in batches:
             assert mb.tokens.shape[1] == int(lengths.sum()) // cp_size and mb.tokens.shape[1] % sp_size == 0
         # The padding holds no response position: the response tokens are the same ones.
-        assert sum(mb.response_positions.numel() for mb in batches) == sum(len(samples[i].response_ids) for i in indices)
+        assert sum(mb.response_positions.numel() for mb in batches) == sum(
+            len(samples[i].response_ids) for i in indices
+        )
         # A sequence's context-parallel chunks do not depend on its micro-batch mates.
         alone = collate_packed(samples, [indices[-1]], cp_size - 1, cp_size, sp_size=sp_size)
         together = batches[-1]
@@ -51,8 +53,9 @@ def _norm_flags(rank, world):
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
 
     setup_megatron(tensor_parallel=2, seed=1)
-    model = build_gpt_model(trainer_cases.MODEL, transformer_config(trainer_cases.MODEL, tensor_parallel=2,
-                                                                    sequence_parallel=True))
+    model = build_gpt_model(
+        trainer_cases.MODEL, transformer_config(trainer_cases.MODEL, tensor_parallel=2, sequence_parallel=True)
+    )
     return {name: getattr(p, "sequence_parallel", False) for name, p in model.named_parameters() if "layernorm" in name}
 
 
@@ -67,8 +70,9 @@ SP_LAYOUTS = [
 @pytest.mark.parametrize("tp,pp,cp,packing,world", SP_LAYOUTS)
 def test_sequence_parallel_matches_single_process(single_thd, weights, tp, pp, cp, packing, world):
     """TP2 with sequence parallelism: same coefficients, losses, grad norm and parameters as TP1."""
-    results = run_distributed(trainer_cases.one_update, world, tp, pp, *weights, cp=cp, packing=packing,
-                              sequence_parallel=True)
+    results = run_distributed(
+        trainer_cases.one_update, world, tp, pp, *weights, cp=cp, packing=packing, sequence_parallel=True
+    )
     _assert_same_step(results, single_thd)
 
 
@@ -83,16 +87,24 @@ def _fused_head_gradients(rank, world):
     from megatron_zcpo.ops import fused_token_stats
 
     setup_megatron(tensor_parallel=world, seed=1)
-    model = build_gpt_model(trainer_cases.MODEL, transformer_config(trainer_cases.MODEL, tensor_parallel=world,
-                                                                    sequence_parallel=world > 1))
+    model = build_gpt_model(
+        trainer_cases.MODEL, transformer_config(trainer_cases.MODEL, tensor_parallel=world, sequence_parallel=world > 1)
+    )
     install_hidden_state_head(model)
     hidden, ref_hidden, weight, ref_weight, targets, coefficients = _head_inputs()
     local = hidden.chunk(world)[rank].clone().requires_grad_()
     shard = weight.chunk(world)[rank].clone().requires_grad_()
     gathered, _ = model.output_layer(local)  # [S, 1, H]: megatron's all-gather of the sequence
-    stats = fused_token_stats(gathered.reshape(-1, hidden.shape[-1]), shard, targets, ref_hidden.reshape(-1, hidden.shape[-1]),
-                              ref_weight.chunk(world)[rank], group=ps.get_tensor_model_parallel_group(),
-                              vocab_size=trainer_cases.MODEL.vocab_size, chunk_size=3)
+    stats = fused_token_stats(
+        gathered.reshape(-1, hidden.shape[-1]),
+        shard,
+        targets,
+        ref_hidden.reshape(-1, hidden.shape[-1]),
+        ref_weight.chunk(world)[rank],
+        group=ps.get_tensor_model_parallel_group(),
+        vocab_size=trainer_cases.MODEL.vocab_size,
+        chunk_size=3,
+    )
     (coefficients * torch.stack([stats.logprob, stats.entropy, stats.kl])).sum().backward()
     return local.grad, shard.grad
 

@@ -25,11 +25,15 @@ def _load_with_stride_one(rank, world, weights):
         param.partition_stride = 1
     load_global_state_dict(model, weights)
     layer = model.decoder.layers[0]
-    return {"tp_rank": ps.get_tensor_model_parallel_rank(),
-            "fc1": layer.mlp.linear_fc1.weight.detach().clone(),
-            "qkv": layer.self_attention.linear_qkv.weight.detach().clone(),
-            "logits": megatron_logits(model, TOKENS),
-            "pushed": {name: t.clone() for name, t in megatron_to_hf_stream(iter_global_tensors(model), trainer_cases.MODEL)}}
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "fc1": layer.mlp.linear_fc1.weight.detach().clone(),
+        "qkv": layer.self_attention.linear_qkv.weight.detach().clone(),
+        "logits": megatron_logits(model, TOKENS),
+        "pushed": {
+            name: t.clone() for name, t in megatron_to_hf_stream(iter_global_tensors(model), trainer_cases.MODEL)
+        },
+    }
 
 
 def test_stride_one_params_still_load_and_push_megatrons_layout(weights):
@@ -39,7 +43,10 @@ def test_stride_one_params_still_load_and_push_megatrons_layout(weights):
     single = run_distributed(_load_with_stride_one, 1, policy)[0]
     per_rank = run_distributed(_load_with_stride_one, 2, policy)
     model = trainer_cases.MODEL
-    fc1, qkv = policy["decoder.layers.0.mlp.linear_fc1.weight"], policy["decoder.layers.0.self_attention.linear_qkv.weight"]
+    fc1, qkv = (
+        policy["decoder.layers.0.mlp.linear_fc1.weight"],
+        policy["decoder.layers.0.self_attention.linear_qkv.weight"],
+    )
     gate, up = fc1.chunk(2)
     expected_push = dict(megatron_to_hf_stream(policy.items(), model))
     for result in per_rank:
@@ -54,10 +61,15 @@ def test_stride_one_params_still_load_and_push_megatrons_layout(weights):
     assert single["logits"].abs().max() > 0
 
 
-@pytest.mark.parametrize("name,blocks", [("decoder.layers.3.mlp.linear_fc1.weight", 2),
-                                         ("decoder.layers.3.mlp.linear_fc1.bias", 2),
-                                         ("decoder.layers.3.self_attention.linear_qkv.weight", 1),
-                                         ("decoder.layers.3.mlp.linear_fc2.weight", 1)])
+@pytest.mark.parametrize(
+    "name,blocks",
+    [
+        ("decoder.layers.3.mlp.linear_fc1.weight", 2),
+        ("decoder.layers.3.mlp.linear_fc1.bias", 2),
+        ("decoder.layers.3.self_attention.linear_qkv.weight", 1),
+        ("decoder.layers.3.mlp.linear_fc2.weight", 1),
+    ],
+)
 def test_tp_blocks_come_from_the_config(name, blocks):
     from types import SimpleNamespace
 

@@ -31,7 +31,7 @@ def mixed_logits(dtype=torch.float32, seed=0):
     zr = z + 0.3 * torch.randn(TOKENS, PADDED_VOCAB, generator=gen)
     z[0] = torch.where(torch.rand(PADDED_VOCAB, generator=gen) < 0.5, 1e4, -1e4)
     zr[0] = torch.where(torch.rand(PADDED_VOCAB, generator=gen) < 0.5, 1e4, -1e4)
-    z[0, :TILE], zr[0, :2 * TILE] = 1e4, -1e4  # reference mass e^-2e4 in two tiles: underflows, not zero
+    z[0, :TILE], zr[0, : 2 * TILE] = 1e4, -1e4  # reference mass e^-2e4 in two tiles: underflows, not zero
     shared_mask = torch.rand(PADDED_VOCAB, generator=gen) < 0.6
     z[1, shared_mask], zr[1, shared_mask] = -math.inf, -math.inf
     zr[2] = z[2]
@@ -62,8 +62,12 @@ def reference_stats(z, zr, targets, vocab_size, temperature=1.0, kl_temperature=
     lpk, lqk = log_softmax(z, kl_temperature), log_softmax(zr, kl_temperature)
     pk = lpk.exp()
     kl = torch.where(pk > 0, pk * (lpk - lqk), 0).sum(-1)
-    return {"logprob": lp.gather(-1, index).squeeze(-1), "entropy": entropy,
-            "ref_logprob": lq.gather(-1, index).squeeze(-1), "kl": kl}
+    return {
+        "logprob": lp.gather(-1, index).squeeze(-1),
+        "entropy": entropy,
+        "ref_logprob": lq.gather(-1, index).squeeze(-1),
+        "kl": kl,
+    }
 
 
 def qwen_vocab_levels():
@@ -93,15 +97,22 @@ def qwen_vocab_levels():
 def test_matches_float64_reference(dtype, temperature, kl_temperature, tile):
     z, zr = mixed_logits(dtype)
     targets = spread_targets()
-    stats = vocab_parallel_token_stats(z, targets, zr, vocab_size=VOCAB, chunk_size=4, vocab_chunk_size=tile,
-                                       temperature=temperature, kl_temperature=kl_temperature)
+    stats = vocab_parallel_token_stats(
+        z,
+        targets,
+        zr,
+        vocab_size=VOCAB,
+        chunk_size=4,
+        vocab_chunk_size=tile,
+        temperature=temperature,
+        kl_temperature=kl_temperature,
+    )
     expected = reference_stats(z, zr, targets, VOCAB, temperature, kl_temperature)
     for field in FIELDS:
         value = getattr(stats, field)
         assert value.dtype == torch.float32 and value.shape == targets.shape, field
         finite = expected[field].isfinite()
-        torch.testing.assert_close(value.double()[finite], expected[field][finite], rtol=2e-6, atol=2e-5,
-                                   msg=field)
+        torch.testing.assert_close(value.double()[finite], expected[field][finite], rtol=2e-6, atol=2e-5, msg=field)
     assert stats.kl[2] == 0  # identical rows
     assert (stats.kl >= 0).all()
 
@@ -110,9 +121,16 @@ def test_identical_distributions_give_exactly_zero_kl():
     for dtype in (torch.float32, torch.bfloat16):
         z, _ = mixed_logits(dtype)
         for temperature, kl_temperature in ((1.0, 1.0), (0.7, 1.3)):
-            stats = vocab_parallel_token_stats(z, spread_targets(), z.clone(), vocab_size=VOCAB, chunk_size=4,
-                                               vocab_chunk_size=TILE, temperature=temperature,
-                                               kl_temperature=kl_temperature)
+            stats = vocab_parallel_token_stats(
+                z,
+                spread_targets(),
+                z.clone(),
+                vocab_size=VOCAB,
+                chunk_size=4,
+                vocab_chunk_size=TILE,
+                temperature=temperature,
+                kl_temperature=kl_temperature,
+            )
             assert torch.equal(stats.kl, torch.zeros_like(stats.kl)), (dtype, temperature)
             assert torch.equal(stats.logprob, stats.ref_logprob)
 
@@ -129,8 +147,12 @@ def test_disjoint_distributions():
     torch.testing.assert_close(stats.kl.double(), expected, rtol=1e-6, atol=0)
     # Supports disjoint by masks: the KL is infinite; we report at least 1e30 x the stranded mass.
     for tile in (None, TILE):
-        masked = vocab_parallel_token_stats(z.masked_fill(~policy_support, -math.inf), targets,
-                                            zr.masked_fill(policy_support, -math.inf), vocab_chunk_size=tile)
+        masked = vocab_parallel_token_stats(
+            z.masked_fill(~policy_support, -math.inf),
+            targets,
+            zr.masked_fill(policy_support, -math.inf),
+            vocab_chunk_size=tile,
+        )
         assert (masked.kl > 1e29).all() and not masked.kl.isnan().any()
 
 
@@ -149,7 +171,8 @@ def test_kl_relative_accuracy_on_qwen_vocabulary_and_naive_log_softmax_is_far_of
         assert ours <= 1e-4, (family, eps, expected.tolist(), stats.kl.tolist())
     print("\nfamily eps min-KL rel-err-ours rel-err-naive-fp32")
     for row in report:
-        print("%-6s %.0e %.2e %.1e %.1e" % row)
+        family, eps, kl, ours, naive = row
+        print(f"{family:<6s} {eps:.0e} {kl:.2e} {ours:.1e} {naive:.1e}")
     assert min(row[2] for row in report) < 1e-8  # the levels reach below 1e-8
     tiny = [row for row in report if row[2] < 1e-6]
     assert all(row[4] > 1e-2 and row[4] > 100 * row[3] for row in tiny)
@@ -165,8 +188,9 @@ def test_float64_gradcheck_logits():
     targets = torch.tensor([0, 5, 9, 3, 7])
 
     def outputs(logits):
-        stats = vocab_parallel_token_stats(logits, targets, zr, vocab_size=10, chunk_size=2, vocab_chunk_size=3,
-                                           temperature=0.8, kl_temperature=1.2)
+        stats = vocab_parallel_token_stats(
+            logits, targets, zr, vocab_size=10, chunk_size=2, vocab_chunk_size=3, temperature=0.8, kl_temperature=1.2
+        )
         return stats.logprob, stats.entropy, stats.kl
 
     assert torch.autograd.gradcheck(outputs, (z.requires_grad_(),))
@@ -181,8 +205,9 @@ def test_float64_gradcheck_fused():
     targets = torch.tensor([0, 1, 9, 3, 7, 2])
 
     def outputs(h, w):
-        stats = fused_token_stats(h, w, targets, ref_hidden, ref_weight, vocab_size=10, chunk_size=4,
-                                  vocab_chunk_size=3, temperature=1.1)
+        stats = fused_token_stats(
+            h, w, targets, ref_hidden, ref_weight, vocab_size=10, chunk_size=4, vocab_chunk_size=3, temperature=1.1
+        )
         return stats.logprob, stats.entropy, stats.kl
 
     assert torch.autograd.gradcheck(outputs, (hidden.requires_grad_(), weight.requires_grad_()))
@@ -194,8 +219,9 @@ def test_fused_equals_logits_path_without_bf16_rounding():
     weight = torch.randn(PADDED_VOCAB, HIDDEN, generator=gen).to(torch.bfloat16)
     ref_weight = (weight.float() + 0.05 * torch.randn(PADDED_VOCAB, HIDDEN, generator=gen)).to(torch.bfloat16)
     targets = spread_targets()
-    fused = fused_token_stats(hidden, weight, targets, hidden, ref_weight, vocab_size=VOCAB, chunk_size=4,
-                              vocab_chunk_size=TILE)
+    fused = fused_token_stats(
+        hidden, weight, targets, hidden, ref_weight, vocab_size=VOCAB, chunk_size=4, vocab_chunk_size=TILE
+    )
     # The fp32 logits of the bf16 operands; rounding them to bf16 (what a bf16 output layer emits) differs.
     logits, ref_logits = hidden.float() @ weight.float().T, hidden.float() @ ref_weight.float().T
     exact = vocab_parallel_token_stats(logits, targets, ref_logits, vocab_size=VOCAB)
@@ -222,8 +248,10 @@ def test_no_grad_path_saves_nothing_and_grad_path_saves_only_inputs_and_per_toke
     assert stats.kl.grad_fn is None and stats.logprob.grad_fn is None
     assert _saved_tensor_sizes(lambda: vocab_parallel_token_stats(z.detach(), targets, zr)) == []
     with torch.no_grad():
-        assert _saved_tensor_sizes(lambda: fused_token_stats(hidden, weight.requires_grad_(), targets, hidden,
-                                                             weight)) == []
+        assert (
+            _saved_tensor_sizes(lambda: fused_token_stats(hidden, weight.requires_grad_(), targets, hidden, weight))
+            == []
+        )
     sizes = _saved_tensor_sizes(lambda: fused_token_stats(hidden, weight, targets, hidden, weight, chunk_size=4))
     inputs = {hidden.numel(), weight.numel(), targets.numel()}
     assert all(size in inputs or size <= 7 * TOKENS for size in sizes), sizes
@@ -244,8 +272,9 @@ def test_fused_forward_and_backward_allocate_a_tile_never_the_logits():
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
 
     def update_pass():
-        stats = fused_token_stats(hidden, weight, targets, hidden.detach(), weight.detach(), chunk_size=rows,
-                                  vocab_chunk_size=columns)
+        stats = fused_token_stats(
+            hidden, weight, targets, hidden.detach(), weight.detach(), chunk_size=rows, vocab_chunk_size=columns
+        )
         (stats.logprob + stats.entropy + stats.kl).sum().backward()
 
     logits_bytes = tokens * vocab * 4
@@ -293,12 +322,34 @@ def _float64_gradients(group, rank, world):
         return (a * stats.logprob + b * stats.entropy + c * stats.kl).sum()
 
     logits = _vocab_shard(z, rank, world, 1).clone().requires_grad_()
-    loss(vocab_parallel_token_stats(logits, targets, _vocab_shard(zr, rank, world, 1), group=group,
-                                    vocab_size=VOCAB, chunk_size=4, vocab_chunk_size=TILE, temperature=0.9)).backward()
+    loss(
+        vocab_parallel_token_stats(
+            logits,
+            targets,
+            _vocab_shard(zr, rank, world, 1),
+            group=group,
+            vocab_size=VOCAB,
+            chunk_size=4,
+            vocab_chunk_size=TILE,
+            temperature=0.9,
+        )
+    ).backward()
     h = hidden.clone().requires_grad_()
     w = _vocab_shard(weight, rank, world, 0).clone().requires_grad_()
-    loss(fused_token_stats(h, w, targets, hidden, _vocab_shard(ref_weight, rank, world, 0), group=group,
-                           vocab_size=VOCAB, chunk_size=4, vocab_chunk_size=TILE, kl_temperature=1.3)).backward()
+    loss(
+        fused_token_stats(
+            h,
+            w,
+            targets,
+            hidden,
+            _vocab_shard(ref_weight, rank, world, 0),
+            group=group,
+            vocab_size=VOCAB,
+            chunk_size=4,
+            vocab_chunk_size=TILE,
+            kl_temperature=1.3,
+        )
+    ).backward()
     return {"logits": logits.grad, "hidden": h.grad, "weight": w.grad}
 
 
@@ -321,15 +372,25 @@ def _tp_worker(rank, world, use_megatron):
     for dtype in (torch.float32, torch.bfloat16):
         z, zr = mixed_logits(dtype)
         for name, ref in (("mixed", zr), ("identical", z)):
-            stats = vocab_parallel_token_stats(_vocab_shard(z, rank, world, 1), targets,
-                                               _vocab_shard(ref, rank, world, 1), group=group, vocab_size=VOCAB,
-                                               chunk_size=4, vocab_chunk_size=TILE, temperature=0.7)
+            stats = vocab_parallel_token_stats(
+                _vocab_shard(z, rank, world, 1),
+                targets,
+                _vocab_shard(ref, rank, world, 1),
+                group=group,
+                vocab_size=VOCAB,
+                chunk_size=4,
+                vocab_chunk_size=TILE,
+                temperature=0.7,
+            )
             results[name, str(dtype)] = {f: getattr(stats, f) for f in FIELDS}
     z, levels = qwen_vocab_levels()
     qwen_targets = torch.tensor([0, 70000, QWEN_VOCAB - 1])
-    results["qwen"] = [vocab_parallel_token_stats(_vocab_shard(z, rank, world, 1), qwen_targets,
-                                                  _vocab_shard(zr, rank, world, 1), group=group).kl
-                       for _, _, zr in levels]
+    results["qwen"] = [
+        vocab_parallel_token_stats(
+            _vocab_shard(z, rank, world, 1), qwen_targets, _vocab_shard(zr, rank, world, 1), group=group
+        ).kl
+        for _, _, zr in levels
+    ]
     results["grads"] = _float64_gradients(group, rank, world)
     if world == 4:  # two TP groups of 2 inside a world of 4: the group's rank, not the global one, counts
         sub_group, _ = dist.new_subgroups(group_size=2)
@@ -342,7 +403,7 @@ def single_rank():
     return run_distributed(_tp_worker, 1, False)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tp_references():
     """float64 references for what _tp_worker computes (shared by every rank's check)."""
     mixed = {}
@@ -364,8 +425,9 @@ def _check_against_reference(results):
             for field in FIELDS:
                 value = results[name, str(dtype)][field].double()
                 finite = expected[field].isfinite()
-                torch.testing.assert_close(value[finite], expected[field][finite], rtol=2e-6, atol=2e-5,
-                                           msg=f"{name} {dtype} {field}")
+                torch.testing.assert_close(
+                    value[finite], expected[field][finite], rtol=2e-6, atol=2e-5, msg=f"{name} {dtype} {field}"
+                )
             kl = results[name, str(dtype)]["kl"]
             assert (kl >= 0).all()
             if name == "identical":
@@ -393,7 +455,7 @@ def test_tp1_over_gloo_matches_float64_reference(single_rank):
 @pytest.mark.parametrize("world,use_megatron", [(2, True), (4, False)], ids=["TP2-megatron-group", "TP4"])
 def test_tensor_parallel_matches_reference_and_tp1_gradients(single_rank, world, use_megatron):
     per_rank = run_distributed(_tp_worker, world, use_megatron)
-    for rank, results in enumerate(per_rank):
+    for results in per_rank:
         _check_against_reference(results)
         for key in results:
             if key not in ("grads", "subgroup_grads", "qwen"):

@@ -14,10 +14,10 @@ from megatron_zcpo.utils.devices import has_cuda
 
 pytest.importorskip("triton")
 
-from megatron_zcpo.ops import token_stats_check, token_stats_triton  # noqa: E402
-from megatron_zcpo.ops.token_stats import fused_token_stats, vocab_parallel_token_stats  # noqa: E402
-from megatron_zcpo.testing import run_distributed  # noqa: E402
-from tests.ops.test_token_stats import FIELDS, HIDDEN, PADDED_VOCAB, TOKENS, VOCAB, mixed_logits, spread_targets  # noqa: E402
+from megatron_zcpo.ops import token_stats_check, token_stats_triton
+from megatron_zcpo.ops.token_stats import fused_token_stats, vocab_parallel_token_stats
+from megatron_zcpo.testing import run_distributed
+from tests.ops.test_token_stats import FIELDS, HIDDEN, PADDED_VOCAB, TOKENS, VOCAB, mixed_logits, spread_targets
 
 DEVICE = torch.device("cuda" if has_cuda() else "cpu")
 MISMATCH = token_stats_check.TritonMismatchWarning
@@ -42,8 +42,13 @@ def _fused_inputs():
     hidden = torch.randn(TOKENS, HIDDEN, generator=gen)
     weight = torch.randn(PADDED_VOCAB, HIDDEN, generator=gen)
     ref_weight = weight + 0.3 * torch.randn(PADDED_VOCAB, HIDDEN, generator=gen)
-    return (hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_(), spread_targets().to(DEVICE),
-            hidden.to(DEVICE), ref_weight.to(DEVICE))
+    return (
+        hidden.to(DEVICE).requires_grad_(),
+        weight.to(DEVICE).requires_grad_(),
+        spread_targets().to(DEVICE),
+        hidden.to(DEVICE),
+        ref_weight.to(DEVICE),
+    )
 
 
 def _run(kind, backend):
@@ -54,8 +59,9 @@ def _run(kind, backend):
         leaves = (z,)
     else:
         hidden, weight, targets, ref_hidden, ref_weight = _fused_inputs()
-        stats = fused_token_stats(hidden, weight, targets, ref_hidden, ref_weight, vocab_size=VOCAB, chunk_size=8,
-                                  backend=backend)
+        stats = fused_token_stats(
+            hidden, weight, targets, ref_hidden, ref_weight, vocab_size=VOCAB, chunk_size=8, backend=backend
+        )
         leaves = (hidden, weight)
     (stats.logprob - 0.5 * stats.entropy + 0.25 * stats.kl).sum().backward()
     return {f: getattr(stats, f).detach().cpu() for f in FIELDS}, [leaf.grad.cpu() for leaf in leaves]
@@ -85,6 +91,7 @@ def _wrong_logprob(forward):
         results = results if isinstance(results, tuple) else (results,)
         results[0].logprob = results[0].logprob + 1e-3
         return results if len(results) > 1 else results[0]
+
     return wrapped
 
 
@@ -140,15 +147,25 @@ def _tp_worker(rank, world):
         token_stats_triton._backward = wrong
     z, targets, zr = _logits_inputs()
     shard = _vocab_shard(z.detach(), rank, world, 1).requires_grad_()
-    stats = vocab_parallel_token_stats(shard, targets, _vocab_shard(zr, rank, world, 1), group=dist.group.WORLD,
-                                       vocab_size=VOCAB, backend="triton")
+    stats = vocab_parallel_token_stats(
+        shard, targets, _vocab_shard(zr, rank, world, 1), group=dist.group.WORLD, vocab_size=VOCAB, backend="triton"
+    )
     (stats.logprob + stats.kl).sum().backward()
     torch_shard = shard.detach().clone().requires_grad_()
-    expected = vocab_parallel_token_stats(torch_shard, targets, _vocab_shard(zr, rank, world, 1),
-                                          group=dist.group.WORLD, vocab_size=VOCAB, backend="torch")
+    expected = vocab_parallel_token_stats(
+        torch_shard,
+        targets,
+        _vocab_shard(zr, rank, world, 1),
+        group=dist.group.WORLD,
+        vocab_size=VOCAB,
+        backend="torch",
+    )
     (expected.logprob + expected.kl).sum().backward()
-    return {"fallback": token_stats_check.torch_instead(), "same_grad": torch.equal(shard.grad, torch_shard.grad),
-            "same_kl": torch.equal(stats.kl, expected.kl)}
+    return {
+        "fallback": token_stats_check.torch_instead(),
+        "same_grad": torch.equal(shard.grad, torch_shard.grad),
+        "same_kl": torch.equal(stats.kl, expected.kl),
+    }
 
 
 @pytest.mark.skipif(has_cuda(), reason="gloo ranks run the kernels in the interpreter, on CPU tensors")

@@ -18,9 +18,9 @@ from megatron_zcpo.utils.devices import has_cuda, kernel_backend
 
 pytest.importorskip("triton")
 
-from megatron_zcpo.ops.token_stats import fused_token_stats, vocab_parallel_token_stats  # noqa: E402
-from megatron_zcpo.testing import run_distributed  # noqa: E402
-from tests.ops.test_token_stats import (  # noqa: E402
+from megatron_zcpo.ops.token_stats import fused_token_stats, vocab_parallel_token_stats
+from megatron_zcpo.testing import run_distributed
+from tests.ops.test_token_stats import (
     FIELDS,
     HIDDEN,
     PADDED_VOCAB,
@@ -56,16 +56,26 @@ def _assert_matches_reference(stats, expected, rtol=2e-6, atol=2e-5):
 def test_logits_kernel_matches_float64_reference(dtype, temperature, kl_temperature):
     z, zr = mixed_logits(dtype)
     targets = spread_targets()
-    stats = vocab_parallel_token_stats(*_on_device(z, targets, zr), vocab_size=VOCAB, temperature=temperature,
-                                       kl_temperature=kl_temperature, backend="triton")
+    stats = vocab_parallel_token_stats(
+        *_on_device(z, targets, zr),
+        vocab_size=VOCAB,
+        temperature=temperature,
+        kl_temperature=kl_temperature,
+        backend="triton",
+    )
     _assert_matches_reference(stats, reference_stats(z, zr, targets, VOCAB, temperature, kl_temperature))
     assert stats.kl[2] == 0  # identical rows: exactly zero
 
 
 def test_identical_and_disjoint_distributions():
     z, _ = mixed_logits(torch.bfloat16)
-    stats = vocab_parallel_token_stats(*_on_device(z, spread_targets(), z.clone()), vocab_size=VOCAB,
-                                       temperature=0.7, kl_temperature=1.3, backend="triton")
+    stats = vocab_parallel_token_stats(
+        *_on_device(z, spread_targets(), z.clone()),
+        vocab_size=VOCAB,
+        temperature=0.7,
+        kl_temperature=1.3,
+        backend="triton",
+    )
     assert torch.equal(stats.kl, torch.zeros_like(stats.kl)) and torch.equal(stats.logprob, stats.ref_logprob)
     gen = torch.Generator().manual_seed(2)
     support = torch.rand(4, 64, generator=gen) < 0.5
@@ -73,8 +83,9 @@ def test_identical_and_disjoint_distributions():
     stats = vocab_parallel_token_stats(*_on_device(z, targets, zr), backend="triton")
     torch.testing.assert_close(stats.kl.cpu().double(), reference_stats(z, zr, targets, 64)["kl"], rtol=1e-6, atol=0)
     # Supports disjoint by masks: infinite KL, reported as at least 1e30 x the stranded mass.
-    masked = vocab_parallel_token_stats(*_on_device(z.masked_fill(~support, -math.inf), targets,
-                                                    zr.masked_fill(support, -math.inf)), backend="triton")
+    masked = vocab_parallel_token_stats(
+        *_on_device(z.masked_fill(~support, -math.inf), targets, zr.masked_fill(support, -math.inf)), backend="triton"
+    )
     assert (masked.kl > 1e29).all() and not masked.kl.isnan().any()
 
 
@@ -105,7 +116,9 @@ def test_logits_kernel_gradients_match_float64(temperature, kl_temperature):
     logits, device_targets, device_zr, device_weights = _on_device(z, targets, zr, weights)
     logits.requires_grad_()
     stats = vocab_parallel_token_stats(logits, device_targets, device_zr, backend="triton", **options)
-    (device_weights[0] * stats.logprob + device_weights[1] * stats.entropy + device_weights[2] * stats.kl).sum().backward()
+    (
+        device_weights[0] * stats.logprob + device_weights[1] * stats.entropy + device_weights[2] * stats.kl
+    ).sum().backward()
     finite = expected.isfinite()
     torch.testing.assert_close(logits.grad.cpu().double()[finite], expected[finite], rtol=1e-5, atol=1e-6)
     assert logits.grad[:, VOCAB:].abs().max() == 0
@@ -121,8 +134,9 @@ def _fused_inputs(seed=6):
 
 
 def _fused_loss(hidden, weight, ref_hidden, ref_weight, weights, backend, **options):
-    stats = fused_token_stats(hidden, weight, spread_targets().to(hidden.device), ref_hidden, ref_weight,
-                              backend=backend, **options)
+    stats = fused_token_stats(
+        hidden, weight, spread_targets().to(hidden.device), ref_hidden, ref_weight, backend=backend, **options
+    )
     loss = (weights[0] * stats.logprob + weights[1] * stats.entropy + weights[2] * stats.kl).sum()
     return stats, loss
 
@@ -132,15 +146,17 @@ def test_fused_kernel_values_and_cached_gradients_match_float64(temperature, kl_
     hidden, weight, ref_hidden, ref_weight, weights = _fused_inputs()
     options = dict(vocab_size=VOCAB, chunk_size=8, temperature=temperature, kl_temperature=kl_temperature)
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    expected, loss = _fused_loss(h64, w64, ref_hidden.double(), ref_weight.double(), weights.double(), "torch",
-                                 **options)
+    expected, loss = _fused_loss(
+        h64, w64, ref_hidden.double(), ref_weight.double(), weights.double(), "torch", **options
+    )
     loss.backward()
     h, w, rh, rw, device_weights = _on_device(hidden, weight, ref_hidden, ref_weight, weights)
     h.requires_grad_(), w.requires_grad_()
     stats, loss = _fused_loss(h, w, rh, rw, device_weights, "triton", **options)
     for field in FIELDS:
-        torch.testing.assert_close(getattr(stats, field).cpu().double(), getattr(expected, field).detach(), rtol=2e-6,
-                                   atol=2e-5, msg=field)
+        torch.testing.assert_close(
+            getattr(stats, field).cpu().double(), getattr(expected, field).detach(), rtol=2e-6, atol=2e-5, msg=field
+        )
     loss.backward()
     # Backward reads float16 probabilities and log-ratios cached by the forward: 1e-4 from exact,
     # where rounding the exact logit gradient to bf16 (the gradient GEMMs' operand) alone gives 1e-3.
@@ -169,8 +185,11 @@ def test_backend_choice():
     with pytest.raises(ValueError, match="choose one of"):
         kernel_backend(torch.device("cpu"), "cuda")
     with pytest.raises(ValueError, match="float64"):
-        vocab_parallel_token_stats(torch.zeros(2, 4, dtype=torch.float64, device=DEVICE),
-                                   torch.zeros(2, dtype=torch.long, device=DEVICE), backend="triton")
+        vocab_parallel_token_stats(
+            torch.zeros(2, 4, dtype=torch.float64, device=DEVICE),
+            torch.zeros(2, dtype=torch.long, device=DEVICE),
+            backend="triton",
+        )
     if not has_cuda():
         os.environ["TRITON_INTERPRET"] = "0"
         try:
@@ -191,15 +210,36 @@ def _tp_worker(rank, world):
     dist.init_process_group("gloo")
     z, zr = mixed_logits(torch.bfloat16)
     targets = spread_targets()
-    stats = vocab_parallel_token_stats(_vocab_shard(z, rank, world, 1), targets, _vocab_shard(zr, rank, world, 1),
-                                       group=dist.group.WORLD, vocab_size=VOCAB, temperature=0.7, backend="triton")
+    stats = vocab_parallel_token_stats(
+        _vocab_shard(z, rank, world, 1),
+        targets,
+        _vocab_shard(zr, rank, world, 1),
+        group=dist.group.WORLD,
+        vocab_size=VOCAB,
+        temperature=0.7,
+        backend="triton",
+    )
     hidden, weight, ref_hidden, ref_weight, weights = _fused_inputs()
     h, w = hidden.clone().requires_grad_(), _vocab_shard(weight, rank, world, 0).clone().requires_grad_()
-    fused, loss = _fused_loss(h, w, ref_hidden, _vocab_shard(ref_weight, rank, world, 0), weights, "triton",
-                              group=dist.group.WORLD, vocab_size=VOCAB, chunk_size=8, kl_temperature=1.3)
+    fused, loss = _fused_loss(
+        h,
+        w,
+        ref_hidden,
+        _vocab_shard(ref_weight, rank, world, 0),
+        weights,
+        "triton",
+        group=dist.group.WORLD,
+        vocab_size=VOCAB,
+        chunk_size=8,
+        kl_temperature=1.3,
+    )
     loss.backward()
-    return {"stats": {f: getattr(stats, f) for f in FIELDS}, "fused": {f: getattr(fused, f).detach() for f in FIELDS},
-            "hidden": h.grad, "weight": w.grad}
+    return {
+        "stats": {f: getattr(stats, f) for f in FIELDS},
+        "fused": {f: getattr(fused, f).detach() for f in FIELDS},
+        "hidden": h.grad,
+        "weight": w.grad,
+    }
 
 
 @pytest.mark.skipif(has_cuda(), reason="gloo ranks run the kernels in the interpreter, on CPU tensors")
@@ -209,16 +249,27 @@ def test_tp2_over_gloo_matches_float64():
     expected = reference_stats(z, zr, spread_targets(), VOCAB, temperature=0.7)
     hidden, weight, ref_hidden, ref_weight, weights = _fused_inputs()
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    fused64, loss = _fused_loss(h64, w64, ref_hidden.double(), ref_weight.double(), weights.double(), "torch",
-                                vocab_size=VOCAB, kl_temperature=1.3)
+    fused64, loss = _fused_loss(
+        h64,
+        w64,
+        ref_hidden.double(),
+        ref_weight.double(),
+        weights.double(),
+        "torch",
+        vocab_size=VOCAB,
+        kl_temperature=1.3,
+    )
     loss.backward()
     for results in per_rank:
         for field in FIELDS:
             torch.testing.assert_close(results["stats"][field], per_rank[0]["stats"][field], rtol=0, atol=0)
-            torch.testing.assert_close(results["fused"][field].double(), getattr(fused64, field).detach(), rtol=2e-6,
-                                       atol=2e-5, msg=field)
+            torch.testing.assert_close(
+                results["fused"][field].double(), getattr(fused64, field).detach(), rtol=2e-6, atol=2e-5, msg=field
+            )
         finite = expected["kl"].isfinite()
-        torch.testing.assert_close(results["stats"]["kl"].double()[finite], expected["kl"][finite], rtol=2e-6, atol=2e-5)
+        torch.testing.assert_close(
+            results["stats"]["kl"].double()[finite], expected["kl"][finite], rtol=2e-6, atol=2e-5
+        )
         assert (results["hidden"].double() - h64.grad).norm() / h64.grad.norm() < 3e-4
     weight_grad = torch.cat([r["weight"] for r in per_rank]).double()
     assert (weight_grad - w64.grad).norm() / w64.grad.norm() < 3e-4
@@ -230,16 +281,26 @@ def test_tp2_over_gloo_matches_float64():
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """What the interpreter accepts but the compiler would reject fails here (tools/check_triton_kernels.py)."""
-    result = subprocess.run([sys.executable, "tools/check_triton_kernels.py", "--quick"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "tools/check_triton_kernels.py", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "0 failed" in result.stdout.splitlines()[-1]
 
 
 @pytest.mark.skipif(has_cuda(), reason="the real benchmark runs on the GPU")
 def test_gpu_benchmark_dry_run_passes_every_check_and_times_every_case():
-    result = subprocess.run([sys.executable, "benchmarks/bench_token_stats.py", "--gpu", "--dry-run"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_token_stats.py", "--gpu", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ERROR" not in result.stdout and "FAIL" not in result.stdout, result.stdout
     assert "0 checks failed [], 0 Triton cases failed []" in result.stdout

@@ -3,8 +3,8 @@
 import os
 import time
 
-from megatron_zcpo.megatron.preemption import STOP_FILE_ENV
 from megatron_zcpo.rewards.math import dapo_math_reward
+from megatron_zcpo.training.preemption import STOP_FILE_ENV
 
 GATE_ENV = "ZCPO_TEST_REWARD_GATE"  # the run's metrics.jsonl: the gate closes once it records a trained step
 

@@ -10,10 +10,10 @@ import time
 
 import yaml
 
-from megatron_zcpo.rollout.mock_router import MockSGLangRouter
-from megatron_zcpo.rollout.mock_server import MockSGLangServer
-from megatron_zcpo.rollout.sglang_api import required_context_length
+from megatron_zcpo.rollout.sglang.api import required_context_length
 from megatron_zcpo.testing import run_distributed
+from megatron_zcpo.testing.mock_router import MockSGLangRouter
+from megatron_zcpo.testing.mock_server import MockSGLangServer
 from megatron_zcpo.utils.runtime import free_port
 from tests.cli.test_train import tiny_model  # noqa: F401 - a fixture
 
@@ -36,23 +36,53 @@ def _config(root, model_dir, urls, router_url, run_dir):
     config = {
         "model": {"path": str(model_dir)},
         "parallel": {"tensor": 2, "pipeline": 2, "collective_timeout_s": COLLECTIVE_TIMEOUT_S},
-        "train": {"steps": 2, "mini_batches": 2, "micro_batch_tokens": 256, "verify_against_hf": False,
-                  "optimizer": {"lr": 1e-4, "warmup_steps": 0}},
+        "train": {
+            "steps": 2,
+            "mini_batches": 2,
+            "micro_batch_tokens": 256,
+            "verify_against_hf": False,
+            "optimizer": {"lr": 1e-4, "warmup_steps": 0},
+        },
         "algorithm": {"name": "zcpo", "beta": 1.0},
-        "rollout": {"engine": "sglang", "prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": NEW_TOKENS,
-                    "dynamic_sampling": {"drop_tied_groups": False},
-                    "sglang": {"server_urls": urls, "router_url": router_url, "client": {
-                        "sampling_seeds": True, "max_concurrency": 4, "request_timeout_s": REQUEST_TIMEOUT_S,
-                        "router_timeout_s": ROUTER_TIMEOUT_S, "max_retries": 1, "rollout_timeout_s": 60.0,
-                        "startup_timeout_s": 30.0, "update_timeout_s": 60.0,
-                        # the servers share this process: one weight-update group each is not possible here
-                        "weight_sync": "disk", "weight_dir": str(root / f"weights-{run_dir.name}")}}},
+        "rollout": {
+            "engine": "sglang",
+            "prompts_per_step": 4,
+            "samples_per_prompt": 2,
+            "max_new_tokens": NEW_TOKENS,
+            "dynamic_sampling": {"drop_tied_groups": False},
+            "sglang": {
+                "server_urls": urls,
+                "router_url": router_url,
+                "client": {
+                    "sampling_seeds": True,
+                    "max_concurrency": 4,
+                    "request_timeout_s": REQUEST_TIMEOUT_S,
+                    "router_timeout_s": ROUTER_TIMEOUT_S,
+                    "max_retries": 1,
+                    "rollout_timeout_s": 60.0,
+                    "startup_timeout_s": 30.0,
+                    "update_timeout_s": 60.0,
+                    # the servers share this process: one weight-update group each is not possible here
+                    "weight_sync": "disk",
+                    "weight_dir": str(root / f"weights-{run_dir.name}"),
+                },
+            },
+        },
         "data": {"train_files": [str(model_dir / "train.jsonl")], "max_prompt_length": PROMPT_TOKENS},
         # rank 0 evaluates alone at the end while the others wait to save the last checkpoint
-        "eval": {"at_start": False, "at_end": True, "data": {"train_files": [str(model_dir / "eval.jsonl")]},
-                 "num_prompts": 4, "k": 2},
-        "reward": {"num_workers": 1, "function": "tests.recipe.test_cluster_time_scales:parity_reward",
-                   "overlong_penalty": False, "overlong_filter": False},
+        "eval": {
+            "at_start": False,
+            "at_end": True,
+            "data": {"train_files": [str(model_dir / "eval.jsonl")]},
+            "num_prompts": 4,
+            "k": 2,
+        },
+        "reward": {
+            "num_workers": 1,
+            "function": "tests.recipe.test_cluster_time_scales:parity_reward",
+            "overlong_penalty": False,
+            "overlong_filter": False,
+        },
         "checkpoint": {"every": 0, "keep_last": 1},
         "logging": {"run_dir": str(run_dir), "console": "plain", "tensorboard": False},
     }
@@ -99,13 +129,21 @@ def _servers(model_dir, delay):
     from megatron_zcpo.rollout.embedded import EmbeddedEngine
 
     model = model_config_from_hf(read_hf_config(str(model_dir)))
-    servers = [MockSGLangServer(EmbeddedEngine(model, seed=index), deterministic_inference=True, api_key=API_KEY,
-                                context_length=required_context_length(PROMPT_TOKENS, NEW_TOKENS),
-                                generate_delay_s=delay) for index in range(2)]
+    servers = [
+        MockSGLangServer(
+            EmbeddedEngine(model, seed=index),
+            deterministic_inference=True,
+            api_key=API_KEY,
+            context_length=required_context_length(PROMPT_TOKENS, NEW_TOKENS),
+            generate_delay_s=delay,
+        )
+        for index in range(2)
+    ]
     for server in servers:
         server.start()
-    router = MockSGLangRouter([server.url for server in servers], request_timeout_secs=ROUTER_TIMEOUT_S,
-                              api_key=API_KEY)
+    router = MockSGLangRouter(
+        [server.url for server in servers], request_timeout_secs=ROUTER_TIMEOUT_S, api_key=API_KEY
+    )
     router.start()
     return servers, router
 
@@ -113,26 +151,30 @@ def _servers(model_dir, delay):
 def _logged(run_dir):
     """The trained steps' metrics {step: metrics} and the evaluations' [metrics] of a run (without its run
     id: each run has its own)."""
-    records = [{k: v for k, v in json.loads(line).items() if k != "run_id"}
-               for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        {k: v for k, v in json.loads(line).items() if k != "run_id"}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     return {r["step"]: r for r in records if "rollout/reward_mean" in r}, [r for r in records if "eval/avg@2" in r]
 
 
 def test_a_rollout_longer_than_every_timeout_trains_like_instant_servers(tmp_path, tiny_model):  # noqa: F811
     instant, instant_router = _servers(tiny_model, 0.0)
     slow, slow_router = _servers(tiny_model, GENERATE_S)
-    paths = [_config(tmp_path, tiny_model, [s.url for s in servers], router.url, tmp_path / name)
-             for name, servers, router in (("instant", instant, instant_router), ("slow", slow, slow_router))]
+    paths = [
+        _config(tmp_path, tiny_model, [s.url for s in servers], router.url, tmp_path / name)
+        for name, servers, router in (("instant", instant, instant_router), ("slow", slow, slow_router))
+    ]
     try:
-        timed_out = run_distributed(_two_runs, 4, free_port(), paths, timeout=600,
-                                    env={"ZCPO_SGLANG_API_KEY": API_KEY})
+        timed_out = run_distributed(_two_runs, 4, free_port(), paths, timeout=600, env={"ZCPO_SGLANG_API_KEY": API_KEY})
     finally:
         for server in (*instant, *slow, instant_router, slow_router):
             server.stop()
     (fast_steps, fast_eval), (slow_steps, slow_eval) = _logged(tmp_path / "instant"), _logged(tmp_path / "slow")
     assert sorted(fast_steps) == sorted(slow_steps) == [1, 2]
     assert len(slow_eval) == 1 and {k: v for k, v in slow_eval[0].items() if k != "time"} == {
-        k: v for k, v in fast_eval[0].items() if k != "time"}
+        k: v for k, v in fast_eval[0].items() if k != "time"
+    }
     for step in (1, 2):
         # The scaled rollout outlasted the process groups' and the router's timeouts ...
         assert slow_steps[step]["time/rollout"] > max(COLLECTIVE_TIMEOUT_S, ROUTER_TIMEOUT_S)

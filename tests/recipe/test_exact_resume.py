@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megatron_zcpo.megatron.preemption import PREEMPTED_EXIT_CODE
+from megatron_zcpo.training.preemption import PREEMPTED_EXIT_CODE
 from tests.cli.test_train import tiny_model, write_config  # noqa: F401 - the fixture is used by name
 from tests.recipe.reward_gate import GATE_ENV
 
@@ -45,8 +45,13 @@ def _catches(pid, signum):
 def _step_metrics(run_dir):
     """{step: metrics} of the trained steps, without timings and the run id (which differ run to run)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith("time") and k not in ("train/tokens_per_s", "run_id")}
-            for r in records if "rollout/reward_mean" in r}
+    return {
+        r["step"]: {
+            k: v for k, v in r.items() if not k.startswith("time") and k not in ("train/tokens_per_s", "run_id")
+        }
+        for r in records
+        if "rollout/reward_mean" in r
+    }
 
 
 def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):  # noqa: F811
@@ -65,14 +70,19 @@ def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):  # 
 def _reference_and_started_run(tmp_path, model, steps):
     """(metrics of an uninterrupted run of ``steps``, config path of a second run, its process just
     started; its steps after the first wait for a stop signal: :mod:`tests.recipe.reward_gate`)."""
-    changes = dict(train={"steps": steps}, checkpoint={"every": 0}, eval=NO_EVAL,
-                   reward={"function": "tests.recipe.reward_gate:gated_dapo_math_reward"})
+    changes = dict(
+        train={"steps": steps},
+        checkpoint={"every": 0},
+        eval=NO_EVAL,
+        reward={"function": "tests.recipe.reward_gate:gated_dapo_math_reward"},
+    )
     _train(_config(tmp_path / "a", model, **changes))
     path = _config(tmp_path / "b", model, **changes)
     command, env = _command(path)
     env[GATE_ENV] = str(tmp_path / "b" / "run" / "metrics.jsonl")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     return _step_metrics(tmp_path / "a" / "run"), path, process
 
 
@@ -100,7 +110,9 @@ def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exact
 def _ranks_started(pid):
     import psutil
 
-    ranks = [p for p in psutil.Process(pid).children(recursive=True) if "megatron_zcpo.cli.main" in " ".join(p.cmdline())]
+    ranks = [
+        p for p in psutil.Process(pid).children(recursive=True) if "megatron_zcpo.cli.main" in " ".join(p.cmdline())
+    ]
     return len(ranks) >= 2
 
 

@@ -8,8 +8,15 @@ from megatron_zcpo.recipe import metrics_log
 from megatron_zcpo.recipe.config import build_run_config
 from megatron_zcpo.utils.config_loader import ConfigError
 
-ARCHITECTURE = {"family": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                "num_attention_heads": 2, "num_key_value_heads": 1}
+ARCHITECTURE = {
+    "family": "qwen2",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
 
 
 @pytest.fixture
@@ -18,8 +25,10 @@ def without_wandb(monkeypatch):
 
 
 def test_config_asking_for_wandb_without_the_extra_names_key_and_extra(without_wandb, tmp_path):
-    data = {"model": {"architecture": ARCHITECTURE, "tokenizer": str(tmp_path)},
-            "logging": {"run_dir": str(tmp_path), "wandb_project": "zcpo"}}
+    data = {
+        "model": {"architecture": ARCHITECTURE, "tokenizer": str(tmp_path)},
+        "logging": {"run_dir": str(tmp_path), "wandb_project": "zcpo"},
+    }
     with pytest.raises((ConfigError, ValueError)) as error:
         build_run_config(data)
     assert "logging.wandb_project" in str(error.value)

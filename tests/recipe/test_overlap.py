@@ -12,6 +12,7 @@ from megatron_zcpo.rollout.overlap import RolloutPrefetch, in_flight_state, stal
 from megatron_zcpo.testing import run_distributed
 from tests.cli.test_train import _train, tiny_model, write_config  # noqa: F401 - tiny_model is a fixture
 
+
 def test_prefetch_collects_in_the_background_and_reports_waits():
     running = threading.Event()
 
@@ -53,7 +54,9 @@ def test_prefetch_raises_the_collectors_error_in_the_caller():
 
 def test_staleness_is_measured_and_bounded():
     assert staleness_metrics([3, 3, 2], trainer_version=4, max_staleness=2) == {
-        "rollout/staleness_mean": 4 / 3, "rollout/staleness_max": 2.0}
+        "rollout/staleness_mean": 4 / 3,
+        "rollout/staleness_max": 2.0,
+    }
     with pytest.raises(RolloutError, match=r"versions \[1, 3\].*max_staleness=1"):
         staleness_metrics([3, 1], trainer_version=3, max_staleness=1)
     with pytest.raises(RolloutError, match="weight_version"):
@@ -67,8 +70,11 @@ def _metrics_by_step(run_dir):
 
 def _deterministic_keys(metrics):
     """The metrics that depend on the data and the weights, not on the clock."""
-    return [k for k, v in metrics.items() if isinstance(v, float) and k not in ("time", "step")
-            and not k.startswith(("time/", "train/tokens_per_s"))]
+    return [
+        k
+        for k, v in metrics.items()
+        if isinstance(v, float) and k not in ("time", "step") and not k.startswith(("time/", "train/tokens_per_s"))
+    ]
 
 
 def _run_training(rank, world, path):
@@ -82,19 +88,25 @@ def _plain_sequential_loop(rank, world, path):
     """The on-policy recipe written out: collect, train, push; nothing else."""
     from megatron_zcpo.diagnostics import build_diagnostics
     from megatron_zcpo.megatron.initialize import setup_megatron
-    from megatron_zcpo.megatron.trainer import PolicyTrainer
     from megatron_zcpo.recipe.config import load_run_config
     from megatron_zcpo.recipe.inputs import load_tokenizer, resolve_model
     from megatron_zcpo.recipe.rollout import Rollout, broadcast_samples
     from megatron_zcpo.recipe.weight_push import push_weights
+    from megatron_zcpo.training.trainer import PolicyTrainer
 
     config = load_run_config(str(path))
     setup_megatron(tensor_parallel=1, pipeline_parallel=1, context_parallel=1, seed=config.train.seed)
     tokenizer = load_tokenizer(config)
     model_config, initial = resolve_model(config.model.path)
-    trainer = PolicyTrainer(model_config, config.algorithm, config.train, config.parallel, initial_weights=initial,
-                            temperature=config.rollout.temperature,
-                            diagnostics=build_diagnostics(config.diagnostics, config.algorithm))
+    trainer = PolicyTrainer(
+        model_config,
+        config.algorithm,
+        config.train,
+        config.parallel,
+        initial_weights=initial,
+        temperature=config.rollout.temperature,
+        diagnostics=build_diagnostics(config.diagnostics, config.algorithm),
+    )
     rollout = Rollout(config, model_config, tokenizer)
     push_weights(trainer, rollout.engine, 0)
     steps = {}
@@ -108,8 +120,9 @@ def _plain_sequential_loop(rank, world, path):
 
 
 def test_overlap_off_is_the_sequential_loop_bit_for_bit(tmp_path, tiny_model):  # noqa: F811
-    path = write_config(tmp_path, tiny_model, parallel={"tensor": 1},
-                        eval={"at_start": False, "at_end": False}, checkpoint={"every": 0})
+    path = write_config(
+        tmp_path, tiny_model, parallel={"tensor": 1}, eval={"at_start": False, "at_end": False}, checkpoint={"every": 0}
+    )
     run_distributed(_run_training, 1, path, timeout=600)
     [reference] = run_distributed(_plain_sequential_loop, 1, path, timeout=600)
     logged = _metrics_by_step(tmp_path / "run")
@@ -125,8 +138,14 @@ def test_overlap_off_is_the_sequential_loop_bit_for_bit(tmp_path, tiny_model):  
 def _overlapped_run(root, model_dir, steps, *overrides):
     """`zcpo train` with rollout.overlap=true in ``root`` (TP1, no evaluation); its stdout."""
     root.mkdir(exist_ok=True)
-    path = write_config(root, model_dir, parallel={"tensor": 1}, rollout={"overlap": True},
-                        train={"steps": steps}, eval={"at_start": False, "at_end": False})
+    path = write_config(
+        root,
+        model_dir,
+        parallel={"tensor": 1},
+        rollout={"overlap": True},
+        train={"steps": steps},
+        eval={"at_start": False, "at_end": False},
+    )
     done = _train(path, *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -157,16 +176,20 @@ def test_overlapped_sglang_run_pushes_per_stage_at_pp2(tmp_path, tiny_model):  #
     from megatron_zcpo.convert.hf_checkpoint import read_hf_config
     from megatron_zcpo.convert.mapping import model_config_from_hf
     from megatron_zcpo.rollout.embedded import EmbeddedEngine
-    from megatron_zcpo.rollout.mock_server import MockSGLangServer
+    from megatron_zcpo.testing.mock_server import MockSGLangServer
     from megatron_zcpo.utils.runtime import free_port
 
     backend = EmbeddedEngine(model_config_from_hf(read_hf_config(tiny_model)), seed=7)
     with MockSGLangServer(backend, port=free_port()) as server:
         client = {"group_backend": "gloo", "master_address": "127.0.0.1", "max_concurrency": 4}
-        path = write_config(tmp_path, tiny_model, parallel={"tensor": 1, "pipeline": 2},
-                            rollout={"overlap": True, "engine": "sglang",
-                                     "sglang": {"server_urls": [server.url], "client": client}},
-                            train={"steps": 2}, eval={"at_start": False, "at_end": False})
+        path = write_config(
+            tmp_path,
+            tiny_model,
+            parallel={"tensor": 1, "pipeline": 2},
+            rollout={"overlap": True, "engine": "sglang", "sglang": {"server_urls": [server.url], "client": client}},
+            train={"steps": 2},
+            eval={"at_start": False, "at_end": False},
+        )
         done = _train(path)
         assert done.returncode == 0, done.stderr[-3000:]
         events = [path for path, _ in server.events]

@@ -7,20 +7,22 @@ from megatron_zcpo.recipe.config import build_run_config
 from megatron_zcpo.recipe.rollout import make_engine
 from megatron_zcpo.recipe.timeouts import RolloutServers, rank0_wait_timeout_s, timeout_checks
 from megatron_zcpo.rollout.engine import RolloutError
-from megatron_zcpo.rollout.mock_server import MockSGLangServer
-from megatron_zcpo.rollout.sglang_api import required_context_length
+from megatron_zcpo.rollout.sglang.api import required_context_length
+from megatron_zcpo.testing.mock_server import MockSGLangServer
 from tests.cli.test_examples import QWEN25_32B, run_config
-from tests.rollout.test_sglang_client import ScriptedEngine
-from tests.rollout.test_sglang_server import TINY, write_tiny_checkpoint
+from tests.rollout.sglang.test_sglang_client import ScriptedEngine
+from tests.rollout.sglang.test_sglang_server import TINY, write_tiny_checkpoint
 
 
 def _run(model_dir, url, **client):
-    return build_run_config({
-        "model": {"path": str(model_dir)},
-        "rollout": {"engine": "sglang", "max_new_tokens": 8, "sglang": {"server_urls": [url], "client": client}},
-        "data": {"task": "basic_arithmetic", "max_prompt_length": 16},
-        "logging": {"run_dir": str(model_dir / "run")},
-    })
+    return build_run_config(
+        {
+            "model": {"path": str(model_dir)},
+            "rollout": {"engine": "sglang", "max_new_tokens": 8, "sglang": {"server_urls": [url], "client": client}},
+            "data": {"task": "basic_arithmetic", "max_prompt_length": 16},
+            "logging": {"run_dir": str(model_dir / "run")},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +48,12 @@ def test_attaching_checks_the_servers_key_context_and_seeds(model_dir):
 
 def test_short_timeouts_stop_the_start_naming_the_key(model_dir):
     with MockSGLangServer(ScriptedEngine()) as server:
-        with pytest.raises(ValueError, match=r"rollout.sglang.client.rollout_timeout_s = 60 s does not outlast a "
-                                             r"request's 4 attempts \(.*predicted 3,600 s\): raise "
-                                             r"rollout.sglang.client.rollout_timeout_s above 3,600"):
+        with pytest.raises(
+            ValueError,
+            match=r"rollout.sglang.client.rollout_timeout_s = 60 s does not outlast a "
+            r"request's 4 attempts \(.*predicted 3,600 s\): raise "
+            r"rollout.sglang.client.rollout_timeout_s above 3,600",
+        ):
             make_engine(_run(model_dir, server.url, request_timeout_s=900, rollout_timeout_s=60), TINY, None)
 
 
@@ -57,7 +62,9 @@ def test_the_32b_examples_first_round_outlasts_the_old_rollout_timeout(tmp_path)
     the example's 8 TP4 servers: the old 7,200 s is refused, the shipped 21,600 s is not."""
     servers = RolloutServers(count=8, tp_size=4)
     old = run_config("qwen2.5-32b-zcpo", tmp_path, ["rollout.sglang.client.rollout_timeout_s=7200"])
-    [failed] = [check for check in timeout_checks(old, QWEN25_32B, servers) if not check.ok and "first round" in check.bounds]
+    [failed] = [
+        check for check in timeout_checks(old, QWEN25_32B, servers) if not check.ok and "first round" in check.bounds
+    ]
     assert failed.key == "rollout.sglang.client.rollout_timeout_s" and 9900 < failed.predicted_s < 10100
     shipped = run_config("qwen2.5-32b-zcpo", tmp_path)
     assert all(check.ok for check in timeout_checks(shipped, QWEN25_32B, servers))

@@ -5,8 +5,8 @@ import time
 import pytest
 
 from megatron_zcpo.cli.main import main
-from megatron_zcpo.recipe.preflight import check_reward_function
 from megatron_zcpo.data.records import PromptRecord
+from megatron_zcpo.recipe.preflight import check_reward_function
 from tests.cli.test_train import tiny_model, write_config  # noqa: F401 - the fixture is used by name
 
 
@@ -14,9 +14,13 @@ def test_every_problem_is_named_before_any_process_starts(tmp_path, tiny_model, 
     monkeypatch.delenv("ZCPO_STARTUP_CHECKED", raising=False)
     blocked = tmp_path / "not_a_dir"
     blocked.write_text("")
-    path = write_config(tmp_path, tiny_model, data={"train_files": [str(tmp_path / "missing.jsonl")]},
-                        reward={"function": "megatron_zcpo.rewards.no_such_module:score"},
-                        checkpoint={"dir": str(blocked / "ckpt")})
+    path = write_config(
+        tmp_path,
+        tiny_model,
+        data={"train_files": [str(tmp_path / "missing.jsonl")]},
+        reward={"function": "megatron_zcpo.rewards.no_such_module:score"},
+        checkpoint={"dir": str(blocked / "ckpt")},
+    )
     started = time.monotonic()
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
@@ -27,8 +31,10 @@ def test_every_problem_is_named_before_any_process_starts(tmp_path, tiny_model, 
     # The reward function is checked on the first record, so with bad data it waits for good data:
     path = write_config(tmp_path, tiny_model, reward={"function": "megatron_zcpo.rewards.no_such_module:score"})
     assert main(["train", str(path)]) == 2
-    assert "reward.function: RewardFunctionLoadError: cannot import module 'megatron_zcpo.rewards.no_such_module'" \
+    assert (
+        "reward.function: RewardFunctionLoadError: cannot import module 'megatron_zcpo.rewards.no_such_module'"
         in capsys.readouterr().err
+    )
 
 
 def test_reward_function_is_called_once_with_the_scorers_signature():

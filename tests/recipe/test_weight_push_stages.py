@@ -9,14 +9,33 @@ import torch
 
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rollout.engine import RolloutEngine
-from megatron_zcpo.rollout.mock_server import MockSGLangServer
 from megatron_zcpo.testing import run_distributed
+from megatron_zcpo.testing.mock_server import MockSGLangServer
 
-MODEL = ModelConfig(family="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-MOE = ModelConfig(family="qwen3_moe", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MODEL = ModelConfig(
+    family="qwen2",
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+MOE = ModelConfig(
+    family="qwen3_moe",
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=False,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
 
 
 class RecordingBackend(RolloutEngine):
@@ -65,7 +84,6 @@ def _push_by_stage(rank, world, tp, pp, url, client_options, model_config, ep=1)
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights, share_name
     from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
@@ -76,22 +94,37 @@ def _push_by_stage(rank, world, tp, pp, url, client_options, model_config, ep=1)
         is_stage_lead,
         named_global_parameters,
     )
-    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights, share_name
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
 
     setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, seed=5, expert_parallel=ep)
-    model = build_gpt_model(model_config, transformer_config(model_config, tensor_parallel=tp, pipeline_parallel=pp,
-                                                             expert_parallel=ep))
+    model = build_gpt_model(
+        model_config, transformer_config(model_config, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
+    )
     full = gather_full_state_dict(model)
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    own = {n for n, _ in named_global_parameters(model)
-           if (is_stage_lead() and not is_expert_tensor(n)) or (is_expert_shard_lead(model) and is_expert_tensor(n))}
+    own = {
+        n
+        for n, _ in named_global_parameters(model)
+        if (is_stage_lead() and not is_expert_tensor(n)) or (is_expert_shard_lead(model) and is_expert_tensor(n))
+    }
     if pp_rank > 0:
         own.discard("embedding.word_embeddings.weight")  # the first stage sends the tied weight
-    stage_bytes = sum(t.numel() * t.element_size() for n in own for _, t in megatron_to_hf_tensors(n, full[n], model_config))
+    stage_bytes = sum(
+        t.numel() * t.element_size() for n in own for _, t in megatron_to_hf_tensors(n, full[n], model_config)
+    )
 
     def engine(group):
-        return SGLangEngine(SGLangEngineConfig(server_urls=[url], group_name=group, group_backend="gloo",
-                                               master_address="127.0.0.1", group_timeout_s=120, **client_options))
+        return SGLangEngine(
+            SGLangEngineConfig(
+                server_urls=[url],
+                group_name=group,
+                group_backend="gloo",
+                master_address="127.0.0.1",
+                group_timeout_s=120,
+                **client_options,
+            )
+        )
 
     share = share_name(model)
     stages = StageWeightPush(engine(f"zcpo_weights-{share}") if share else None)
@@ -107,29 +140,41 @@ def _push_by_stage(rank, world, tp, pp, url, client_options, model_config, ep=1)
         if engine_ is not None:
             engine_.shutdown()
     expected = {h: t for n, w in full.items() for h, t in megatron_to_hf_tensors(n, w, model_config)}
-    return {"pushed": pushed, "stage_bytes": stage_bytes, "received_p2p": received, "served": served,
-            "expected": expected if rank == 0 else None, "share": share, "lead": bool(share)}
+    return {
+        "pushed": pushed,
+        "stage_bytes": stage_bytes,
+        "received_p2p": received,
+        "served": served,
+        "expected": expected if rank == 0 else None,
+        "share": share,
+        "lead": bool(share),
+    }
 
 
-@pytest.mark.parametrize("tp,pp,ep,options,shares", [
-    (1, 2, 1, {"flattened_buckets": True, "bucket_bytes": 60_000}, ["pp0", "pp1"]),
-    (2, 2, 1, {"bucket_bytes": 60_000}, ["pp0", "pp1"]),
-    (1, 2, 1, {"weight_sync": "disk"}, ["pp0", "pp1"]),
-    # the second expert-parallel rank (data-parallel rank 1) sends its own experts: no expert gather
-    (1, 1, 2, {"bucket_bytes": 60_000}, ["pp0", "pp0-ep1"]),
-], ids=["pp2-flat", "tp2pp2-per-tensor", "pp2-disk", "ep2-moe"])
+@pytest.mark.parametrize(
+    "tp,pp,ep,options,shares",
+    [
+        (1, 2, 1, {"flattened_buckets": True, "bucket_bytes": 60_000}, ["pp0", "pp1"]),
+        (2, 2, 1, {"bucket_bytes": 60_000}, ["pp0", "pp1"]),
+        (1, 2, 1, {"weight_sync": "disk"}, ["pp0", "pp1"]),
+        # the second expert-parallel rank (data-parallel rank 1) sends its own experts: no expert gather
+        (1, 1, 2, {"bucket_bytes": 60_000}, ["pp0", "pp0-ep1"]),
+    ],
+    ids=["pp2-flat", "tp2pp2-per-tensor", "pp2-disk", "ep2-moe"],
+)
 def test_each_stage_pushes_its_own_tensors(tp, pp, ep, options, shares, tmp_path):
     from megatron_zcpo.megatron.initialize import free_port
 
     if options.get("weight_sync") == "disk":
         options = dict(options, weight_dir=str(tmp_path))
-    from megatron_zcpo.rollout.sglang_api import NEWEST_CHECKED_RELEASE, PINNED_RELEASE
+    from megatron_zcpo.rollout.sglang.api import NEWEST_CHECKED_RELEASE, PINNED_RELEASE
 
     backend = RecordingBackend()
     release = NEWEST_CHECKED_RELEASE if options.get("flattened_buckets") else PINNED_RELEASE  # load_format
     with MockSGLangServer(backend, port=free_port(), release=release) as server:
-        results = run_distributed(_push_by_stage, tp * pp * ep, tp, pp, server.url, options, MOE if ep > 1 else MODEL,
-                                  ep, timeout=300)
+        results = run_distributed(
+            _push_by_stage, tp * pp * ep, tp, pp, server.url, options, MOE if ep > 1 else MODEL, ep, timeout=300
+        )
         served = server.served_version
     expected = results[0]["expected"]
     names = [name for name, _ in backend.arrivals]
@@ -152,7 +197,11 @@ def test_each_stage_pushes_its_own_tensors(tp, pp, ep, options, shares, tmp_path
 def test_flat_bucket_round_trip_mixed_dtypes():
     from megatron_zcpo.megatron.weights import flatten_tensors, unflatten_tensors
 
-    tensors = [torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.arange(4, dtype=torch.int64).view(2, 2)[:, :1]]
+    tensors = [
+        torch.randn(3, 5),
+        torch.randn(7).to(torch.bfloat16),
+        torch.arange(4, dtype=torch.int64).view(2, 2)[:, :1],
+    ]
     with pytest.raises(ValueError, match="byte 74"):
         flatten_tensors(tensors)  # the int64 would start after 60 + 14 bytes: not viewable in place
     aligned = [tensors[2], tensors[0], tensors[1]]
@@ -162,8 +211,15 @@ def test_flat_bucket_round_trip_mixed_dtypes():
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
-TWO_LAYERS = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=64)
+TWO_LAYERS = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
 
 
 def _push_stages_to_two_servers(rank, world, urls, api_key, model_config):
@@ -177,16 +233,25 @@ def _push_stages_to_two_servers(rank, world, urls, api_key, model_config):
     from megatron_zcpo.megatron.weights import gather_full_state_dict, is_stage_lead
     from megatron_zcpo.recipe.rank0_wait import Rank0Wait
     from megatron_zcpo.recipe.weight_push import StageWeightPush, push_weights
-    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
 
     setup_megatron(pipeline_parallel=2, seed=5)
     model = build_gpt_model(model_config, transformer_config(model_config, pipeline_parallel=2))
     full = gather_full_state_dict(model)
 
     def engine(group):
-        return SGLangEngine(SGLangEngineConfig(server_urls=urls, group_name=group, group_backend="gloo",
-                                               master_address="127.0.0.1", group_timeout_s=60, bucket_bytes=8_000,
-                                               api_key=api_key, sampling_seeds=True))
+        return SGLangEngine(
+            SGLangEngineConfig(
+                server_urls=urls,
+                group_name=group,
+                group_backend="gloo",
+                master_address="127.0.0.1",
+                group_timeout_s=60,
+                bucket_bytes=8_000,
+                api_key=api_key,
+                sampling_seeds=True,
+            )
+        )
 
     stage = ps.get_pipeline_model_parallel_rank()
     stages = StageWeightPush(engine(f"zcpo_weights-pp{stage}") if is_stage_lead() else None)
@@ -209,26 +274,36 @@ def test_stages_push_one_after_another_to_two_servers(tmp_path):
 
     from megatron_zcpo.rollout.embedded import EmbeddedEngine
     from megatron_zcpo.rollout.engine import SamplingParams
-    from megatron_zcpo.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
-    from megatron_zcpo.rollout.sglang_server import SGLangLauncher, SGLangServerConfig
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
+    from megatron_zcpo.rollout.sglang.server import SGLangLauncher, SGLangServerConfig
     from megatron_zcpo.utils.runtime import free_port
-    from tests.rollout.test_sglang_server import write_tiny_checkpoint
+    from tests.rollout.sglang.test_sglang_server import write_tiny_checkpoint
 
     records = tmp_path / "records"
     records.mkdir()
     config = SGLangServerConfig(
-        model_path=write_tiny_checkpoint(str(tmp_path / "hf"), TWO_LAYERS), nodes=["127.0.0.1"], gpus_per_node=2,
-        base_port=free_port(), port_stride=1, router=False, log_dir=str(tmp_path / "logs"),
-        server_module="megatron_zcpo.rollout.mock_server", enable_deterministic_inference=True,
-        extra_args=["--record-dir", str(records)], startup_timeout_s=180)
+        model_path=write_tiny_checkpoint(str(tmp_path / "hf"), TWO_LAYERS),
+        nodes=["127.0.0.1"],
+        gpus_per_node=2,
+        base_port=free_port(),
+        port_stride=1,
+        router=False,
+        log_dir=str(tmp_path / "logs"),
+        server_module="megatron_zcpo.testing.mock_server",
+        enable_deterministic_inference=True,
+        extra_args=["--record-dir", str(records)],
+        startup_timeout_s=180,
+    )
     launcher = SGLangLauncher(config, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     launcher.start()
     try:
-        client = SGLangEngine(SGLangEngineConfig(server_urls=launcher.server_urls, api_key=launcher.api_key,
-                                                 sampling_seeds=True))
+        client = SGLangEngine(
+            SGLangEngineConfig(server_urls=launcher.server_urls, api_key=launcher.api_key, sampling_seeds=True)
+        )
         client.wait_until_healthy(timeout_s=180, poll_s=0.2, is_alive=launcher.alive)
-        results = run_distributed(_push_stages_to_two_servers, 2, launcher.server_urls, launcher.api_key, TWO_LAYERS,
-                                  timeout=300)
+        results = run_distributed(
+            _push_stages_to_two_servers, 2, launcher.server_urls, launcher.api_key, TWO_LAYERS, timeout=300
+        )
         assert results[0]["served"] == {url: 3 for url in launcher.server_urls}
         reference = EmbeddedEngine(TWO_LAYERS)
         reference.update_weights(results[0]["expected"].items(), version=3)
@@ -245,6 +320,9 @@ def test_stages_push_one_after_another_to_two_servers(tmp_path):
     for path in paths:
         record = json.loads(path.read_text())
         assert record["update_overlaps"] == []
-        groups = [group for event, request, group in record["weight_updates"]
-                  if event == "start" and request != "/destroy_weights_update_group"]
+        groups = [
+            group
+            for event, request, group in record["weight_updates"]
+            if event == "start" and request != "/destroy_weights_update_group"
+        ]
         assert groups == sorted(groups) and set(groups) == {"zcpo_weights-pp0", "zcpo_weights-pp1"}

@@ -20,10 +20,10 @@ def scripted_reward(response, ground_truth, metadata):
     if response == "pid":
         return os.getpid()
     if response.startswith("sleep:"):
-        time.sleep(float(response[len("sleep:"):]))
+        time.sleep(float(response[len("sleep:") :]))
         return 1.0
     if response.startswith("echo:"):
-        return float(response[len("echo:"):])
+        return float(response[len("echo:") :])
     return float(response == ground_truth)
 
 

@@ -6,10 +6,29 @@ from megatron_zcpo.rewards.math import _integer_verdict, math_answer_is_correct,
 
 GROUND_TRUTHS = ["7", "-3", "0", "124", "+5", " 12 ", "007", "10", "1/2", "3.5", "x+1"]
 RESPONSES = [
-    "\\boxed{7}", "\\boxed{ 7 }", "\\boxed{+7}", "\\boxed{007}", "\\boxed{-3}", "\\boxed{- 3}", "\\boxed{-0}",
-    "so x \\boxed{124} y", "\\boxed{12}4", "\\boxed{1}\\boxed{7}", "\\boxed{7.0}", "\\boxed{124}}", "\\boxed{{124}}",
-    "\\boxed{10}", "\\boxed{1 0}", "\\boxed{0}", "Answer: 5", "\\boxed{12} ", "\\boxed{5}<|im_end|>", "\\boxed{", "7",
-    "\\boxed{\\frac{1}{2}}", "\\boxed{3.5}",
+    "\\boxed{7}",
+    "\\boxed{ 7 }",
+    "\\boxed{+7}",
+    "\\boxed{007}",
+    "\\boxed{-3}",
+    "\\boxed{- 3}",
+    "\\boxed{-0}",
+    "so x \\boxed{124} y",
+    "\\boxed{12}4",
+    "\\boxed{1}\\boxed{7}",
+    "\\boxed{7.0}",
+    "\\boxed{124}}",
+    "\\boxed{{124}}",
+    "\\boxed{10}",
+    "\\boxed{1 0}",
+    "\\boxed{0}",
+    "Answer: 5",
+    "\\boxed{12} ",
+    "\\boxed{5}<|im_end|>",
+    "\\boxed{",
+    "7",
+    "\\boxed{\\frac{1}{2}}",
+    "\\boxed{3.5}",
 ]
 
 

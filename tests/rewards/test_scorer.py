@@ -129,10 +129,13 @@ def test_a_rollout_whose_reward_calls_fail_too_often_is_stopped_below_the_thresh
     assert scorer.check_failure_rate("step 0's rollout") == {"reward/failed_calls": 1.0, "reward/failed_fraction": 0.1}
     scorer.start_tally()
     _score(scorer, [["crash", "crash"]] + [["a", "b"]] * 4, truths, on_failure="min", max_failed_fraction=0.1)
-    with pytest.raises(RewardFailureRateError, match=r"failed on 2 of the 10 responses of step 3's rollout \(20%, "
-                                                     r"above reward.max_failed_fraction=0.1\)(.|\n)*prompt 0 \(uid q0\), "
-                                                     r"response 0 \(error\): response 'crash', ground truth 'a'"
-                                                     r"(.|\n)*ValueError: scripted crash for q0$"):
+    with pytest.raises(
+        RewardFailureRateError,
+        match=r"failed on 2 of the 10 responses of step 3's rollout \(20%, "
+        r"above reward.max_failed_fraction=0.1\)(.|\n)*prompt 0 \(uid q0\), "
+        r"response 0 \(error\): response 'crash', ground truth 'a'"
+        r"(.|\n)*ValueError: scripted crash for q0$",
+    ):
         scorer.check_failure_rate("step 3's rollout")
 
 
@@ -141,7 +144,9 @@ def test_hanging_reward_function_is_killed_and_replaced_off_the_main_thread(scor
     outcome = []
     start = time.monotonic()
     # scored from a worker thread: the pool's timeout needs no signals
-    thread = threading.Thread(target=lambda: outcome.append(_score(scorer, [["hang", "a", "a"]], ["a"], on_failure="zero")))
+    thread = threading.Thread(
+        target=lambda: outcome.append(_score(scorer, [["hang", "a", "a"]], ["a"], on_failure="zero"))
+    )
     thread.start()
     thread.join(timeout=30)
     elapsed = time.monotonic() - start

@@ -110,7 +110,9 @@ def test_drops_tied_groups_and_refills_until_full():
 
 
 def test_oversampling_discards_the_surplus():
-    result, engine = _run([MIXED, MIXED, ALL_WRONG, MIXED], num_groups=2, config=DynamicSamplingConfig(oversample_factor=2.0))
+    result, engine = _run(
+        [MIXED, MIXED, ALL_WRONG, MIXED], num_groups=2, config=DynamicSamplingConfig(oversample_factor=2.0)
+    )
     assert engine.calls == [4]
     assert [r.uid for r in result.records] == ["q0", "q1"]
     assert result.rewards.num_groups == 2
@@ -157,7 +159,11 @@ def test_filter_on_reward_counts_the_overlong_penalty():
         stream = PromptDataset(scripted_records(outcomes), shuffle=False)
         engine = ScriptedEngine(outcomes)
         result = sample_groups(
-            stream.next_batch, lambda recs: engine.generate([r.prompt_ids for r in recs], None, n=2), penalised, 1, config
+            stream.next_batch,
+            lambda recs, engine=engine: engine.generate([r.prompt_ids for r in recs], None, n=2),
+            penalised,
+            1,
+            config,
         )
         assert [r.uid for r in result.records] == kept
 

@@ -17,8 +17,15 @@ from megatron_zcpo.rollout.embedded import (
 from megatron_zcpo.rollout.engine import RolloutError, SamplingParams
 from megatron_zcpo.testing import run_distributed
 
-MODEL = ModelConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96)
+MODEL = ModelConfig(
+    vocab_size=1000,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=96,
+)
 
 
 def _random_prompts(count, low=3, high=17, seed=1, vocab=MODEL.vocab_size):
@@ -58,7 +65,9 @@ def test_filter_top_k_top_p_matches_float64_reference():
                 if (top_k <= 0 or rank < top_k) and (rank == 0 or mass <= top_p):
                     keep.add(token)
                 mass += probs[row, token].item()
-            expected = torch.tensor([probs[row, v].item() if v in keep else 0.0 for v in range(40)], dtype=torch.float64)
+            expected = torch.tensor(
+                [probs[row, v].item() if v in keep else 0.0 for v in range(40)], dtype=torch.float64
+            )
             torch.testing.assert_close(got[row], expected, rtol=0, atol=0)
 
 
@@ -83,7 +92,9 @@ def test_greedy_takes_the_argmax_with_raw_logprobs():
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2))
     tokens, logprobs = sample_next_tokens(logits, SamplingParams(temperature=0.0), torch.Generator())
     assert torch.equal(tokens, logits.argmax(-1))
-    torch.testing.assert_close(logprobs.double(), torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0])
+    torch.testing.assert_close(
+        logprobs.double(), torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
+    )
 
 
 def test_left_pad_layout():
@@ -104,9 +115,13 @@ def test_logprobs_equal_teacher_forced_forward(engine, policy):
             assert completion.prompt_ids == prompt and completion.weight_version == 4
             sequence = torch.tensor([prompt + completion.output_ids])
             with torch.no_grad():
-                logits = reference(input_ids=sequence).logits[0, len(prompt) - 1:-1]
-            expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, torch.tensor(completion.output_ids)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(completion.output_logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
+                logits = reference(input_ids=sequence).logits[0, len(prompt) - 1 : -1]
+            expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, torch.tensor(completion.output_ids)[:, None])[
+                :, 0
+            ]
+            torch.testing.assert_close(
+                torch.tensor(completion.output_logprobs, dtype=torch.float64), expected, atol=1e-5, rtol=0
+            )
 
 
 def test_seeded_sampling_is_reproducible(engine):
@@ -220,7 +235,9 @@ def _megatron_logprob_check(rank, world, model_configs, temperature):
                 param.normal_(0.0, 0.08)
         weights = gather_full_state_dict(model)
         engine = EmbeddedEngine(model_config)
-        engine.update_weights(((h, t) for n, w in weights.items() for h, t in megatron_to_hf_tensors(n, w, model_config)), 1)
+        engine.update_weights(
+            ((h, t) for n, w in weights.items() for h, t in megatron_to_hf_tensors(n, w, model_config)), 1
+        )
         prompts = _random_prompts(3, seed=8, vocab=model_config.vocab_size)
         results = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=10, seed=3), n=2)
         gap = 0.0
@@ -229,10 +246,14 @@ def _megatron_logprob_check(rank, world, model_configs, temperature):
                 sequence = torch.tensor([prompt + completion.output_ids])
                 with torch.no_grad():
                     logits = model(sequence, torch.arange(sequence.shape[1])[None], None)
-                logits = logits[0, len(prompt) - 1:-1, :model_config.vocab_size].double()  # drop Megatron's vocab padding
+                logits = logits[
+                    0, len(prompt) - 1 : -1, : model_config.vocab_size
+                ].double()  # drop Megatron's vocab padding
                 targets = torch.tensor(completion.output_ids)[:, None]
                 expected = torch.log_softmax(logits / temperature, -1).gather(-1, targets)[:, 0]
-                gap = max(gap, (expected - torch.tensor(completion.output_logprobs, dtype=torch.float64)).abs().max().item())
+                gap = max(
+                    gap, (expected - torch.tensor(completion.output_logprobs, dtype=torch.float64)).abs().max().item()
+                )
         worst.append(gap)
     return worst
 
@@ -241,11 +262,24 @@ def test_logprobs_equal_megatron_gpt_model():
     """The engine's log-probs are the trainer's: Qwen2 with tied embeddings, Llama without, Qwen3
     (q/k norms, head_dim 32 != hidden/heads) with and without."""
     families = (("qwen2", True, None), ("llama", False, None), ("qwen3", True, 32), ("qwen3", False, 32))
-    configs = [ModelConfig(family=family, vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                           head_dim=head_dim, max_position_embeddings=64)
-               for family, tied, head_dim in families]
+    configs = [
+        ModelConfig(
+            family=family,
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tied,
+            head_dim=head_dim,
+            max_position_embeddings=64,
+        )
+        for family, tied, head_dim in families
+    ]
     [worst] = run_distributed(_megatron_logprob_check, 1, configs, 0.9)
-    print("max |engine - GPTModel| log-prob: " + ", ".join(
-        f"{family}{'-tied' if tied else ''} {gap:.2e}" for (family, tied, _), gap in zip(families, worst)))
+    print(
+        "max |engine - GPTModel| log-prob: "
+        + ", ".join(f"{family}{'-tied' if tied else ''} {gap:.2e}" for (family, tied, _), gap in zip(families, worst))
+    )
     assert max(worst) < 1e-5

@@ -7,8 +7,15 @@ from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rollout.embedded import EmbeddedEngine, build_hf_causal_lm
 from megatron_zcpo.rollout.engine import SamplingParams
 
-MODEL = ModelConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+MODEL = ModelConfig(
+    vocab_size=500,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 @pytest.mark.parametrize("max_batch_size", [256, 6])  # 6: batches split a prompt's samples

@@ -21,7 +21,9 @@ def test_pass_at_k_hand_computed():
         (2, [0.7, 0.7, 0.7, 0.7, 0.0, 1.0, 0.002, 0.002]),
         (3, [0.9, 0.9, 0.9, 0.9, 0.0, 1.0, 0.003, 0.003]),
     ]:
-        torch.testing.assert_close(pass_at_k(n, c, k), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            pass_at_k(n, c, k), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12
+        )
     assert pass_at_k(torch.tensor([5]), torch.tensor([2]), 4).item() == 1.0
     # 1 - C(999, 500) / C(1000, 500) = 1 - 500/1000, through log-gamma without overflow
     assert abs(pass_at_k(torch.tensor([1000]), torch.tensor([1]), 500).item() - 0.5) < 1e-9
@@ -42,7 +44,9 @@ def test_evaluate_avg_and_pass_at_k(tmp_path):
     engine = ScriptedEngine(outcomes)
     params = SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=8)
     output = tmp_path / "eval" / "result.json"
-    result = evaluate(engine, records, scripted_rewards, params, k=4, pass_ks=[1, 2, 4], batch_size=2, output_path=str(output))
+    result = evaluate(
+        engine, records, scripted_rewards, params, k=4, pass_ks=[1, 2, 4], batch_size=2, output_path=str(output)
+    )
 
     assert engine.calls == [2, 1]
     # correct counts 4, 1, 0 of 4: avg@4 = (1 + 1/4 + 0) / 3; pass@2 = (1 + (1 - C(3,2)/C(4,2)) + 0) / 3

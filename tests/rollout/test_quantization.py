@@ -16,8 +16,15 @@ from megatron_zcpo.rollout.quantization import (
 
 mtq = pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed")
 
-MODEL = ModelConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+MODEL = ModelConfig(
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +58,24 @@ def test_stream_layout_matches_modelopt_export(policy):
         assert torch.equal(quantized.view(torch.uint8), exported.view(torch.uint8)), name
     assert next(out, None) is None
     assert sum(is_fp8_quantized(n) for n, _ in stream) == 2 * 7 + 1
-    assert not any(is_fp8_quantized(n) for n in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                                                  "model.layers.0.self_attn.q_proj.bias"))
+    assert not any(
+        is_fp8_quantized(n)
+        for n in (
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.norm.weight",
+            "model.layers.0.self_attn.q_proj.bias",
+        )
+    )
 
 
 def test_fp8_engine_computes_like_modelopt_fake_quantisation(policy):
     prompts = [[3, 9, 27, 81], [5, 7], [11, 13, 17]]
     config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
     config["quant_cfg"].append({"quantizer_name": "*input_quantizer", "enable": False})  # weight-only
-    reference = mtq.quantize(copy.deepcopy(policy), config, forward_loop=lambda m: m(input_ids=torch.tensor([prompts[0]])))
+    reference = mtq.quantize(
+        copy.deepcopy(policy), config, forward_loop=lambda m: m(input_ids=torch.tensor([prompts[0]]))
+    )
     with EmbeddedEngine(MODEL, quantization="fp8") as engine:
         engine.update_weights(policy.named_parameters(), version=1)
         loaded = dict(engine.model.named_parameters())
@@ -70,7 +86,9 @@ def test_fp8_engine_computes_like_modelopt_fake_quantisation(policy):
                 # Same FP8 codes; modelopt rescales by 1 / (448 / amax), the checkpoint format (and
                 # we) by amax / 448: the reconstructions may differ in the last fp32 bit.
                 torch.testing.assert_close(loaded[name + ".weight"], fake, rtol=2**-22, atol=0, msg=name)
-        assert torch.equal(loaded["model.embed_tokens.weight"], dict(policy.named_parameters())["model.embed_tokens.weight"])
+        assert torch.equal(
+            loaded["model.embed_tokens.weight"], dict(policy.named_parameters())["model.embed_tokens.weight"]
+        )
         temperature = 0.8
         results = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=8, seed=0))
     mismatch = []
@@ -78,8 +96,8 @@ def test_fp8_engine_computes_like_modelopt_fake_quantisation(policy):
         sequence = torch.tensor([prompt + completion.output_ids])
         targets = torch.tensor(completion.output_ids)[:, None]
         with torch.no_grad():
-            quantized_logits = reference(input_ids=sequence).logits[0, len(prompt) - 1:-1].double()
-            full_logits = policy(input_ids=sequence).logits[0, len(prompt) - 1:-1].double()
+            quantized_logits = reference(input_ids=sequence).logits[0, len(prompt) - 1 : -1].double()
+            full_logits = policy(input_ids=sequence).logits[0, len(prompt) - 1 : -1].double()
         expected = torch.log_softmax(quantized_logits / temperature, -1).gather(-1, targets)[:, 0]
         got = torch.tensor(completion.output_logprobs, dtype=torch.float64)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

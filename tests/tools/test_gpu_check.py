@@ -23,14 +23,26 @@ gpu_check = _load_tool()
 
 
 def test_without_a_gpu_the_cpu_parts_pass_and_the_rest_is_skipped_with_exit_3(tmp_path):
-    result = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(tmp_path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == gpu_check.EXIT_NO_GPU, result.stdout[-3000:] + result.stderr[-3000:]
-    table = result.stdout[result.stdout.index("# gpu_check"):]
-    for check in ("convert HF -> Megatron", "log-probs + 2 steps, fp32 TP1 (local spec)", "planner peak memory",
-                  "--verify converted model (local spec)", "zcpo train + resume"):
+    table = result.stdout[result.stdout.index("# gpu_check") :]
+    for check in (
+        "convert HF -> Megatron",
+        "log-probs + 2 steps, fp32 TP1 (local spec)",
+        "planner peak memory",
+        "--verify converted model (local spec)",
+        "zcpo train + resume",
+    ):
         assert any(line.startswith(check) and "| ok " in line for line in table.splitlines()), (check, table)
-    skipped = "no GPU: skipped TE layer spec model, bf16 training on the GPU, bench_token_stats --gpu, measured peak memory"
+    skipped = (
+        "no GPU: skipped TE layer spec model, bf16 training on the GPU, bench_token_stats --gpu, measured peak memory"
+    )
     assert result.stdout.rstrip().splitlines()[-1] == skipped
     assert (tmp_path / "megatron" / "model_config.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
 
@@ -52,8 +64,9 @@ BENCH_OUTPUT = """# NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0; roofline HBM 
 """
 
 
-@pytest.mark.parametrize("verdict,failed,names,status", [("PASS", 0, "[]", "ok"),
-                                                          ("FAIL", 1, "['152064 backward']", "FAILED")])
+@pytest.mark.parametrize(
+    "verdict,failed,names,status", [("PASS", 0, "[]", "ok"), ("FAIL", 1, "['152064 backward']", "FAILED")]
+)
 def test_bench_row_reads_the_tables_and_the_checks(monkeypatch, tmp_path, verdict, failed, names, status):
     output = BENCH_OUTPUT.format(verdict=verdict, failed=failed, names=names)
     completed = subprocess.CompletedProcess([], failed, output, "")
@@ -61,18 +74,28 @@ def test_bench_row_reads_the_tables_and_the_checks(monkeypatch, tmp_path, verdic
     row = gpu_check.GpuCheck(tmp_path, "tiny", on_gpu=True).bench()
     assert row.status == status
     passed = 3 - failed
-    assert row.measured == (f"stats 4096 x 152064: 1.20 ms (0.07x peer); update 4096 x 5120 x 152064: 29.00 ms "
-                            f"(0.80x peer); checks {passed}/3 pass")
+    assert row.measured == (
+        f"stats 4096 x 152064: 1.20 ms (0.07x peer); update 4096 x 5120 x 152064: 29.00 ms "
+        f"(0.80x peer); checks {passed}/3 pass"
+    )
 
 
 def test_gpu_rows_from_a_training_run(tmp_path):
     check = gpu_check.GpuCheck(tmp_path, "tiny", on_gpu=False)
-    check.trained = {"te_modules": ["TELayerNormColumnParallelLinear", "TERowParallelLinear"], "use_te": True,
-                     "device": "NVIDIA H200", "peak_bytes": 2 ** 30, "micro_batch_tokens": 1024, "kl_chunk_size": 1024}
+    check.trained = {
+        "te_modules": ["TELayerNormColumnParallelLinear", "TERowParallelLinear"],
+        "use_te": True,
+        "device": "NVIDIA H200",
+        "peak_bytes": 2**30,
+        "micro_batch_tokens": 1024,
+        "kl_chunk_size": 1024,
+    }
     assert check.te_spec().status == "ok"
     check.trained["te_modules"] = []
     assert check.te_spec().status == "FAILED"
     row = check.memory()
-    assert row.measured.startswith("measured 1.000 GiB; predicted ") and row.expected.startswith("ratio measured/predicted")
+    assert row.measured.startswith("measured 1.000 GiB; predicted ") and row.expected.startswith(
+        "ratio measured/predicted"
+    )
     table = gpu_check.render([row]).splitlines()
     assert table[0].split(" | ")[0].strip() == "check" and table[1].startswith("planner peak memory")

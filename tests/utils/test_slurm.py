@@ -36,10 +36,23 @@ def test_parser_matches_slurm_expansions(nodelist, expected):
     assert parse_slurm_nodelist(nodelist) == expected
 
 
-@pytest.mark.parametrize("nodelist", [
-    "gpu[a-3]", "gpu[3-1]", "gpu[]", "gpu[1-2", "gpu1-2]", "gpu[[1-2]]", "gpu[1-2]x]", "gpu[1,,2]", "", " , ",
-    "gpu[-1]", "gpu[1--2]",
-])
+@pytest.mark.parametrize(
+    "nodelist",
+    [
+        "gpu[a-3]",
+        "gpu[3-1]",
+        "gpu[]",
+        "gpu[1-2",
+        "gpu1-2]",
+        "gpu[[1-2]]",
+        "gpu[1-2]x]",
+        "gpu[1,,2]",
+        "",
+        " , ",
+        "gpu[-1]",
+        "gpu[1--2]",
+    ],
+)
 def test_parser_raises_on_what_slurm_rejects(nodelist):
     with pytest.raises(ValueError, match="malformed Slurm node list"):
         parse_slurm_nodelist(nodelist)
@@ -60,8 +73,12 @@ def test_property_random_two_group_lists_round_trip():
     rng = random.Random(0)
     for _ in range(200):
         widths = rng.randint(1, 3), rng.randint(1, 3)
-        groups = [sorted(rng.sample(range(10 ** w), rng.randint(1, min(6, 10 ** w)))) for w in widths]
-        prefix, middle, suffix = rng.choice(["n", "gpu-", ""]), rng.choice(["-", "x", "_r"]), rng.choice(["", "-ib", ".a"])
+        groups = [sorted(rng.sample(range(10**w), rng.randint(1, min(6, 10**w)))) for w in widths]
+        prefix, middle, suffix = (
+            rng.choice(["n", "gpu-", ""]),
+            rng.choice(["-", "x", "_r"]),
+            rng.choice(["", "-ib", ".a"]),
+        )
         entry = f"{prefix}[{_compress(groups[0], widths[0])}]{middle}[{_compress(groups[1], widths[1])}]{suffix}"
         expected = [f"{prefix}{a:0{widths[0]}d}{middle}{b:0{widths[1]}d}{suffix}" for a in groups[0] for b in groups[1]]
         assert parse_slurm_nodelist(entry + ",login") == expected + ["login"], entry

@@ -1,0 +1,217 @@
+"""Decode tokens/s per GPU of an SGLang rollout server, on paper: a roofline calibrated on SGLang's
+published throughput of Llama-3.1-70B on 4x H100.
+
+Pure arithmetic on a :class:`~megatron_zcpo.megatron.model.ModelConfig` (no GPU). A server of
+``t`` GPUs (tensor parallel) holds the bf16 weights, ``W = 2 x parameters`` bytes, and gives the
+rest of its static memory to the KV cache: ``KV = t x GPU memory x mem_fraction - W`` (SGLang's
+``--mem-fraction-static`` covers weights and KV pool). A token's KV costs ``k = 2 (K and V) x
+layers x kv_heads x head_dim x 2`` bytes. Each running sequence holds its full length (prompt
+``p`` + response ``r``), so ``B = KV / (k (p + r))`` sequences decode together, at a mean context
+``c = p + r / 2``. One decode step of the batch takes the longer of reading the weights and every
+sequence's KV cache, and running the batch's matmuls::
+
+    step = max((W + B k c) / (t x HBM bytes/s), B x F(c) / (t x peak FLOP/s))
+
+(``F(c)``: forward FLOPs of one token attending to ``c`` tokens,
+:func:`~megatron_zcpo.planning.step_time.forward_flops_per_token`). Per step ``B / r`` sequences
+finish and as many new prompts are prefilled, ``p x F(p / 2)`` FLOPs each, on the same GPUs::
+
+    prefill = (B / r) x p x F(p / 2) / (t x peak FLOP/s)
+    tokens/s per GPU = efficiency x B / (t x (step + prefill))
+
+The one free parameter, ``efficiency`` (the fraction of the roofline reached), is calibrated so
+that the model reproduces :data:`SGLANG_V030_LLAMA31_70B_SHAREGPT`: SGLang v0.3.0, Llama 3.1 70B
+Instruct on 4x H100 80GB (``--tp 4 --mem-frac 0.88 --disable-radix-cache``), offline
+``sglang.bench_serving --dataset-name sharegpt --num-prompts 5000``: 19.84 requests/s, 3,856.01
+output tokens/s (sgl-project/sglang, benchmark/benchmark_vllm_060/README.md,
+https://github.com/sgl-project/sglang/blob/main/benchmark/benchmark_vllm_060/README.md). Mean
+response = 3,856.01 / 19.84 = 194.4 tokens; mean prompt 224 tokens, from another published
+``sglang.bench_serving --dataset-name sharegpt`` run with the same (Llama 3.1) tokenizer: 369,103
+input and 326,408 output tokens over 1,648 requests (sgl-project/sglang issue 2805,
+https://github.com/sgl-project/sglang/issues/2805; its 198 output tokens per request agree).
+
+Limits: ShareGPT responses are short (about 200 tokens) and prefill-heavy, where the roofline is
+compute-bound; 10k-token RL responses are bound by HBM bandwidth, so the calibrated efficiency is
+transferred from one regime to the other. SGLang's published online figures on the same servers
+(median TPOT 25.03 and 33.07 ms at 4 and 8 requests/s, about 12 and 33 requests in flight by
+Little's law on the median latency) imply a bandwidth efficiency of 0.42 and 0.33 against the
+calibrated 0.29: the modelled rate is on the low side. SGLang v0.3.0 is older than the servers
+we run. The scheduler admits more requests than full-length reservations allow and retracts them
+when the pool fills; the request cap and the long tail of the longest response (the batch empties
+while it finishes) are not modelled. FP8 weights (``quantization``) are not modelled either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.planning.memory_model import H100_80GB_GIB
+from megatron_zcpo.planning.step_time import H100_BF16_DENSE_FLOPS, forward_flops_per_token
+
+H100_HBM3_BYTES_S = 3.35e12  # NVIDIA H100 SXM datasheet, HBM3 bandwidth
+H100_80GB_BYTES = H100_80GB_GIB * 2**30
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class DecodeMeasurement:
+    """A published server throughput and the setup it was measured on.
+
+    ``output_tokens_per_s``: generated tokens/s of the whole server (``tensor_parallel`` GPUs);
+    ``prompt_tokens`` / ``response_tokens``: mean lengths of the requests.
+    """
+
+    source: str
+    model: ModelConfig
+    tensor_parallel: int
+    mem_fraction: float
+    prompt_tokens: float
+    response_tokens: float
+    output_tokens_per_s: float
+    gpu_memory_bytes: float = H100_80GB_BYTES
+
+
+# Llama 3.1 70B: what the roofline reads of it equals the Llama-3.3-70B preset's (same
+# architecture; tests/planning/test_decode_rate.py checks it); RoPE settings do not enter.
+LLAMA31_70B = ModelConfig(
+    family="llama",
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    tie_word_embeddings=False,
+)
+
+SGLANG_V030_LLAMA31_70B_SHAREGPT = DecodeMeasurement(
+    source="SGLang v0.3.0, Llama 3.1 70B Instruct, 4x H100 80GB, offline ShareGPT, 5,000 prompts "
+    "(github.com/sgl-project/sglang benchmark/benchmark_vllm_060/README.md)",
+    model=LLAMA31_70B,
+    tensor_parallel=4,
+    mem_fraction=0.88,
+    prompt_tokens=369103 / 1648,
+    response_tokens=3856.01 / 19.84,
+    output_tokens_per_s=3856.01,
+)
+
+
+@dataclass(frozen=True)
+class DecodeRoofline:
+    """One server at efficiency 1: ``batch`` sequences, seconds of a decode ``step`` and of the
+    ``prefill`` it carries, and the resulting tokens/s per GPU."""
+
+    batch: float
+    step_s: float
+    prefill_s: float
+    tokens_per_s_per_gpu: float
+
+
+def kv_bytes_per_token(model: ModelConfig) -> float:
+    """bf16 bytes of one token's K and V over all layers."""
+    return 2 * model.num_layers * model.num_key_value_heads * model.head_dim * BF16_BYTES
+
+
+def decode_step_s(
+    model: ModelConfig,
+    batch: float,
+    context_tokens: float,
+    tensor_parallel: int,
+    *,
+    hbm_bytes_per_s: float = H100_HBM3_BYTES_S,
+    peak_flops: float = H100_BF16_DENSE_FLOPS,
+) -> float:
+    """Seconds of one decode step at efficiency 1: ``batch`` sequences, each attending to
+    ``context_tokens``, on ``tensor_parallel`` GPUs; the longer of the bytes read (bf16 weights +
+    KV caches) over HBM bandwidth and the FLOPs over peak."""
+    memory_s = (BF16_BYTES * model.num_parameters + batch * kv_bytes_per_token(model) * context_tokens) / (
+        tensor_parallel * hbm_bytes_per_s
+    )
+    # forward_flops_per_token(model, s) averages attention over a causal sequence of s tokens
+    # (s / 2 each): a token attending to `context_tokens` is the mean of a sequence twice as long.
+    compute_s = batch * forward_flops_per_token(model, 2 * context_tokens) / (tensor_parallel * peak_flops)
+    return max(memory_s, compute_s)
+
+
+def decode_roofline(
+    model: ModelConfig,
+    prompt_tokens: float,
+    response_tokens: float,
+    tensor_parallel: int,
+    *,
+    mem_fraction: float,
+    gpu_memory_bytes: float = H100_80GB_BYTES,
+    hbm_bytes_per_s: float = H100_HBM3_BYTES_S,
+    peak_flops: float = H100_BF16_DENSE_FLOPS,
+) -> DecodeRoofline:
+    """The roofline of the module docstring at efficiency 1. Raises ``ValueError`` when the weights
+    leave no KV memory (too few GPUs per server) or a length is not positive."""
+    if not (prompt_tokens > 0 and response_tokens > 0):
+        raise ValueError(f"prompt and response tokens must be positive, got {prompt_tokens}, {response_tokens}")
+    if not 0 < mem_fraction < 1:
+        raise ValueError(f"mem_fraction must be in (0, 1), got {mem_fraction}")
+    weights = BF16_BYTES * model.num_parameters
+    kv_memory = tensor_parallel * gpu_memory_bytes * mem_fraction - weights
+    if kv_memory <= 0:
+        raise ValueError(
+            f"{weights / 1e9:.1f} GB of bf16 weights fill {tensor_parallel} GPUs x "
+            f"{gpu_memory_bytes / 2**30:.1f} GiB x mem_fraction {mem_fraction}: no KV cache left; "
+            f"use more GPUs per server (tensor parallel)"
+        )
+    batch = kv_memory / (kv_bytes_per_token(model) * (prompt_tokens + response_tokens))
+    step = decode_step_s(
+        model,
+        batch,
+        prompt_tokens + response_tokens / 2,
+        tensor_parallel,
+        hbm_bytes_per_s=hbm_bytes_per_s,
+        peak_flops=peak_flops,
+    )
+    prefill = (
+        (batch / response_tokens)
+        * prompt_tokens
+        * forward_flops_per_token(model, prompt_tokens)
+        / (tensor_parallel * peak_flops)
+    )
+    return DecodeRoofline(
+        batch=batch, step_s=step, prefill_s=prefill, tokens_per_s_per_gpu=batch / (tensor_parallel * (step + prefill))
+    )
+
+
+def calibrated_efficiency(measurement: DecodeMeasurement = SGLANG_V030_LLAMA31_70B_SHAREGPT) -> float:
+    """The efficiency at which :func:`decode_roofline` reproduces ``measurement``'s throughput."""
+    roofline = decode_roofline(
+        measurement.model,
+        measurement.prompt_tokens,
+        measurement.response_tokens,
+        measurement.tensor_parallel,
+        mem_fraction=measurement.mem_fraction,
+        gpu_memory_bytes=measurement.gpu_memory_bytes,
+    )
+    return measurement.output_tokens_per_s / measurement.tensor_parallel / roofline.tokens_per_s_per_gpu
+
+
+def decode_tokens_per_s_per_gpu(
+    model: ModelConfig,
+    prompt_tokens: float,
+    response_tokens: float,
+    tensor_parallel: int,
+    *,
+    mem_fraction: float = 0.85,
+    gpu_memory_bytes: float = H100_80GB_BYTES,
+    efficiency: float = None,
+) -> float:
+    """Generated tokens/s per GPU of TP-``tensor_parallel`` servers decoding requests of these mean
+    lengths (module docstring); ``efficiency`` None: :func:`calibrated_efficiency`."""
+    if efficiency is None:
+        efficiency = calibrated_efficiency()
+    roofline = decode_roofline(
+        model,
+        prompt_tokens,
+        response_tokens,
+        tensor_parallel,
+        mem_fraction=mem_fraction,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+    return efficiency * roofline.tokens_per_s_per_gpu

@@ -1,0 +1,372 @@
+"""Launch SGLang servers (one per inference TP group) and the sglang router from a config or Slurm's environment.
+
+Command lines follow SGLang v0.5.3 (``python -m sglang.launch_server --model-path ... --tp-size
+...``) and sglang-router 0.2.0 (``python -m sglang_router.launch_router --worker-urls ...``). Each
+server gets its GPUs through ``CUDA_VISIBLE_DEVICES``; under Slurm every node runs the servers
+of its own GPUs (one launcher per node) and the first node also runs the router. Servers and
+router bind to their node's address (the host of their URL), not to every interface, and take
+requests only with the job's API key (``--api-key``: a fresh one per launch unless given).
+What must agree with the client is filled in from its config by :func:`server_config_for_run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.rollout.sglang.api import (
+    DETERMINISTIC_ATTENTION_BACKENDS,
+    ROUTER_DEFAULT_REQUEST_TIMEOUT_S,
+    required_context_length,
+)
+from megatron_zcpo.utils.network import is_loopback, resolve
+from megatron_zcpo.utils.slurm import expand_slurm_nodelist
+
+
+@dataclass
+class SGLangServerConfig:
+    """How to start the rollout servers.
+
+    ``tp_size`` GPUs per server; ``gpus_per_node`` (None: Slurm's SLURM_GPUS_ON_NODE, else the
+    CUDA_VISIBLE_DEVICES count) are split into ``gpus_per_node // tp_size`` servers per node,
+    capped at ``num_servers`` in total when given. Ports: ``base_port + i * port_stride`` for the
+    i-th server of a node (SGLang takes a few ports above its HTTP port). ``nodes``: host names
+    (None: SLURM_JOB_NODELIST, else this host). ``quantization`` is passed as
+    ``--quantization`` (``modelopt_fp8`` for FP8 rollouts). Mixture-of-experts models: ``ep_size``
+    splits each server's experts over that many of its TP ranks (``--ep-size``: 1 or ``tp_size``),
+    ``return_routed_experts`` launches with ``--enable-return-routed-experts`` (SGLang >= 0.5.7;
+    routing replay). ``extra_args`` are appended to every
+    server command. ``server_module`` / ``router_module`` can point at stand-ins (tests).
+    ``api_key``: ``--api-key`` of every server and the router (None: a fresh random key per
+    launcher, :attr:`SGLangLauncher.api_key`). ``router_request_timeout_s``: the router's
+    ``--request-timeout-secs`` (the client's ``router_timeout_s``).
+    ``enable_deterministic_inference``: per-request seeds are used (the client's
+    ``sampling_seeds``); SGLang then needs ``attention_backend`` among
+    :data:`~megatron_zcpo.rollout.sglang.api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
+    default for Qwen2/Llama/Qwen3 on H100).
+    """
+
+    model_path: str
+    tp_size: int = 1
+    gpus_per_node: Optional[int] = None
+    num_servers: Optional[int] = None
+    nodes: Optional[List[str]] = None
+    base_port: int = 30000
+    port_stride: int = 10
+    mem_fraction_static: float = 0.85
+    dtype: str = "bfloat16"
+    context_length: Optional[int] = None
+    quantization: Optional[str] = None
+    random_seed: int = 0
+    ep_size: int = 1
+    return_routed_experts: bool = False
+    extra_args: List[str] = field(default_factory=list)
+    router: bool = True
+    router_port: int = 29000
+    router_policy: str = "cache_aware"
+    log_dir: str = "sglang_logs"
+    python: str = sys.executable
+    server_module: str = "sglang.launch_server"
+    router_module: str = "sglang_router.launch_router"
+    startup_timeout_s: float = 1200.0
+    api_key: Optional[str] = None
+    router_request_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
+    enable_deterministic_inference: bool = False
+    attention_backend: Optional[str] = None
+
+    def validate(self, prefix: str = "rollout.servers") -> None:
+        """Raise ``ValueError`` naming the offending key."""
+        if not self.model_path:
+            raise ValueError(f"{prefix}.model_path must name a Hugging Face model directory")
+        for key in ("tp_size", "base_port", "port_stride", "router_port"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{prefix}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"{prefix}.ep_size={self.ep_size} must be 1 or tp_size={self.tp_size} (SGLang splits a "
+                f"server's experts over its TP ranks)"
+            )
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"{prefix}.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.router_request_timeout_s <= 0:
+            raise ValueError(f"{prefix}.router_request_timeout_s must be positive, got {self.router_request_timeout_s}")
+        if self.enable_deterministic_inference and self.attention_backend not in (
+            None,
+            *DETERMINISTIC_ATTENTION_BACKENDS,
+        ):
+            raise ValueError(
+                f"{prefix}.attention_backend={self.attention_backend!r}: SGLang's deterministic inference "
+                f"(rollout.sglang.client.sampling_seeds) runs on {list(DETERMINISTIC_ATTENTION_BACKENDS)}"
+            )
+
+
+def server_config_for_run(
+    launch: Mapping[str, Any], client, max_prompt_length: int, max_new_tokens: int
+) -> SGLangServerConfig:
+    """The launcher config of ``launch`` (``rollout.sglang.launch``) with what must agree with the
+    client (``client``, its SGLangEngineConfig) and the run's lengths filled in where ``launch``
+    leaves it: ``--context-length`` that serves ``max_prompt_length + max_new_tokens`` in full,
+    the router's ``--request-timeout-secs`` from ``client.router_timeout_s``, deterministic
+    inference when ``client.sampling_seeds`` and the client's API key."""
+    derived = {
+        "context_length": required_context_length(max_prompt_length, max_new_tokens),
+        "router_request_timeout_s": client.router_timeout_s,
+        "enable_deterministic_inference": bool(client.sampling_seeds),
+        "api_key": client.api_key,
+    }
+    return SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One SGLang server: where it runs, its HTTP port and the GPU ids it owns on its node."""
+
+    node: str
+    port: int
+    gpu_ids: tuple
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.node}:{self.port}"
+
+
+def _gpus_per_node(config: SGLangServerConfig, env: Mapping[str, str]) -> int:
+    if config.gpus_per_node:
+        return config.gpus_per_node
+    if env.get("SLURM_GPUS_ON_NODE"):
+        return int(env["SLURM_GPUS_ON_NODE"])
+    if env.get("CUDA_VISIBLE_DEVICES"):
+        return len(env["CUDA_VISIBLE_DEVICES"].split(","))
+    raise ValueError(
+        "rollout.servers.gpus_per_node is not set and neither SLURM_GPUS_ON_NODE nor "
+        "CUDA_VISIBLE_DEVICES says how many GPUs this node has"
+    )
+
+
+def server_specs(config: SGLangServerConfig, env: Optional[Mapping[str, str]] = None) -> List[ServerSpec]:
+    """Every server of the job, node by node (every node computes the same list)."""
+    env = os.environ if env is None else env
+    config.validate()
+    nodes = config.nodes or (
+        expand_slurm_nodelist(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else [_this_host(env)]
+    )
+    gpus = _gpus_per_node(config, env)
+    if config.tp_size > gpus:
+        raise ValueError(
+            f"rollout.servers.tp_size={config.tp_size} exceeds the {gpus} GPUs of a node "
+            f"(servers spanning nodes are not supported)"
+        )
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",") if env.get("CUDA_VISIBLE_DEVICES") else None
+    specs: List[ServerSpec] = []
+    for node in nodes:
+        for index in range(gpus // config.tp_size):
+            if config.num_servers is not None and len(specs) == config.num_servers:
+                return specs
+            ids = list(range(index * config.tp_size, (index + 1) * config.tp_size))
+            gpu_ids = tuple(visible[i] for i in ids) if visible else tuple(str(i) for i in ids)
+            specs.append(ServerSpec(node, config.base_port + index * config.port_stride, gpu_ids))
+    return specs
+
+
+def _this_host(env: Mapping[str, str]) -> str:
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Optional[str] = None) -> List[str]:
+    """The ``python -m sglang.launch_server ...`` command line of one server (``api_key``: default
+    ``config.api_key``)."""
+    command = [
+        config.python,
+        "-m",
+        config.server_module,
+        "--model-path",
+        config.model_path,
+        "--host",
+        spec.node,
+        "--port",
+        str(spec.port),
+        "--tp-size",
+        str(config.tp_size),
+        "--mem-fraction-static",
+        str(config.mem_fraction_static),
+        "--dtype",
+        config.dtype,
+        "--random-seed",
+        str(config.random_seed),
+    ]
+    if config.context_length:
+        command += ["--context-length", str(config.context_length)]
+    if config.quantization:
+        command += ["--quantization", config.quantization]
+    if config.enable_deterministic_inference:
+        command += ["--enable-deterministic-inference", "--attention-backend", config.attention_backend or "fa3"]
+    if api_key or config.api_key:
+        command += ["--api-key", api_key or config.api_key]
+    if config.ep_size > 1:
+        command += ["--ep-size", str(config.ep_size)]
+    if config.return_routed_experts:
+        command += ["--enable-return-routed-experts"]
+    return command + list(config.extra_args)
+
+
+def router_command(
+    worker_urls: List[str], config: SGLangServerConfig, host: str, api_key: Optional[str] = None
+) -> List[str]:
+    """The ``python -m sglang_router.launch_router ...`` command line over ``worker_urls``, bound to
+    ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``."""
+    command = [
+        config.python,
+        "-m",
+        config.router_module,
+        "--host",
+        host,
+        "--port",
+        str(config.router_port),
+        "--policy",
+        config.router_policy,
+        "--request-timeout-secs",
+        str(int(config.router_request_timeout_s)),
+        "--worker-urls",
+        *worker_urls,
+    ]
+    if api_key or config.api_key:
+        command += ["--api-key", api_key or config.api_key]
+    return command
+
+
+def check_bind_address(node: str, getaddrinfo=None) -> None:
+    """Raise ``ValueError`` when the servers of ``node`` would bind to a loopback address although
+    ``node`` is not a loopback name (a Debian-style /etc/hosts maps the host name to 127.0.1.1):
+    other nodes could not reach them. ``getaddrinfo``: the name service (default socket's)."""
+    if node in ("localhost", "::1") or node.startswith("127."):
+        return
+    address = resolve(node, 0, getaddrinfo)[1]
+    if is_loopback(address):
+        raise ValueError(
+            f"rollout node {node!r} resolves to {address} on this host: servers bound there could not "
+            f"be reached from other nodes; name the rollout nodes by an address of the cluster network "
+            f"(rollout.sglang.launch.nodes, or sglang_node.py --nodes)"
+        )
+
+
+class SGLangLauncher:
+    """Starts this node's servers (and, on the first node, the router); stops them on :meth:`stop`.
+
+    Each process gets its own session (so stopping kills its children too) and a log file under
+    ``config.log_dir``; a process that dies during start-up is reported with its log's tail.
+    """
+
+    def __init__(self, config: SGLangServerConfig, env: Optional[Mapping[str, str]] = None):
+        self.config = config
+        self.env: Dict[str, str] = dict(os.environ if env is None else env)
+        self.specs = server_specs(config, self.env)
+        self.api_key = config.api_key or secrets.token_urlsafe(32)  # the servers' and router's --api-key
+        self.processes: Dict[str, subprocess.Popen] = {}
+        self._logs: Dict[str, str] = {}
+
+    @property
+    def server_urls(self) -> List[str]:
+        return [spec.url for spec in self.specs]
+
+    @property
+    def router_url(self) -> Optional[str]:
+        return f"http://{self.specs[0].node}:{self.config.router_port}" if self.config.router else None
+
+    def _is_this_node(self, node: str) -> bool:
+        here = _this_host(self.env)
+        return node in (here, here.split(".")[0], "127.0.0.1", "localhost")
+
+    def start(self) -> None:
+        """Spawn the processes that belong to this node."""
+        os.makedirs(self.config.log_dir, exist_ok=True)
+        for spec in self.specs:
+            if self._is_this_node(spec.node):
+                check_bind_address(spec.node)
+                env = dict(self.env, CUDA_VISIBLE_DEVICES=",".join(spec.gpu_ids))
+                self._spawn(f"server-{spec.node}-{spec.port}", server_command(spec, self.config, self.api_key), env)
+        if self.config.router and self._is_this_node(self.specs[0].node):
+            self._spawn(
+                "router",
+                router_command(self.server_urls, self.config, self.specs[0].node, self.api_key),
+                dict(self.env),
+            )
+
+    def _spawn(self, name: str, command: List[str], env: Dict[str, str]) -> None:
+        path = os.path.join(self.config.log_dir, f"{name}.log")
+        with open(path, "ab") as log:
+            self.processes[name] = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self._logs[name] = path
+
+    def alive(self) -> bool:
+        """Whether every launched process still runs."""
+        return all(process.poll() is None for process in self.processes.values())
+
+    def failure_report(self, lines: int = 20) -> str:
+        """Exit codes and log tails of the processes that exited."""
+        report = []
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                with open(self._logs[name], errors="replace") as log:
+                    tail = "".join(log.readlines()[-lines:])
+                report.append(
+                    f"{name} exited with code {process.returncode}; last lines of {self._logs[name]}:\n{tail}"
+                )
+        return "\n".join(report)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every process group, then SIGKILL what is left after ``grace_s``."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # exited (with its group) since we looked
+        os.killpg(process.pid, sig)
+
+
+def launch_sglang(launcher: SGLangLauncher, **client_options):
+    """Start ``launcher``'s processes, wait until all servers of the job are healthy, return a client.
+
+    ``client_options`` go to :class:`SGLangEngineConfig` (timeouts, weight push); the client
+    sends the launcher's API key and knows the router's timeout. The returned :class:`SGLangEngine` stops the launched processes
+    when it shuts down. Raises ``RolloutError`` with the exit codes and log tails when a process
+    dies during start-up.
+    """
+    from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
+
+    launcher.start()
+    options = {
+        **client_options,
+        "api_key": launcher.api_key,
+        "router_timeout_s": launcher.config.router_request_timeout_s,
+    }
+    engine = SGLangEngine(
+        SGLangEngineConfig(server_urls=launcher.server_urls, router_url=launcher.router_url, **options),
+        on_shutdown=launcher.stop,
+    )
+    try:
+        engine.wait_until_healthy(launcher.config.startup_timeout_s, is_alive=launcher.alive)
+    except RolloutError as err:
+        report = launcher.failure_report()
+        engine.shutdown()
+        raise RolloutError(f"{err}\n{report}") from None
+    return engine

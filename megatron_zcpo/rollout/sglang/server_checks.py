@@ -1,0 +1,147 @@
+"""Start-up checks of the SGLang servers a run attaches to: the API key, context length, seeds and load format.
+
+What each server was launched with decides whether the run works: a key it does not accept
+(401), a context length that refuses the longest prompt (400 on the first long prompt), per-request
+seeds it ignores (no deterministic inference), a weight load format it lacks (the push hangs).
+:func:`check_servers` reads every server's ``/get_server_info`` (and the router's
+``/list_workers``, both behind the key) once before anything long starts and names every problem
+with the config key or launch flag that fixes it. Behaviour of the pinned release:
+:mod:`megatron_zcpo.rollout.sglang.api`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.rollout.sglang.api import (
+    FLATTENED_BUCKETS_SINCE,
+    SERVER_INFO_PATHS,
+    release_at_least,
+    required_context_length,
+    served_tokens,
+)
+from megatron_zcpo.rollout.sglang.config import API_KEY_ENV
+from megatron_zcpo.rollout.sglang.http import SGLangHTTPError
+
+KEY = "rollout.sglang.client"
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What one server reports: its URL, GPUs (``tp_size``), SGLang ``version``, the most prompt +
+    new tokens it serves in full (``served_tokens``, None if unknown), whether it uses per-request
+    seeds (``deterministic``) and its ``mem_fraction_static`` (None if unknown)."""
+
+    url: str
+    tp_size: int
+    version: str
+    served_tokens: Optional[int]
+    deterministic: bool
+    mem_fraction_static: Optional[float]
+
+    @classmethod
+    def from_server_info(cls, url: str, info: Dict[str, Any]) -> ServerFacts:
+        """The facts of a ``/get_server_info`` answer."""
+        fraction = info.get("mem_fraction_static")
+        return cls(
+            url=url,
+            tp_size=int(info.get("tp_size", 1)),
+            version=str(info.get("version", "")),
+            served_tokens=served_tokens(info),
+            deterministic=bool(info.get("enable_deterministic_inference")),
+            mem_fraction_static=None if fraction is None else float(fraction),
+        )
+
+
+def unauthorized(url: str, error: SGLangHTTPError) -> str:
+    """The message for a 401 from ``url``: which key to set."""
+    return (
+        f"{url} refused the API key (HTTP {error.status}): set {KEY}.api_key (or the environment variable "
+        f"{API_KEY_ENV}) to the key the SGLang servers and router were launched with (--api-key)"
+    )
+
+
+def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_tokens: int) -> List[str]:
+    """What keeps the server of ``facts`` from serving the run (``config``: its SGLangEngineConfig)."""
+    problems = []
+    longest = max_prompt_length + max_new_tokens
+    if facts.served_tokens is not None and facts.served_tokens < longest:
+        problems.append(
+            f"{facts.url} serves at most {facts.served_tokens} prompt + new tokens, but data.max_prompt_length + "
+            f"rollout.max_new_tokens = {max_prompt_length} + {max_new_tokens} = {longest}: SGLang refuses a "
+            f"request of prompt + max_new_tokens >= its context length with HTTP 400 and cuts max_new_tokens "
+            f"to context length - 2 - prompt; launch the servers with --context-length "
+            f">= {required_context_length(max_prompt_length, max_new_tokens)} (and a KV pool that holds it), or "
+            f"lower data.max_prompt_length / rollout.max_new_tokens"
+        )
+    if config.sampling_seeds and not facts.deterministic:
+        problems.append(
+            f"{KEY}.sampling_seeds is true but {facts.url} was not launched with --enable-deterministic-inference: "
+            f"SGLang {facts.version or '0.5.3.post3'} then ignores per-request seeds and the samples are not "
+            f"reproducible; launch it with --enable-deterministic-inference --attention-backend fa3 (or set "
+            f"{KEY}.sampling_seeds=false)"
+        )
+    if facts.deterministic and not config.sampling_seeds:
+        problems.append(
+            f"{facts.url} runs with --enable-deterministic-inference but {KEY}.sampling_seeds is false: such a "
+            f"server samples every request without a seed with seed 42, so the G samples of a prompt would all "
+            f"be the same; set {KEY}.sampling_seeds=true"
+        )
+    if (
+        config.flattened_buckets
+        and config.weight_sync == "distributed"
+        and not release_at_least(facts.version, FLATTENED_BUCKETS_SINCE)
+    ):
+        problems.append(
+            f"{KEY}.flattened_buckets is true but {facts.url} runs SGLang {facts.version!r}: the flattened_bucket "
+            f"load format of /update_weights_from_distributed exists from {FLATTENED_BUCKETS_SINCE} on; an older "
+            f"server ignores it and waits for tensors one by one, so the push hangs; set "
+            f"{KEY}.flattened_buckets=false"
+        )
+    return problems
+
+
+async def gather_facts(http, urls: List[str], router_url: Optional[str]) -> List[ServerFacts]:
+    """Every server's facts (and the router's key check), on ``http``'s loop; raises ``RolloutError``
+    naming every server that refused the key or could not answer."""
+    import asyncio
+
+    async def facts(url):
+        return ServerFacts.from_server_info(url, await http.get_first_served(url, SERVER_INFO_PATHS))
+
+    answers = await asyncio.gather(*(facts(url) for url in urls), return_exceptions=True)
+    if router_url:
+
+        async def router_key():
+            try:  # sglang-router guards /list_workers with its key; another front end may lack the route
+                await http.request("GET", router_url + "/list_workers", retry=False)
+            except SGLangHTTPError as error:
+                if error.status != 404:
+                    raise
+
+        answers.append((await asyncio.gather(router_key(), return_exceptions=True))[0])
+        urls = [*urls, router_url]
+    problems = []
+    for url, answer in zip(urls, answers):
+        if isinstance(answer, SGLangHTTPError) and answer.status in (401, 403):
+            problems.append(unauthorized(url, answer))
+        elif isinstance(answer, BaseException):
+            problems.append(f"{url}: /get_server_info failed: {answer}")
+    if problems:
+        raise RolloutError("SGLang start-up check failed:\n  " + "\n  ".join(problems))
+    return [answer for answer in answers if isinstance(answer, ServerFacts)]
+
+
+def check_servers(http, config, max_prompt_length: int, max_new_tokens: int) -> List[ServerFacts]:
+    """Check the servers of ``config`` (an SGLangEngineConfig; ``http`` its SGLangHTTP) against the
+    run: the key, then each server's context length, seeds and load format. Returns their facts;
+    raises ``RolloutError`` listing every problem, each naming the key or launch flag that fixes it."""
+    facts = http.run(gather_facts(http, list(config.server_urls), config.router_url))
+    problems = [
+        problem for fact in facts for problem in server_problems(fact, config, max_prompt_length, max_new_tokens)
+    ]
+    if problems:
+        raise RolloutError("SGLang start-up check failed:\n  " + "\n  ".join(problems))
+    return facts
