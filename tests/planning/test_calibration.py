@@ -3,9 +3,9 @@ table within the band, so a change to a constant that breaks calibration fails h
 
 import pytest
 
+from megatron_zcpo.convert.presets import preset_model_config
 from megatron_zcpo.planning.calibration import BAND, PUBLISHED_RUNS, predict
 from megatron_zcpo.planning.decode_rate import generation_time
-from megatron_zcpo.convert.presets import preset_model_config
 
 
 @pytest.mark.parametrize("run", PUBLISHED_RUNS, ids=lambda run: run.name)
