@@ -16,8 +16,9 @@ weights to disaggregated SGLang servers (push only). Not expressible: NeMo-RL's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
+from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.planning.memory_model import Layout, Workload
 from megatron_zcpo.planning.planner import plan_memory
 from megatron_zcpo.planning.step_time import Cluster, StepLoad, predict_step_time
@@ -51,12 +52,14 @@ class PublishedRun:
     overlap: bool = False
     mem_fraction: float = 0.6  # NeMo-RL's vLLM gpu_memory_utilization in its GRPO recipes
     fitted: str = ""
+    published_tokens_per_s_per_gpu: Optional[float] = None
 
 
 def _nemo(
-    name: str, preset: str, seconds: float, gpus: int, tp: int, layout: Layout, mean: float, **kw
+    name: str, preset: str, seconds: float, tokens_s: float, gpus: int, tp: int, layout: Layout, mean: float, **kw
 ) -> PublishedRun:
     return PublishedRun(
+        published_tokens_per_s_per_gpu=tokens_s,
         name=name,
         source=NEMO_RL_V05,
         preset=preset,
@@ -101,6 +104,7 @@ PUBLISHED_RUNS: List[PublishedRun] = [
         "Qwen3-32B GRPO on-policy, 32 GPUs",
         "Qwen3-32B",
         376.0,
+        571.0,
         32,
         4,
         Layout(tensor_parallel=4, pipeline_parallel=4, data_parallel=2, recompute="none"),
@@ -110,6 +114,7 @@ PUBLISHED_RUNS: List[PublishedRun] = [
         "Llama-3.1-8B GRPO on-policy, 16 GPUs",
         "Llama-3.1-8B",
         92.8,
+        1581.0,
         16,
         1,
         Layout(tensor_parallel=1, pipeline_parallel=2, data_parallel=8, recompute="none"),
@@ -119,6 +124,7 @@ PUBLISHED_RUNS: List[PublishedRun] = [
         "Qwen3-30B-A3B GRPO on-policy, 32 GPUs",
         "Qwen3-30B-A3B",
         198.0,
+        1066.0,
         32,
         2,
         Layout(tensor_parallel=1, data_parallel=32, expert_parallel=8, recompute="none"),
@@ -128,6 +134,7 @@ PUBLISHED_RUNS: List[PublishedRun] = [
         "Qwen3-32B GRPO 1-step off-policy, 64 GPUs",
         "Qwen3-32B",
         200.0,
+        538.0,
         32,
         4,
         Layout(tensor_parallel=4, pipeline_parallel=4, data_parallel=2, recompute="none"),
@@ -140,6 +147,7 @@ PUBLISHED_RUNS: List[PublishedRun] = [
         "Llama-3.1-8B GRPO 1-step off-policy, 16 GPUs",
         "Llama-3.1-8B",
         64.8,
+        2478.0,
         8,
         1,
         Layout(tensor_parallel=1, data_parallel=8, recompute="none"),
@@ -151,16 +159,15 @@ PUBLISHED_RUNS: List[PublishedRun] = [
 ]
 
 
-def predict(run: PublishedRun) -> float:
-    """Our predicted seconds for ``run`` with the planner's constants."""
-    from megatron_zcpo.convert.presets import preset_model_config
-
-    model = preset_model_config(run.preset)
+def predict(run: PublishedRun, model: ModelConfig) -> Tuple[float, Optional[float]]:
+    """Our predicted (seconds, trained tokens/s per GPU) for ``run`` of ``model`` (the architecture
+    of ``run.preset``, handed in: the presets live above the planner), with the planner's constants."""
     if run.kind == "push":
-        return nccl_push_s(2 * model.num_parameters)
+        return nccl_push_s(2 * model.num_parameters), None
     if run.kind == "refit":
-        return ipc_push_s(2 * model.num_parameters)
-    assert run.layout is not None
+        return ipc_push_s(2 * model.num_parameters), None
+    if run.layout is None:
+        raise ValueError(f"{run.name}: a step row needs its training layout")
     response = run.mean_sequence - PROMPT_TOKENS
     load = StepLoad(
         generated_sequences=run.samples,
@@ -192,4 +199,35 @@ def predict(run: PublishedRun) -> float:
         overlap=run.overlap,
         offloaded_bytes_per_gpu=offloaded,
     )
-    return timing.predicted_s
+    return timing.predicted_s, timing.tokens_per_s_per_gpu
+
+
+def calibration_table(model_of: Callable[[str], ModelConfig]) -> str:
+    """The markdown table of benchmarks/RESULTS.md: one row per :data:`PUBLISHED_RUNS` entry, models
+    by ``model_of(preset)``."""
+    lines = [
+        "| run | source | settings (ours) | predicted s | published s | ratio | tokens/s/GPU predicted / published | "
+        "fitted on it |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in PUBLISHED_RUNS:
+        seconds, tokens = predict(run, model_of(run.preset))
+        if run.layout is None:
+            settings = "bf16 weights (2 x parameters)"
+        else:
+            where = f" + {run.rollout_gpus} generating" if run.rollout_gpus else " colocated"
+            settings = (
+                f"{run.gpus}{where}, gen TP{run.generation_tp}, {run.layout.describe()}, {run.samples} samples, "
+                f"mean sequence {run.mean_sequence:,.0f} (cap {run.max_sequence:,})"
+                + (", overlapped" if run.overlap else "")
+            )
+        throughput = (
+            f"{tokens:,.0f} / {run.published_tokens_per_s_per_gpu:,.0f}"
+            if tokens is not None and run.published_tokens_per_s_per_gpu
+            else "-"
+        )
+        lines.append(
+            f"| {run.name} | {run.source} | {settings} | {seconds:,.1f} | {run.published_s:,.1f} | "
+            f"{seconds / run.published_s:.2f} | {throughput} | {run.fitted or '-'} |"
+        )
+    return "\n".join(lines)

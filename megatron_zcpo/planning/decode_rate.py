@@ -13,7 +13,7 @@ sequence's KV cache, and running the batch's matmuls::
     step = max((W + B k c) / (t x HBM bytes/s), B x F(c) / (t x peak FLOP/s))
 
 (``F(c)``: forward FLOPs of one token attending to ``c`` tokens,
-:func:`~megatron_zcpo.planning.step_time.forward_flops_per_token`). Per step ``B / r`` sequences
+:func:`~megatron_zcpo.planning.flops.forward_flops_per_token`). Per step ``B / r`` sequences
 finish and as many new prompts are prefilled, ``p x F(p / 2)`` FLOPs each, on the same GPUs::
 
     prefill = (B / r) x p x F(p / 2) / (t x peak FLOP/s)
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.planning.flops import H100_BF16_DENSE_FLOPS, forward_flops_per_token
 from megatron_zcpo.planning.memory_model import H100_80GB_GIB
-from megatron_zcpo.planning.step_time import H100_BF16_DENSE_FLOPS, forward_flops_per_token
 
 H100_HBM3_BYTES_S = 3.35e12  # NVIDIA H100 SXM datasheet, HBM3 bandwidth
 H100_80GB_BYTES = H100_80GB_GIB * 2**30

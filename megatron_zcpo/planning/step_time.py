@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.planning.decode_rate import H100_80GB_BYTES, generation_time
+from megatron_zcpo.planning.flops import H100_BF16_DENSE_FLOPS, forward_flops_per_token
 from megatron_zcpo.planning.moe_costs import (
     DEFAULT_EXPERT_IMBALANCE,
     all_to_all_bytes_per_token_layer,
@@ -43,7 +45,6 @@ from megatron_zcpo.planning.moe_costs import (
 )
 from megatron_zcpo.planning.transitions import ipc_push_s, nccl_push_s, offload_onload_s
 
-H100_BF16_DENSE_FLOPS = 989e12  # NVIDIA H100 SXM datasheet, dense BF16 tensor-core peak
 INFINIBAND_NDR_BYTES_S = 50e9  # one 400 Gb/s NDR port per GPU
 NVLINK4_BYTES_S = 450e9  # H100 SXM NVLink 4: 900 GB/s in both directions together
 TRAINING_MFU = 0.35  # held against NeMo-RL's published steps (module docstring)
@@ -100,7 +101,7 @@ class Cluster:
     placement: str = "disaggregated"
     rollout_tp: int = 4
     mem_fraction: float = 0.85
-    gpu_memory_bytes: float = 81559 * 2**20
+    gpu_memory_bytes: float = H100_80GB_BYTES
 
     @property
     def generation_gpus(self) -> int:
@@ -125,15 +126,6 @@ class Cluster:
             raise ValueError(
                 f"{prefix}: {self.generation_gpus} generating GPUs hold no server of rollout_tp={self.rollout_tp} GPUs"
             )
-
-
-def forward_flops_per_token(model: ModelConfig, sequence_length: float) -> float:
-    """FLOPs of one forward pass per token of a causal sequence of ``sequence_length`` tokens."""
-    dense = model.num_active_parameters - model.vocab_size * model.hidden_size  # the embedding is a lookup
-    if model.tie_word_embeddings:
-        dense += model.vocab_size * model.hidden_size  # the tied weight still runs as output layer
-    attention = 4 * model.num_layers * model.num_attention_heads * model.head_dim * sequence_length / 2
-    return 2 * dense + attention
 
 
 def push_bytes_per_stage(model: ModelConfig, pipeline_parallel: int, expert_parallel: int = 1) -> float:
@@ -222,8 +214,6 @@ def predict_step_time(
     """Seconds of one step's terms and modes (module docstring). ``overlap``: the disaggregated
     mode chosen (ignored when colocated); ``offloaded_bytes_per_gpu``: the training state a
     colocated GPU moves to the host and back (parameters, gradients, optimizer, reference)."""
-    from megatron_zcpo.planning.decode_rate import generation_time
-
     load.validate()
     cluster.validate()
     generation = generation_time(
