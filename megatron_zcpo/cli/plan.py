@@ -195,6 +195,18 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
     return timing, rate, source
 
 
+def colocated_memory_of(args, config: RunConfig, model, plan):
+    """The colocated GPU's two phases (:mod:`megatron_zcpo.planning.colocated`), None when disaggregated."""
+    if config.rollout.placement != "colocated":
+        return None
+    from megatron_zcpo.planning.colocated import ColocatedMemory
+    from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
+
+    _, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
+    bucket = config.rollout.sglang.client.get("bucket_bytes", SGLangEngineConfig.bucket_bytes)
+    return ColocatedMemory(plan=plan, mem_fraction=mem_fraction, bucket_bytes=bucket)
+
+
 def timeout_checks_of(args, config: RunConfig, model, gpus: int, decode_rate: float):
     """The timeout chain of ``config`` (megatron_zcpo/recipe/timeouts.py) on the planned servers:
     ``--rollout-gpus`` (default ``gpus``) split into servers of the planned tensor parallelism."""
@@ -259,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
             workload = dataclasses.replace(workload, expert_imbalance=args.expert_imbalance)
         plan = plan_memory(model, layout, workload, hardware)
         timing, decode_rate, decode_source = _step_time(args, config, model, plan, gpus, hardware)
+        colocated = colocated_memory_of(args, config, model, plan)
         timeouts = timeout_checks_of(args, config, model, gpus, decode_rate)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise SystemExit(f"zcpo plan: {error}") from None
@@ -268,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
     # guess (the fewest GPUs that fit), so a short timeout is reported but does not fail the plan.
     cluster_given = bool(args.gpus or args.rollout_gpus)
     timeouts_ok = all(check.ok for check in timeouts) or not cluster_given
+    memory_ok = plan.verdict != "does not fit" and (colocated is None or colocated.verdict != "does not fit")
     if args.json:
         print(
             json.dumps(
@@ -283,11 +297,12 @@ def run(args: argparse.Namespace) -> int:
                     "timeouts": [{**vars(check), "ok": check.ok} for check in timeouts],
                     "timeouts_checked_for_rollout_gpus": args.rollout_gpus or gpus,
                     "cluster_given": cluster_given,
+                    "colocated_memory": colocated.to_dict() if colocated else None,
                 },
                 indent=2,
             )
         )
-        return 0 if plan.verdict != "does not fit" and timeouts_ok else 1
+        return 0 if memory_ok and timeouts_ok else 1
     active = (
         f" ({count(model.num_active_parameters)} active: {model.num_experts} experts, "
         f"{model.num_experts_per_tok} per token)"
@@ -301,6 +316,14 @@ def run(args: argparse.Namespace) -> int:
     if data_parallel and data_parallel > 1:
         print(f"(no --gpus: planned on {gpus} GPUs, the fewest on which this layout fits: DP{data_parallel})")
     print(render_plan(plan))
+    if colocated is not None:
+        print(
+            f"colocated (rollout.placement=colocated): training {colocated.training_bytes / 2**30:.2f} GiB beside the "
+            f"released engine, generation {colocated.generation_bytes / 2**30:.2f} GiB (engine pool "
+            f"mem_fraction_static {colocated.mem_fraction}); {colocated.verdict}"
+        )
+        for problem in colocated.problems():
+            print(f"  {problem}")
     if args.gpus:
         print(
             "smallest fitting layout on",
@@ -345,4 +368,4 @@ def run(args: argparse.Namespace) -> int:
             f"(timeouts checked for {gpus} rollout GPUs, a guess: give --gpus N and --rollout-gpus N of your cluster "
             "to check them for it; only then does a short timeout fail the plan)"
         )
-    return 0 if plan.verdict != "does not fit" and timeouts_ok else 1
+    return 0 if memory_ok and timeouts_ok else 1
