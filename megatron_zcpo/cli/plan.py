@@ -164,6 +164,7 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
     """(StepTime, decode tokens/s per GPU, its source) of the config's placement and mode; a
     colocated GPU offloads its parameters, gradients, optimizer state and reference."""
     from megatron_zcpo.planning.step_time import TRAINING_MFU, Cluster, predict_step_time
+    from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 
     layout = plan.layout
     load = step_load_of(config, args.response_fraction, prompt_fraction=0.5)
@@ -179,6 +180,7 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
         rollout_tp=rollout_tp,
         mem_fraction=mem_fraction,
         gpu_memory_bytes=hardware.gpu_memory_gib * 2**30,
+        max_in_flight=config.rollout.sglang.client.get("max_concurrency", SGLangEngineConfig.max_concurrency),
     )
     offloaded = ("parameters", "gradients", "optimizer_states", "reference_model")
     timing = predict_step_time(

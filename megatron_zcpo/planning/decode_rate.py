@@ -37,8 +37,12 @@ transferred from one regime to the other. SGLang's published online figures on t
 Little's law on the median latency) imply a bandwidth efficiency of 0.42 and 0.33 against the
 calibrated 0.29: the modelled rate is on the low side. SGLang v0.3.0 is older than the servers
 we run. The scheduler admits more requests than full-length reservations allow and retracts them
-when the pool fills; the request cap and the long tail of the longest response (the batch empties
-while it finishes) are not modelled. FP8 weights (``quantization``) are not modelled either.
+when the pool fills (not modelled). FP8 weights (``quantization``) are not modelled either.
+
+A step's generation (:func:`generation_time`) adds what throughput at mean lengths hides: the
+batch a server holds is bounded by the requests in flight on it (:func:`in_flight_batch`), and the
+step waits for its longest response, which decodes at a small batch at the 0.42 efficiency of
+the 4 requests/s TPOT above (:func:`small_batch_efficiency`).
 """
 
 from __future__ import annotations
@@ -249,10 +253,12 @@ class GenerationTime:
     tokens_per_s_per_gpu: float
 
 
-def in_flight_batch(kv_batch: float, requests_per_server: float) -> float:
+def in_flight_batch(kv_batch: float, sequences: float, servers: int, max_in_flight: Optional[float] = None) -> float:
     """Sequences a server decodes together: its KV pool's ``kv_batch``, bounded by the requests it
-    has (an RL step sends all its samples at once, so each server holds its share)."""
-    return max(1.0, min(kv_batch, requests_per_server))
+    holds: its share of the step's ``sequences``, or of the client's ``max_in_flight``
+    (``rollout.sglang.client.max_concurrency``) when that is lower."""
+    in_flight = sequences if max_in_flight is None else min(sequences, max_in_flight)
+    return max(1.0, min(kv_batch, in_flight / servers))
 
 
 def generation_time(
@@ -267,11 +273,13 @@ def generation_time(
     mem_fraction: float = 0.85,
     gpu_memory_bytes: float = H100_80GB_BYTES,
     decode_tokens_per_s_per_gpu: Optional[float] = None,
+    max_in_flight: Optional[float] = None,
 ) -> GenerationTime:
     """Seconds one step waits for ``sequences`` responses of mean ``response_tokens`` (longest
     ``max_response_tokens``) on ``gpus`` GPUs in TP-``tensor_parallel`` servers.
 
-    Bulk: the roofline of the module docstring at the in-flight batch (:func:`in_flight_batch`), at
+    Bulk: the roofline of the module docstring at the in-flight batch (:func:`in_flight_batch`,
+    ``max_in_flight``: the client's cap on requests in flight over all servers), at
     the calibrated efficiency, or the given ``decode_tokens_per_s_per_gpu``. Tail: the longest
     response decodes ``max_response_tokens`` steps one after another; once the bulk is done its
     server holds a few sequences, so a step costs the roofline of one sequence at its mean context
@@ -285,7 +293,7 @@ def generation_time(
         mem_fraction=mem_fraction,
         gpu_memory_bytes=gpu_memory_bytes,
     )
-    batch = in_flight_batch(roofline.batch, sequences / servers)
+    batch = in_flight_batch(roofline.batch, sequences, servers, max_in_flight)
     if decode_tokens_per_s_per_gpu is None:
         context = prompt_tokens + response_tokens / 2
         step = decode_step_s(model, batch, context, tensor_parallel)

@@ -88,7 +88,8 @@ class Cluster:
     """The hardware side: GPUs of training and of the SGLang servers (``rollout_gpus`` is ignored
     when ``placement`` is "colocated": the servers run on the training GPUs), GPUs per server and
     their ``mem_fraction_static``, a measured decode rate per GPU (None: modelled), MFU, peak
-    FLOP/s, the inter-node link per GPU and NVLink, GPUs per node, memory per GPU (bytes)."""
+    FLOP/s, the inter-node link per GPU and NVLink, GPUs per node, memory per GPU (bytes), the
+    client's cap on requests in flight over all servers (None: every sample at once)."""
 
     train_gpus: int
     rollout_gpus: int
@@ -102,6 +103,7 @@ class Cluster:
     rollout_tp: int = 4
     mem_fraction: float = 0.85
     gpu_memory_bytes: float = H100_80GB_BYTES
+    max_in_flight: Optional[int] = None
 
     @property
     def generation_gpus(self) -> int:
@@ -227,6 +229,7 @@ def predict_step_time(
         mem_fraction=cluster.mem_fraction,
         gpu_memory_bytes=cluster.gpu_memory_bytes,
         decode_tokens_per_s_per_gpu=cluster.decode_tokens_per_s_per_gpu,
+        max_in_flight=cluster.max_in_flight,
     )
     rollout = generation.seconds
     sequence = load.prompt_tokens + load.response_tokens

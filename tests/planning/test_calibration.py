@@ -33,3 +33,13 @@ def test_the_step_waits_for_its_longest_response_and_the_batch_is_bounded_by_req
     assert few.tail_s > few.bulk_s and few.seconds == few.tail_s and 20 < few.tail_s < 120
     many = generation_time(model, 2048 * 8, 200, 800, 3900, 16, 1, mem_fraction=0.6)
     assert many.batch < 1024 and many.bulk_s > few.bulk_s * 4
+
+
+def test_the_clients_cap_on_requests_in_flight_bounds_the_batch():
+    """64 requests in flight over 16 servers: 4 sequences each, so the bulk decodes ~30x slower per
+    token than at the 128 the servers would otherwise hold."""
+    model = preset_model_config("Llama-3.1-8B")
+    free = generation_time(model, 2048, 200, 800, 3900, 16, 1, mem_fraction=0.6)
+    capped = generation_time(model, 2048, 200, 800, 3900, 16, 1, mem_fraction=0.6, max_in_flight=64)
+    assert capped.batch == pytest.approx(4) and capped.bulk_s > 10 * free.bulk_s
+    assert capped.seconds == capped.bulk_s
