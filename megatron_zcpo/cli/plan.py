@@ -78,7 +78,8 @@ def add_parser(subparsers) -> None:
     source.add_argument(
         "--preset",
         default=None,
-        help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B, Qwen3-30B-A3B, Qwen3-235B-A22B",
+        help="a named architecture, e.g. Qwen2.5-32B, Qwen3-32B, Llama-3.1-8B, Llama-3.3-70B, Qwen3-30B-A3B, "
+        "Qwen3-235B-A22B (megatron_zcpo/convert/presets.py)",
     )
     timing = parser.add_argument_group("step time (see megatron_zcpo/planning/step_time.py)")
     timing.add_argument("--rollout-gpus", type=int, default=None, help="GPUs of the SGLang servers (default: --gpus)")

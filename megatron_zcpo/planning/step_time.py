@@ -21,7 +21,8 @@ holds the model to it). Term by term:
   NeMo-RL's on-policy and 1-step-off Qwen3-32B and Llama-3.1-8B rows come out within 0.84-1.10x
   of their published steps (RESULTS), which is where it is checked. Under expert parallelism each MoE layer adds its token all-to-alls on the busiest rank
   (:mod:`megatron_zcpo.planning.moe_costs`, ``expert_imbalance`` times the mean) in the two
-  experience forwards and the update's passes, over NVLink within a node, InfiniBand across nodes.
+  experience forwards and the update's passes, over NVLink within a node, InfiniBand across nodes
+  (nominal bandwidths, not calibrated: no published all-to-all time of these shapes was found).
 * transitions (:mod:`megatron_zcpo.planning.transitions`): the NCCL push (per pipeline stage and
   expert rank concurrently, or funnelled through rank 0), the colocated CUDA IPC push and the
   colocated offload / onload of the training state.

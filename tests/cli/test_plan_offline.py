@@ -25,6 +25,11 @@ def test_presets_are_the_public_architectures():
     assert 72e9 < QWEN25_72B.num_parameters < 73e9
     with pytest.raises(ValueError, match="Qwen2.5-32B"):
         preset_model_config("Qwen2.5-7B")
+    # the calibration anchors (benchmarks/RESULTS.md): the published sizes of their model cards
+    sizes = {"Qwen3-32B": 32.8e9, "Qwen3-8B": 8.2e9, "Llama-3.1-8B": 8.03e9, "Llama-3.1-70B": 70.55e9}
+    for name, size in sizes.items():
+        assert preset_model_config(name).num_parameters == pytest.approx(size, rel=0.002), name
+    assert preset_model_config("Llama-3.1-70B-Instruct") == LLAMA33_70B
 
 
 def test_the_shipped_example_plans_with_nothing_downloaded(capsys):
