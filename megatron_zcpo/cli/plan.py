@@ -240,7 +240,15 @@ def smallest_world(config: RunConfig) -> int:
     return parallel.tensor * parallel.pipeline * parallel.context * (experts // math.gcd(experts, stage))
 
 
-def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
+def plan_inputs_of(config: RunConfig, gpus: int, expert_imbalance: Optional[float] = None):
+    """:func:`plan_inputs` with ``--expert-imbalance`` applied when given."""
+    layout, workload = plan_inputs(config, gpus)
+    if expert_imbalance is not None:
+        workload = dataclasses.replace(workload, expert_imbalance=expert_imbalance)
+    return layout, workload
+
+
+def fewest_gpus(config: RunConfig, model, hardware, expert_imbalance: Optional[float] = None) -> tuple:
     """(GPUs, data-parallel size) of the fewest replicas of the config's layout that fit; the smallest
     world (:func:`smallest_world`) when none up to :data:`MAX_SEARCHED_DATA_PARALLEL` does (the
     distributed optimizer is what shards with DP)."""
@@ -251,7 +259,7 @@ def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
     step = smallest_world(config) // replica
     largest = MAX_SEARCHED_DATA_PARALLEL if parallel.distributed_optimizer else step
     for data_parallel in range(step, largest + 1, step):
-        if plan_memory(model, *plan_inputs(config, replica * data_parallel), hardware).fits:
+        if plan_memory(model, *plan_inputs_of(config, replica * data_parallel, expert_imbalance), hardware).fits:
             return replica * data_parallel, data_parallel
     return replica * step, step
 
@@ -268,10 +276,9 @@ def run(args: argparse.Namespace) -> int:
         problems = layout_problems(config, model, args.gpus or smallest_world(config), world_source="GPUs (--gpus)")
         if problems:
             raise ValueError("the layout would be refused:\n  " + "\n  ".join(problems))
-        gpus, data_parallel = (args.gpus, None) if args.gpus else fewest_gpus(config, model, hardware)
-        layout, workload = plan_inputs(config, gpus)
-        if args.expert_imbalance is not None:
-            workload = dataclasses.replace(workload, expert_imbalance=args.expert_imbalance)
+        imbalance = args.expert_imbalance
+        gpus, data_parallel = (args.gpus, None) if args.gpus else fewest_gpus(config, model, hardware, imbalance)
+        layout, workload = plan_inputs_of(config, gpus, imbalance)
         plan = plan_memory(model, layout, workload, hardware)
         timing, decode_rate, decode_source = _step_time(args, config, model, plan, gpus, hardware)
         colocated = colocated_memory_of(args, config, model, plan)
