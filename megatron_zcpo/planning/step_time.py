@@ -19,7 +19,8 @@ holds the model to it). Term by term:
   pass (log-probs) is two forwards (policy and reference), the update a forward and a backward
   (3 forwards), full recompute one forward more. ``TRAINING_MFU`` = 0.35 is not fitted: with it
   NeMo-RL's dense rows (Qwen3-32B, Llama-3.1-8B, v0.4 and v0.5) come out within 0.85-1.10x of their
-  published steps and its mixture-of-experts rows fast (0.52-0.84x, RESULTS explains). Under expert parallelism each MoE layer adds its token all-to-alls on the busiest rank
+  published steps and its mixture-of-experts rows fast (0.52-0.84x, RESULTS explains). Under
+  expert parallelism each MoE layer adds its token all-to-alls on the busiest rank
   (:mod:`megatron_zcpo.planning.moe_costs`, ``expert_imbalance`` times the mean) in the two
   experience forwards and the update's passes, over NVLink within a node, InfiniBand across nodes
   (nominal bandwidths, not calibrated: no published all-to-all time of these shapes was found).
