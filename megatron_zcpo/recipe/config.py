@@ -109,6 +109,8 @@ class RolloutConfig:
     # trains (one step off-policy; train.importance_sampling defaults to on). Off: on-policy.
     overlap: bool = False
     max_staleness: int = 1  # weight versions a trained sample may lag behind the trainer
+    # disaggregated: SGLang servers on their own GPUs; colocated: on the training GPUs, in turns.
+    placement: str = "disaggregated"
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     sglang: SGLangSection = field(default_factory=SGLangSection)
 
@@ -128,6 +130,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"rollout.quantization must be null or 'fp8', got {self.quantization!r}")
+        if self.placement not in ("disaggregated", "colocated"):
+            raise ValueError(f"rollout.placement must be 'disaggregated' or 'colocated', got {self.placement!r}")
         if self.overlap and self.max_staleness < 1:
             raise ValueError(
                 f"rollout.max_staleness must be >= 1 with rollout.overlap=true (the rollout in "
