@@ -438,7 +438,9 @@ def resolve_tiling(
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise TypeError(f"targets must hold integer token ids, got dtype {targets.dtype}")
     bad = (targets < 0) | (targets >= vocab_size)
-    if bool(bad.any()):
+    if targets.is_cuda:  # checked on the device: no host synchronisation per call
+        torch._assert_async(~bad.any(), f"token statistics: a target id is outside the vocabulary [0, {vocab_size})")
+    elif bool(bad.any()):
         position = int(bad.flatten().nonzero()[0])
         raise ValueError(
             f"targets[{position}] (flattened) = {int(targets.flatten()[position])} is outside the "
