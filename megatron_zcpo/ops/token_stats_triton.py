@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import triton
 
+from megatron_zcpo.ops import token_stats_check
 from megatron_zcpo.ops.output_projection import OutputProjection
 from megatron_zcpo.ops.token_stats_kernels import (
     TileResults,
@@ -324,51 +325,48 @@ def logits_backward(logits, ref_logits, targets, saved, grads, tiling: Tiling) -
     return grad_logits
 
 
-def _cached_logit_gradient(policy: OutputProjection, targets, cache: _Cache, saved, grads, tiling: Tiling):
-    """d(loss)/d(logits) [N, valid_columns] in the gradient GEMMs' operand dtype, from the forward's caches."""
-    grad_logits = aligned_rows(targets.shape[0], tiling.valid_columns, policy.gradient_dtype, targets.device)
+def cached_logit_gradient(gradient_dtype, targets, cache: _Cache, saved, grads, tiling: Tiling) -> torch.Tensor:
+    """d(loss)/d(logits) [N, valid_columns] in ``gradient_dtype`` (the gradient GEMMs' operand) from the
+    forward's caches, for the upstream ``grads`` (logprob, entropy, kl) [N] each (None: not wanted)."""
+    grad_logits = aligned_rows(targets.shape[0], tiling.valid_columns, gradient_dtype, targets.device)
     _backward(grad_logits, targets, saved, grads, tiling, cache=cache)
     return grad_logits
 
 
-def fused_logit_gradient(
-    hidden, weight, ref_hidden, ref_weight, targets, tiling: Tiling, grads
-) -> Optional[torch.Tensor]:
-    """The logit gradient [N, valid_columns] that :class:`TritonFusedTokenStats` feeds its gradient GEMMs, for
-    the upstream ``grads`` (logprob, entropy, kl) [N] each (the first-use check); None for a shard of padding."""
-    results, cache = fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling, keep_cache=True)
-    if cache is None:
-        return None
-    policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
-    return _cached_logit_gradient(policy, targets, cache, results.saved, grads, tiling)
-
-
 class TritonFusedTokenStats(torch.autograd.Function):
-    """Autograd of :func:`fused_forward`: backward from the caches, then the two gradient GEMMs."""
+    """Autograd of :func:`fused_forward` (its results and caches computed before): backward from the caches,
+    then the two gradient GEMMs; ``fallback`` (the torch backward's shard gradients, same arguments as
+    ``token_stats._fused_shard_gradients``) when that raises."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, tiling):
-        results, cache = fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling, keep_cache=True)
-        ctx.cache_layout = None if cache is None else (cache.y is not None, cache.at_kl, cache.width)
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, tiling, results, cache, fallback):
+        ctx.cache_layout = None if cache is None else (cache.at_kl, cache.width)
+        ctx.fallback = fallback
         kept = () if cache is None else (cache.e, cache.y, cache.blocks)
-        return save_results(ctx, (hidden, weight, targets) + kept, results, tiling)
+        return save_results(ctx, (hidden, weight, ref_hidden, ref_weight, targets) + kept, results, tiling)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, _grad_ref_logprob, grad_kl):
-        hidden, weight, targets, *kept, saved = ctx.saved_tensors
+        hidden, weight, ref_hidden, ref_weight, targets, *kept, saved = ctx.saved_tensors
         tiling = ctx.tiling
         grads = (grad_logprob, grad_entropy, grad_kl)
+        nothing = (None,) * 9
         if ctx.cache_layout is None or all(g is None for g in grads):
-            return None, None, None, None, None, None
-        _, at_kl, width = ctx.cache_layout
-        cache = _Cache(kept[0], kept[1], kept[2], at_kl, width)
-        policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
-        grad_logits = _cached_logit_gradient(policy, targets, cache, saved, grads, tiling)
-        grad_weight = torch.empty_like(weight)
-        grad_weight[tiling.valid_columns :].zero_()
-        grad_hidden = policy.shard_gradients(grad_logits, grad_weight[: tiling.valid_columns])
+            return nothing
+        try:
+            cache = _Cache(kept[0], kept[1], kept[2], *ctx.cache_layout)
+            policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
+            grad_logits = cached_logit_gradient(policy.gradient_dtype, targets, cache, saved, grads, tiling)
+            grad_weight = torch.empty_like(weight)
+            grad_weight[tiling.valid_columns :].zero_()
+            grad_hidden = policy.shard_gradients(grad_logits, grad_weight[: tiling.valid_columns])
+        except Exception as error:  # before the all-reduce below: the ranks still meet there
+            token_stats_check.raised(error, "fused backward")
+            grad_hidden, grad_weight = ctx.fallback(
+                hidden, weight, ref_hidden, ref_weight, targets, saved, grads, tiling
+            )
         if tiling.world > 1:
             # hidden is replicated across the tensor-parallel ranks, each of which saw its vocabulary
             # shard: sum the partial gradients (Megatron's copy_to_tensor_model_parallel_region backward).
             dist.all_reduce(grad_hidden, group=tiling.group)
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+        return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)) + nothing[2:]

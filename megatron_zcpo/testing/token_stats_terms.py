@@ -14,19 +14,12 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_zcpo.ops.token_stats import TokenStats, fused_token_stats, vocab_parallel_token_stats
+from megatron_zcpo.ops.token_stats_check import TERM_TOLERANCE, TERMS
 
-TERMS = ("logprob", "entropy", "kl")
 VALUE_FIELDS = ("logprob", "entropy", "ref_logprob", "kl")
 MIN_KL = 1e-2
 """The least per-token KL of the inputs below: the KL gradient is then far above rounding."""
 
-# Relative norm of (gradient - float64 gradient) per term. From logits: float32 recomputation (the
-# gradient is then rounded to the logits' dtype: one unit is added for 16-bit dtypes). Fused: the
-# float16 caches (2**-11 relative) and the bf16 gradient GEMM operands on CUDA (one unit added).
-GRADIENT_TOLERANCE = {
-    "logits": {"logprob": 1e-5, "entropy": 1e-5, "kl": 1e-4},
-    "fused": {"logprob": 1e-3, "entropy": 1e-3, "kl": 2e-3},
-}
 # Values: relative to float64 (KL) or absolute + relative (the others), the float64 tests' bounds.
 VALUE_RTOL, VALUE_ATOL, KL_RTOL = 2e-6, 2e-5, 1e-4
 
@@ -102,7 +95,7 @@ def logits_term_errors(z, zr, targets, backend: str = "triton", **options) -> Di
     exact_logits = z.detach().double().requires_grad_()
     exact = vocab_parallel_token_stats(exact_logits, targets, zr.double(), backend="torch", **options)
     got, want = _term_gradients(stats, (logits,)), _term_gradients(exact, (exact_logits,))
-    tolerances = GRADIENT_TOLERANCE["logits"]
+    tolerances = TERM_TOLERANCE["logits"]
     errors = {t: relative_norm(got[t][0], want[t][0]) / (tolerances[t] + unit(z.dtype)) for t in TERMS}
     errors["min KL"] = float(exact.kl.detach().min())
     return errors
@@ -119,7 +112,7 @@ def fused_term_errors(
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     exact = fused_token_stats(h64, w64, targets, ref_hidden.double(), ref_weight.double(), backend="torch", **options)
     got, want = _term_gradients(stats, (h, w)), _term_gradients(exact, (h64, w64))
-    tolerances = GRADIENT_TOLERANCE["fused"]
+    tolerances = TERM_TOLERANCE["fused"]
     errors = {}
     for term in TERMS:
         for name, index in (("hidden", 0), ("weight", 1)):
