@@ -292,16 +292,37 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert "0 failed" in result.stdout.splitlines()[-1]
 
 
-@pytest.mark.skipif(has_cuda(), reason="the real benchmark runs on the GPU")
-def test_gpu_benchmark_dry_run_passes_every_check_and_times_every_case():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/bench_token_stats.py", "--gpu", "--dry-run"],
+def _gpu_bench_dry_run(*options):
+    return subprocess.run(
+        [sys.executable, "benchmarks/bench_token_stats.py", "--gpu", "--dry-run", *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.skipif(has_cuda(), reason="the real benchmark runs on the GPU")
+def test_gpu_benchmark_dry_run_passes_every_check_and_times_every_case():
+    result = _gpu_bench_dry_run()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ERROR" not in result.stdout and "FAIL" not in result.stdout, result.stdout
-    assert "0 checks failed [], 0 Triton cases failed []" in result.stdout
-    assert result.stdout.count(" ms  peak") == 14  # every case of the four tables but the compiled ones
+    assert "# token-stats GPU bench: PASS: 10/10 checks passed" in result.stdout
+    assert result.stdout.count(" ms  peak") == 14  # every case of the four tables
+    assert result.stdout.count("-> met") == 2 and result.stdout.count("DRAM read") == 2
+
+
+@pytest.mark.skipif(has_cuda(), reason="the real benchmark runs on the GPU")
+@pytest.mark.parametrize(
+    "options,reason",
+    [
+        (["--target-scale", "0"], "update 24 x 16 x 320: ours (triton), logprob missed its target"),
+        (["--budget", "0"], "stats 24 x 320: ours (triton) skipped (time budget)"),
+        (["--omit-check", "update each term"], "ours (triton), logprob unchecked (update each term omitted)"),
+    ],
+    ids=["missed", "skipped", "unchecked"],
+)
+def test_gpu_benchmark_fails_on_a_missed_skipped_or_unchecked_target(options, reason):
+    result = _gpu_bench_dry_run(*options)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "# token-stats GPU bench: FAIL" in result.stdout and reason in result.stdout, result.stdout[-3000:]
