@@ -326,3 +326,26 @@ def test_gpu_benchmark_fails_on_a_missed_skipped_or_unchecked_target(options, re
     result = _gpu_bench_dry_run(*options)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "# token-stats GPU bench: FAIL" in result.stdout and reason in result.stdout, result.stdout[-3000:]
+
+
+def test_fused_buffers_have_aligned_rows_for_any_shard_width():
+    """Row strides that are multiples of 16 elements let Triton emit vector loads (shard width 250 here)."""
+    hidden, weight, ref_hidden, ref_weight, _ = _fused_inputs()
+    h, w, rh, rw = _on_device(hidden, weight[:VOCAB], ref_hidden, ref_weight[:VOCAB])
+    strides = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: strides.append((t.dtype, t.stride())) or t, lambda t: t):
+        fused_token_stats(h, w.requires_grad_(), spread_targets().to(DEVICE), rh, rw, backend="triton")
+    caches = [stride for dtype, stride in strides if dtype == torch.float16]
+    assert len(caches) == 2 and all(stride[0] % 16 == 0 for stride in caches), strides
+
+
+def test_cuda_kernel_shapes_are_fixed_by_the_shard_width():
+    """No timing-based choice: every rank and run launches the same kernels (bitwise reproducible)."""
+    from megatron_zcpo.ops import token_stats_triton
+
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    for n_cols in (1000, 18587, 19008, 152064):
+        forward = {token_stats_triton._choose("forward", rows, n_cols, cuda) for rows in (1, 300, 4096)}
+        backward = {token_stats_triton._choose("backward", rows, n_cols, cuda) for rows in (1, 300, 4096)}
+        assert len(forward) == len(backward) == 1
+        assert forward.pop().width % backward.pop().block_v == 0
