@@ -127,7 +127,7 @@ def _shard_fields(stats: torch.Tensor, tiling: Tiling) -> dict:
     results = finish_statistics(stats, tiling)
     fields = ("logprob", "entropy", "ref_logprob", "kl")
     values = {f: getattr(results, f) for f in fields if getattr(results, f) is not None}
-    if tiling.with_ref:
+    if tiling.with_ref and results.saved is not None:
         values["log ratio"] = results.saved[5]
     return values
 
@@ -139,6 +139,7 @@ def _compare_rows(
     logits ``z``, ``zr`` [r, valid_columns]: this shard's values, and with ``gradient(saved, probe)`` (the
     Triton logit gradient of those rows, ``cached``: from the fused caches) each term's, both backward
     passes from the call's own saved numbers. Local: the ranks meet only in token_stats_check.conclude."""
+    assert results.shard is not None and results.saved is not None  # set by merge_shards
     expected = shard_statistics(_logits_loader(z, zr), targets, tiling, z.device)
     problems = first_use.value_problems(_shard_fields(results.shard[:, rows], tiling), _shard_fields(expected, tiling))
     if gradient is not None:
