@@ -1,4 +1,4 @@
-"""The Triton backend of the token statistics: launches, a small autotune, the fused autograd Function.
+"""The Triton backend of the token statistics: launches (shapes fixed by the shard width), the fused Function.
 
 Forward: :func:`token_stats_forward_kernel` reduces each row's shard in one HBM pass to the shard
 statistics of the torch path; the float64 merge over tensor-parallel ranks (one all-gather per
