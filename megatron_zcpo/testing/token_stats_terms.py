@@ -39,11 +39,11 @@ def relative_norm(got: torch.Tensor, want: torch.Tensor) -> float:
 def drifted_logits(tokens: int, vocab: int, valid: int, seed: int = 0, device="cpu", dtype=torch.float32):
     """[tokens, vocab] policy logits (std 2), a reference 0.6 away (KL ~ 0.1 per token) and targets in
     [0, valid)."""
-    gen = torch.Generator().manual_seed(seed)
-    z = torch.randn(tokens, vocab, generator=gen) * 2.0
-    zr = z + 0.6 * torch.randn(tokens, vocab, generator=gen)
-    targets = torch.randint(0, valid, (tokens,), generator=gen)
-    return z.to(device, dtype), zr.to(device, dtype), targets.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)  # generated where used: GPU-sized inputs are large
+    z = torch.randn(tokens, vocab, generator=gen, device=device) * 2.0
+    zr = z + 0.6 * torch.randn(tokens, vocab, generator=gen, device=device)
+    targets = torch.randint(0, valid, (tokens,), generator=gen, device=device)
+    return z.to(dtype), zr.to(dtype), targets
 
 
 def drifted_layer(
@@ -51,12 +51,12 @@ def drifted_layer(
 ):
     """Hidden states [tokens, H], output layers [vocab, H] of a policy and a reference whose logits (std ~2)
     differ by ~0.6 (KL ~ 0.1 per token), and targets in [0, valid)."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, hidden_size, generator=gen)
-    weight = torch.randn(vocab, hidden_size, generator=gen) * 2.0 / hidden_size**0.5
-    ref_weight = weight + 0.6 * torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5
-    targets = torch.randint(0, valid, (tokens,), generator=gen)
-    return (*(x.to(device, dtype) for x in (hidden, weight, hidden, ref_weight)), targets.to(device))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, generator=gen, device=device)
+    weight = torch.randn(vocab, hidden_size, generator=gen, device=device) * 2.0 / hidden_size**0.5
+    ref_weight = weight + 0.6 * torch.randn(vocab, hidden_size, generator=gen, device=device) / hidden_size**0.5
+    targets = torch.randint(0, valid, (tokens,), generator=gen, device=device)
+    return (*(x.to(dtype) for x in (hidden, weight, hidden, ref_weight)), targets)
 
 
 def upstream(rows: int, device) -> torch.Tensor:
