@@ -170,18 +170,20 @@ def test_an_exception_falls_back_to_torch(kind, monkeypatch):
     assert token_stats_check.status()["fallback"] is not None
 
 
-def test_an_exception_in_the_fused_backward_falls_back_to_torch(monkeypatch):
-    _run("fused", "triton")  # checked
+@pytest.mark.parametrize("kind", ["logits", "fused"])
+def test_an_exception_in_the_backward_falls_back_to_torch(kind, monkeypatch):
+    _run(kind, "triton")  # checked
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB")
 
-    monkeypatch.setattr(token_stats_triton, "cached_logit_gradient", out_of_memory)
-    with pytest.warns(MISMATCH, match="fused backward"):
-        checked = _run("fused", "triton")
+    name = "logits_backward" if kind == "logits" else "cached_logit_gradient"
+    monkeypatch.setattr(token_stats_triton, name, out_of_memory)
+    with pytest.warns(MISMATCH, match=f"{kind} backward"):
+        checked = _run(kind, "triton")
     # the forward was Triton's, the backward the torch backend's over its saved numbers
-    for got, want in zip(checked[1], _run("fused", "torch")[1]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(checked[1], _run(kind, "torch")[1]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
     assert token_stats_check.torch_instead()
 
 
