@@ -109,7 +109,7 @@ class EngineMemory:
 
     def check_tags(self, tags: Optional[Iterable[str]]) -> List[str]:
         """The tags a request names (None or empty: every tag), checked against this release's."""
-        chosen = list(tags or self.tags)
+        chosen = list(dict.fromkeys(tags or self.tags))  # a tag named twice is one region
         unknown = [tag for tag in chosen if tag not in self.tags]
         if unknown:
             raise MemoryPhaseError(f"{self.owner}: unknown memory tags {unknown} (this release has {self.tags})")

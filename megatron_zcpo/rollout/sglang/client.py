@@ -149,6 +149,7 @@ class SGLangEngine(RolloutEngine):
         self._weights = weight_update_for(self._http, config)
         self._closed = False
         self.rejected_samples = 0  # answers rejected by the output checks, over the engine's life
+        self._memory_tags: Optional[Tuple[str, ...]] = None  # the servers' memory-saver tags, asked once
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -470,6 +471,44 @@ class SGLangEngine(RolloutEngine):
             for url, healthy in zip(lost, self._http.run(self._health(lost))):
                 if healthy:
                     pool.bring_back(url)
+
+    # -- memory saver (colocated placement) ----------------------------------------------------
+
+    def memory_tags(self) -> Tuple[str, ...]:
+        """The memory-saver tags the servers' release knows (:func:`~megatron_zcpo.rollout.sglang.api.memory_tags`)."""
+        from megatron_zcpo.rollout.sglang.api import SERVER_INFO_PATHS, memory_tags
+
+        if self._memory_tags is None:
+            infos = self._http.run(self._http.get_from_all_servers(SERVER_INFO_PATHS))
+            self._memory_tags = min((memory_tags(str(info.get("version", ""))) for info in infos), key=len)
+        return self._memory_tags
+
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """``/release_memory_occupation`` on every server in rotation, once their caches are flushed
+        (a release must find the server idle: the flush aborts requests whose abort was lost)."""
+        self._check_open()
+        self.flush_cache()
+        self._memory_call("/release_memory_occupation", tags)
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """``/resume_memory_occupation`` on every server in rotation (a 5xx is retried)."""
+        self._check_open()
+        self._memory_call("/resume_memory_occupation", tags)
+
+    def _memory_call(self, path: str, tags: Optional[Sequence[str]]) -> None:
+        # explicit tags: a release that knows more (cuda_graph) must not release what we never resume
+        body = {"tags": list(tags if tags is not None else self.memory_tags())}
+        self._http.run(self._http.on_servers_in_rotation("POST", path, body, timeout=self.config.update_timeout_s))
+
+    def pause_generation(self) -> None:
+        """``/pause_generation`` on every server in rotation (before a weight update)."""
+        self._check_open()
+        self._http.run(self._http.on_servers_in_rotation("POST", "/pause_generation"))
+
+    def continue_generation(self) -> None:
+        """``/continue_generation`` on every server in rotation."""
+        self._check_open()
+        self._http.run(self._http.on_servers_in_rotation("POST", "/continue_generation"))
 
     # -- lifecycle -----------------------------------------------------------------------------
 
