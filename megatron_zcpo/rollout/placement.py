@@ -23,7 +23,7 @@ between the two sides' moves (``barrier``). Each transition checks what is resid
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_zcpo.rollout.memory import WEIGHTS, MemoryPhaseError
 
@@ -69,6 +69,7 @@ class ColocatedPhases:
         self.after_offload = after_offload
         self.phase = "launch"
         self.history: List[str] = ["launch"]
+        self.seconds: Dict[str, float] = {}  # the last entry into each phase took this long
         self.tags = tuple(engine.memory_tags()) if engine is not None else ()
         if engine is not None and WEIGHTS not in self.tags:
             raise MemoryPhaseError(
@@ -76,6 +77,9 @@ class ColocatedPhases:
                 "(SGLang servers need --enable-memory-saver: rollout.sglang.launch does it)"
             )
         self._check()
+
+    def __repr__(self) -> str:
+        return f"ColocatedPhases(phase={self.phase!r}, tags={self.tags})"
 
     # -- transitions ----------------------------------------------------------------------------
 
@@ -116,10 +120,12 @@ class ColocatedPhases:
     # -- checks ---------------------------------------------------------------------------------
 
     def _enter(self, phase: str) -> None:
+        self._started = time.perf_counter()
         if self.phase not in _FROM[phase]:
             raise MemoryPhaseError(f"colocated placement: {phase} cannot follow {self.phase} (order: {_FROM})")
 
     def _done(self, phase: str) -> None:
+        self.seconds[phase] = time.perf_counter() - self._started
         self.phase = phase
         self.history.append(phase)
         self._check()
@@ -156,3 +162,20 @@ class ColocatedPhases:
                     f"{free} B free, the trainer needs {needed} B (rollout.sglang.client.update_timeout_s)"
                 )
             time.sleep(self.poll_s)
+
+
+def device_memory_hooks() -> Tuple[Optional[Callable[[], Optional[int]]], Callable[[], None]]:
+    """(``free_bytes``, ``after_offload``) of :class:`ColocatedPhases` for this process's device: on
+    CUDA the driver's free memory plus what this process's allocator caches unused, and
+    ``empty_cache`` (the engine's processes can only map what the trainer handed back to the driver);
+    without CUDA (None, nothing)."""
+    from megatron_zcpo.utils.devices import has_cuda
+
+    if not has_cuda():
+        return None, lambda: None
+    import torch
+
+    def free_bytes() -> int:
+        return int(torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+
+    return free_bytes, torch.cuda.empty_cache

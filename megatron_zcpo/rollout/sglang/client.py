@@ -475,11 +475,14 @@ class SGLangEngine(RolloutEngine):
     # -- memory saver (colocated placement) ----------------------------------------------------
 
     def memory_tags(self) -> Tuple[str, ...]:
-        """The memory-saver tags the servers' release knows (:func:`~megatron_zcpo.rollout.sglang.api.memory_tags`)."""
+        """The memory-saver tags the servers' release knows (:func:`~megatron_zcpo.rollout.sglang.api.memory_tags`);
+        none when a server runs without ``--enable-memory-saver`` (its releases would free nothing)."""
         from megatron_zcpo.rollout.sglang.api import SERVER_INFO_PATHS, memory_tags
 
         if self._memory_tags is None:
             infos = self._http.run(self._http.get_from_all_servers(SERVER_INFO_PATHS))
+            if not all(info.get("enable_memory_saver") for info in infos):
+                return ()
             self._memory_tags = min((memory_tags(str(info.get("version", ""))) for info in infos), key=len)
         return self._memory_tags
 

@@ -179,5 +179,7 @@ def test_without_the_wait_a_late_release_books_the_gpu_twice():
 
 def test_an_engine_without_memory_saver_cannot_be_colocated():
     with MockSGLangServer(ScriptedEngine(), memory_saver=False) as server, _engine(server) as engine:
-        engine.release_memory(None)  # SGLang without --enable-memory-saver answers 200 and frees nothing
+        engine.release_memory(["weights"])  # SGLang without --enable-memory-saver answers 200 and frees nothing
         assert server.memory.released == set()
+        with pytest.raises(MemoryPhaseError, match="--enable-memory-saver"):
+            ColocatedPhases(LedgerTrainer(MemoryLedger(1), {}), engine)
