@@ -62,12 +62,15 @@ class RLRecipe:
         self.world_size = dist.get_world_size()
         self.run_dir = Path(config.logging.run_dir)
         tokenizer = load_tokenizer(config)
+        colocated = config.rollout.placement == "colocated"
+        if colocated:  # the engine first, emptied before the trainer takes the same GPUs
+            self._start_engine_for_colocation(tokenizer)
         model_config = self._build_trainer(tokenizer)
-        trainer_state = self._offload_for_colocation()  # (colocated: the servers start on these GPUs)
-        self.rollout = Rollout(config, model_config, tokenizer) if self.rank == 0 else None
+        if not colocated:
+            self.rollout = Rollout(config, model_config, tokenizer) if self.rank == 0 else None
         self.waits.barrier()  # rank 0 started (and checked) the rollout side
-        if trainer_state is not None:
-            self._start_colocation(trainer_state)
+        if colocated:
+            self._start_colocation()
         checkpoint = self._resume()  # (creates the run directory, or refuses to mix with the run it holds)
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(dump_run_config(config))
@@ -90,36 +93,37 @@ class RLRecipe:
             config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state, self.waits
         )
 
-    def _offload_for_colocation(self):
-        """Colocated placement: this rank's trainer state, moved to the host before the servers start
-        on its GPU (a :class:`~megatron_zcpo.megatron.offload.TrainingStateOffload`); None otherwise."""
-        if self.config.rollout.placement != "colocated":
-            return None
-        from megatron_zcpo.megatron.offload import TRAINING_PARTS, TrainingStateOffload
-        from megatron_zcpo.rollout.placement import device_memory_hooks
-        from megatron_zcpo.utils.devices import has_cuda
+    def _start_engine_for_colocation(self, tokenizer) -> None:
+        """Colocated placement: rank 0 starts (or attaches to) the engine and has it release its memory,
+        before any rank builds its model on the same GPUs; every rank waits for it."""
+        from megatron_zcpo.convert.checkpoint import model_config_at
+        from megatron_zcpo.recipe.rollout import Rollout
+        from megatron_zcpo.rollout.placement import release_for_training
 
-        trainer_state = TrainingStateOffload(self.trainer.policy, self.trainer.optimizer, pin=has_cuda())
-        trainer_state.offload(TRAINING_PARTS)
-        device_memory_hooks()[1]()
-        return trainer_state
+        self.rollout = None
+        if self.rank == 0:
+            model = self.config.model
+            model_config = model_config_at(model.path) if model.path is not None else model.architecture
+            self.rollout = Rollout(self.config, model_config, tokenizer)
+            release_for_training(self.rollout.engine)
+        self.waits.barrier()
 
-    def _start_colocation(self, trainer_state) -> None:
-        """The phase machine, entering the train phase (the engine releases what it loaded at launch;
-        a resumed checkpoint loads into the trainer's state on the device)."""
+    def _start_colocation(self) -> None:
+        """The phase machine, in its train phase (the trainer's state is on the device, the engine empty)."""
+        from megatron_zcpo.megatron.offload import TrainingStateOffload
         from megatron_zcpo.rollout.placement import ColocatedPhases, device_memory_hooks
+        from megatron_zcpo.utils.devices import has_cuda
 
         free_bytes, after_offload = device_memory_hooks()
         timeout = float(self.config.rollout.sglang.client.get("update_timeout_s", 300.0))
         self.colocation = ColocatedPhases(
-            trainer_state,
+            TrainingStateOffload(self.trainer.policy, self.trainer.optimizer, pin=has_cuda()),
             self.engine,
             barrier=self.waits.barrier,
             free_bytes=free_bytes,
             after_offload=after_offload,
             release_timeout_s=timeout,
         )
-        self.colocation.to_train()
 
     def push(self, version: int) -> None:
         """The weight push of ``version`` (collective); colocated, between the update and generate phases."""

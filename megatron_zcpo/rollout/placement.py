@@ -15,9 +15,12 @@ big memory. One step goes through three phases, in this order, on every rank:
   disk); :meth:`ColocatedPhases.to_generate` then offloads the parameters and resumes the rest.
 
 So the device holds at most max(trainer state, engine weights + trainer parameters, engine): never
-both sides' full memory. The engine side acts on rank 0 (it drives every server); the ranks meet
-between the two sides' moves (``barrier``). Each transition checks what is resident against
-:data:`RESIDENT` and raises :class:`~megatron_zcpo.rollout.memory.MemoryPhaseError` otherwise.
+both sides' full memory. At start-up the engine comes first (servers load their weights at launch
+or are attached running): :func:`release_for_training` empties it before the trainer builds its
+model, and the machine starts in the train phase. The engine side acts on rank 0 (it drives every
+server); the ranks meet between the two sides' moves (``barrier``). Each transition checks what is
+resident against :data:`RESIDENT` and raises :class:`~megatron_zcpo.rollout.memory.MemoryPhaseError`
+otherwise.
 """
 
 from __future__ import annotations
@@ -31,13 +34,12 @@ PLACEMENTS = ("disaggregated", "colocated")
 TRAINER_PARTS = ("params", "grads", "optimizer")
 # What may be on the device in each phase: (trainer parts, engine regions; "*" = all the engine's).
 RESIDENT = {
-    "launch": ((), ("*",)),
     "generate": ((), ("*",)),
     "train": (TRAINER_PARTS, ()),
     "update": (("params",), (WEIGHTS,)),
 }
 # The phase each transition starts from.
-_FROM = {"train": ("launch", "generate"), "update": ("train",), "generate": ("update",)}
+_FROM = {"train": ("generate",), "update": ("train",), "generate": ("update",)}
 
 
 class ColocatedPhases:
@@ -48,9 +50,9 @@ class ColocatedPhases:
     rank meet (the run's Rank0Wait); ``free_bytes``: this rank's free device memory (None: not
     measurable, e.g. a CPU) — after a release, the trainer's state comes back only once it fits,
     polled every ``poll_s`` for up to ``release_timeout_s``; ``after_offload``: hands freed memory
-    back to the device (``torch.cuda.empty_cache``). Starts in "launch": the engine holds its
-    memory (it loaded its weights at start-up), the trainer's state must be offloaded already.
-    ``history`` lists the phases entered, for logs and tests.
+    back to the device (``torch.cuda.empty_cache``). Starts in "train": the engine released
+    everything (:func:`release_for_training`), the trainer's state is on the device. ``history``
+    lists the phases entered, for logs and tests.
     """
 
     def __init__(
@@ -67,15 +69,10 @@ class ColocatedPhases:
         self.trainer_state, self.engine, self.barrier = trainer_state, engine, barrier
         self.free_bytes, self.release_timeout_s, self.poll_s = free_bytes, release_timeout_s, poll_s
         self.after_offload = after_offload
-        self.phase = "launch"
-        self.history: List[str] = ["launch"]
+        self.phase = "train"
+        self.history: List[str] = ["train"]
         self.seconds: Dict[str, float] = {}  # the last entry into each phase took this long
-        self.tags = tuple(engine.memory_tags()) if engine is not None else ()
-        if engine is not None and WEIGHTS not in self.tags:
-            raise MemoryPhaseError(
-                f"rollout.placement=colocated: the {type(engine).__name__} cannot release its memory "
-                "(SGLang servers need --enable-memory-saver: rollout.sglang.launch does it)"
-            )
+        self.tags = colocatable_tags(engine) if engine is not None else ()
         self._check()
 
     def __repr__(self) -> str:
@@ -162,6 +159,24 @@ class ColocatedPhases:
                     f"{free} B free, the trainer needs {needed} B (rollout.sglang.client.update_timeout_s)"
                 )
             time.sleep(self.poll_s)
+
+
+def colocatable_tags(engine) -> Tuple[str, ...]:
+    """The memory tags ``engine`` releases; raises ``MemoryPhaseError`` when it cannot be colocated."""
+    tags = tuple(engine.memory_tags())
+    if WEIGHTS not in tags:
+        raise MemoryPhaseError(
+            f"rollout.placement=colocated: the {type(engine).__name__} cannot release its memory "
+            "(SGLang servers need --enable-memory-saver: rollout.sglang.launch and examples/common/sglang_node.py "
+            "with a colocated run config pass it)"
+        )
+    return tags
+
+
+def release_for_training(engine) -> None:
+    """Start-up of a colocated run (rank 0, before the trainer builds its model): the engine, launched
+    or attached with its memory resident, releases all of it."""
+    engine.release_memory(list(colocatable_tags(engine)))
 
 
 def device_memory_hooks() -> Tuple[Optional[Callable[[], Optional[int]]], Callable[[], None]]:

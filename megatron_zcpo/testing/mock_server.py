@@ -188,7 +188,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
             raise ConnectionResetError("mock server dropped the connection")
         if action in CORRUPTIONS:
             request["corrupt"] = action
-        request["fault"] = action
+        if action == "late_release":
+            request["fault"] = action
         return await self._handlers[path](request)
 
     async def _blocking(self, fn, *args):

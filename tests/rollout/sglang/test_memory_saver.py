@@ -8,7 +8,7 @@ import torch
 
 from megatron_zcpo.rollout.engine import RolloutError, SamplingParams
 from megatron_zcpo.rollout.memory import MemoryLedger, MemoryPhaseError
-from megatron_zcpo.rollout.placement import ColocatedPhases
+from megatron_zcpo.rollout.placement import ColocatedPhases, release_for_training
 from megatron_zcpo.rollout.sglang.client import SGLangEngine
 from megatron_zcpo.rollout.sglang.http import SGLangHTTPError
 from megatron_zcpo.rollout.sglang.update_weight.tensor_ipc import flattened_buckets
@@ -136,42 +136,57 @@ def _colocated(ledger, **server):
     return MockSGLangServer(ScriptedEngine(), memory_saver=True, ledger=ledger, memory_sizes=sizes, **server)
 
 
+def _start(ledger, engine, **options):
+    """A colocated start-up: the engine releases, the trainer builds (books its state), the machine starts."""
+    trainer = LedgerTrainer(ledger, {"params": 20, "grads": 20, "optimizer": 40})
+    release_for_training(engine)
+    trainer.onload(["params", "grads", "optimizer"])
+    return trainer, ColocatedPhases(trainer, engine, free_bytes=lambda: ledger.free_bytes(0), poll_s=0.01, **options)
+
+
 def test_the_phase_machine_steps_through_the_memory_of_one_gpu():
     ledger = MemoryLedger(1, capacity_bytes=100)
-    trainer = LedgerTrainer(ledger, {"params": 20, "grads": 20, "optimizer": 40})
     with _colocated(ledger) as server, _engine(server) as engine:
-        phases = ColocatedPhases(trainer, engine, free_bytes=lambda: ledger.free_bytes(0), poll_s=0.01)
+        trainer, phases = _start(ledger, engine)
         for step in range(2):
-            phases.to_train()
             assert ledger.holders(0) == {"trainer/params": 20, "trainer/grads": 20, "trainer/optimizer": 40}
             phases.to_update()
             engine.update_weights(iter(TENSORS), step + 1)
             assert sorted(holder.split("/")[1] for holder in ledger.holders(0)) == ["params", "weights"]
             phases.to_generate()
+            assert sorted(holder.split("/")[1] for holder in ledger.holders(0)) == ["kv_cache", "weights"]
             engine.generate([[5]], PARAMS)
-        assert phases.history == ["launch"] + ["train", "update", "generate"] * 2
+            phases.to_train()
+        assert phases.history == ["train"] + ["update", "generate", "train"] * 2
         with pytest.raises(MemoryPhaseError, match="cannot follow"):
-            phases.to_update()
+            phases.to_generate()
+
+
+def _to_generate(phases, engine):
+    phases.to_update()
+    engine.update_weights(iter(TENSORS), 1)
+    phases.to_generate()
 
 
 def test_a_release_that_answers_early_is_waited_out_before_the_trainer_onloads():
     ledger = MemoryLedger(1, capacity_bytes=100)
-    trainer = LedgerTrainer(ledger, {"params": 20, "grads": 20, "optimizer": 40})
-    faults = {"/release_memory_occupation": ["late_release"]}
-    with _colocated(ledger, faults=faults, release_lag_s=0.3) as server, _engine(server) as engine:
-        phases = ColocatedPhases(trainer, engine, free_bytes=lambda: ledger.free_bytes(0), poll_s=0.01)
+    with _colocated(ledger, release_lag_s=0.3) as server, _engine(server) as engine:
+        trainer, phases = _start(ledger, engine)
+        _to_generate(phases, engine)
+        server.faults["/release_memory_occupation"] = ["late_release"]
         started = time.monotonic()
-        phases.to_train()  # without the wait the trainer's booking would exceed the GPU (MemoryPhaseError)
+        phases.to_train()  # without the wait the trainer's booking would exceed the GPU (next test)
         assert time.monotonic() - started >= 0.25
-        assert server.memory.pending == []
+        assert server.memory.pending == [] and ("/release_memory_occupation", "late_release") in server.events
 
 
 def test_without_the_wait_a_late_release_books_the_gpu_twice():
     ledger = MemoryLedger(1, capacity_bytes=100)
-    trainer = LedgerTrainer(ledger, {"params": 20, "grads": 20, "optimizer": 40})
-    faults = {"/release_memory_occupation": ["late_release"]}
-    with _colocated(ledger, faults=faults, release_lag_s=5.0) as server, _engine(server) as engine:
-        phases = ColocatedPhases(trainer, engine, free_bytes=None)
+    with _colocated(ledger, release_lag_s=5.0) as server, _engine(server) as engine:
+        trainer, phases = _start(ledger, engine)
+        phases.free_bytes = None  # what the machine would do without its wait
+        _to_generate(phases, engine)
+        server.faults["/release_memory_occupation"] = ["late_release"]
         with pytest.raises(MemoryPhaseError, match="exceeds"):
             phases.to_train()
         server.memory.free_pending()
@@ -182,4 +197,4 @@ def test_an_engine_without_memory_saver_cannot_be_colocated():
         engine.release_memory(["weights"])  # SGLang without --enable-memory-saver answers 200 and frees nothing
         assert server.memory.released == set()
         with pytest.raises(MemoryPhaseError, match="--enable-memory-saver"):
-            ColocatedPhases(LedgerTrainer(MemoryLedger(1), {}), engine)
+            release_for_training(engine)
