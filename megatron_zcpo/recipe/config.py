@@ -269,6 +269,11 @@ class RunConfig:
                     "rollout.sglang.client.return_routed_experts needs "
                     "rollout.sglang.launch.return_routed_experts=true (--enable-return-routed-experts)"
                 )
+        if self.rollout.placement == "colocated" and not self.train.reference_offload:
+            raise ValueError(
+                "train.reference_offload=false with rollout.placement=colocated keeps the reference on the GPU "
+                "while the engine generates there: leave train.reference_offload unset (true when colocated)"
+            )
         if self.reward.overlong_penalty and self.reward.max_response_length != self.rollout.max_new_tokens:
             raise ValueError(
                 f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="

@@ -114,6 +114,7 @@ class RLRecipe:
         from megatron_zcpo.rollout.placement import ColocatedPhases, device_memory_hooks
         from megatron_zcpo.utils.devices import has_cuda
 
+        self.trainer.models.place_reference(on_device=False)  # off the GPU until the first experience pass
         free_bytes, after_offload = device_memory_hooks()
         timeout = float(self.config.rollout.sglang.client.get("update_timeout_s", 300.0))
         self.colocation = ColocatedPhases(

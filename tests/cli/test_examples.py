@@ -544,6 +544,17 @@ def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_ove
     assert (config.train.steps, config.train.seed) == (3, 7)
 
 
+def test_colocated_sbatch_trains_and_serves_on_every_node(tmp_path):
+    steps = run_sbatch("qwen2.5-32b-colocated-zcpo", tmp_path, FAKE_NODES="2", SLURM_JOB_NODELIST="gpu[01-02]")
+    convert, probe, dry_run, sglang, train = in_launch_order(steps)
+    assert {"--overlap", "--nodelist=gpu01,gpu02", "--ntasks-per-node=1"} <= set(sglang["options"])
+    assert {"--overlap", "--nodes=2", "--ntasks-per-node=8", "--nodelist=gpu01,gpu02"} <= set(train["options"])
+    assert sglang["command"][sglang["command"].index("--mem-fraction-static") + 1] == "0.7"
+    config = load_run_config(train["command"][2], train["command"][3:])
+    assert config.rollout.placement == "colocated" and config.parallel.tensor == 8
+    assert config.rollout.sglang.server_urls == [f"http://gpu{n:02d}:{p}" for n in (1, 2) for p in (30000, 30010)]
+
+
 def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_path):
     write_model_config(tmp_path / "ckpt", LLAMA33_70B)  # already converted: no conversion step
     steps = run_sbatch(

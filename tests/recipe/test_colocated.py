@@ -3,7 +3,7 @@ with the embedded engine, the same losses as disaggregated, exact resume, the re
 
 import pytest
 
-from megatron_zcpo.recipe.config import RolloutConfig, _derived_defaults
+from megatron_zcpo.recipe.config import RolloutConfig, _derived_defaults, build_run_config
 from megatron_zcpo.utils.config_loader import from_dict, validate_tree
 from tests.cli.test_train import _train, tiny_model, write_config  # noqa: F401 - tiny_model is a fixture
 from tests.recipe.test_overlap import _deterministic_keys, _metrics_by_step
@@ -114,8 +114,13 @@ def test_colocated_refusals_name_the_key(rollout, message):
         validate_tree(from_dict(RolloutConfig, rollout, prefix="rollout"))
 
 
-def test_colocated_offloads_the_reference_unless_told_otherwise():
+def test_colocated_offloads_the_reference_and_refuses_keeping_it_resident(tmp_path):
     assert _derived_defaults({"rollout": {"placement": "colocated"}})["train"]["reference_offload"] is True
-    told = {"rollout": {"placement": "colocated"}, "train": {"reference_offload": False}}
-    assert _derived_defaults(told)["train"]["reference_offload"] is False
     assert "reference_offload" not in _derived_defaults({}).get("train", {})
+    told = {"rollout": {"placement": "colocated"}, "train": {"reference_offload": False}}
+    tiny = {
+        "model": {"architecture": {"family": "qwen2"}, "tokenizer": str(tmp_path)},
+        "logging": {"run_dir": str(tmp_path)},
+    }
+    with pytest.raises(ValueError, match="train.reference_offload=false with rollout.placement=colocated"):
+        build_run_config({**tiny, **told})
