@@ -249,6 +249,8 @@ _TAGS = {"rid": _RID, "tags": _optional(_list_of(_STR))}
 # CUDA IPC handles, not bytes) per TP rank of the server, indexed by its tp_rank; load_format
 # "flattened_bucket" takes {"flattened_tensor", "metadata": [objects with name, shape, dtype,
 # start_idx, end_idx, numel]} (0.5.3.post3 has it: model_runner._update_weights_from_flattened_bucket).
+# 0.5.23 (weight_updater.py) answers success false outside a begin_weight_update / end_weight_update
+# session, as for /update_weights_from_distributed (/update_weights_from_disk needs none).
 _TENSOR_UPDATE = {"rid": _RID, "load_format": _optional(_STR), **_WEIGHT_UPDATE}
 MEMORY_SAVER_ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
     SGLangEndpoint("/release_memory_occupation", ("GET", "POST"), optional=_TAGS),

@@ -506,12 +506,13 @@ class SGLangEngine(RolloutEngine):
     def pause_generation(self) -> None:
         """``/pause_generation`` on every server in rotation (before a weight update)."""
         self._check_open()
-        self._http.run(self._http.on_servers_in_rotation("POST", "/pause_generation"))
+        # an empty body: 0.5.23 requires one (its mode defaults to "abort", as 0.5.3.post3 always does)
+        self._http.run(self._http.on_servers_in_rotation("POST", "/pause_generation", {}))
 
     def continue_generation(self) -> None:
         """``/continue_generation`` on every server in rotation."""
         self._check_open()
-        self._http.run(self._http.on_servers_in_rotation("POST", "/continue_generation"))
+        self._http.run(self._http.on_servers_in_rotation("POST", "/continue_generation", {}))
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ last bucket carries ``flush_cache`` and ``weight_version``. The device UUID repl
 index in every handle (SGLang's ``monkey_patch_torch_reductions``, used when SGLang imports here),
 as the servers see other CUDA_VISIBLE_DEVICES. IPC handles are only valid on the sender's node:
 servers elsewhere need the disk transport. Without CUDA the same bodies carry shared-memory
-handles of CPU tensors (the mock server's tests).
+handles of CPU tensors (the mock server's tests). SGLang >= 0.5.21 takes the buckets only inside a
+begin/end weight-update session, like the distributed transport's.
 """
 
 from __future__ import annotations
