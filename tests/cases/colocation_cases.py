@@ -57,3 +57,27 @@ def plain_two_steps(rank, world, tp, bf16, distributed_optimizer):
     trainer = _trainer(tp, bf16, distributed_optimizer)
     trainer.train_step(rollout(seed=0))
     return trainer.train_step(rollout(seed=1))
+
+
+class _StopAfterFirstStep:
+    """A PreemptionGuard stand-in: no stop during set-up, SIGUSR1 once the first step is done."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def should_stop(self):
+        self.calls += 1
+        return "SIGUSR1" if self.calls == 2 else None
+
+
+def preempted_run(rank, world, path):
+    """``zcpo train``'s run of the config at ``path``, preempted after its first step; the step it stopped at."""
+    from megatron_zcpo.recipe.config import load_run_config
+    from megatron_zcpo.recipe.training import run_training
+    from megatron_zcpo.training.preemption import Preempted
+
+    try:
+        run_training(load_run_config(str(path)), _StopAfterFirstStep())
+    except Preempted as stop:
+        return stop.step
+    return None

@@ -21,12 +21,12 @@ def _mock(model_dir):
     return MockSGLangServer(backend, port=free_port(), deterministic_inference=True, memory_saver=True)
 
 
-def _config(root, model_dir, rollout, steps=2):
+def _config(root, model_dir, rollout, steps=2, pipeline=1):
     root.mkdir(exist_ok=True)
     return write_config(
         root,
         model_dir,
-        parallel={"tensor": 1},
+        parallel={"tensor": 1, "pipeline": pipeline},
         rollout=rollout,
         train={"steps": steps},
         eval={"at_start": False, "at_end": False},
@@ -39,6 +39,8 @@ def _losses(run_dir):
 
 
 def test_colocated_sglang_run_follows_the_memory_saver_phases_and_matches_disaggregated(tmp_path, tiny_model):  # noqa: F811
+    """At PP2: disaggregated, each stage pushes its share over its own group; colocated, the stages stream
+    to rank 0, which pushes through the disk between the phases. Same rollouts, same losses."""
     client = {"group_backend": "gloo", "master_address": "127.0.0.1", "max_concurrency": 4, "sampling_seeds": True}
     runs = {}
     for placement in ("disaggregated", "colocated"):
@@ -47,6 +49,7 @@ def test_colocated_sglang_run_follows_the_memory_saver_phases_and_matches_disagg
                 tmp_path / placement,
                 tiny_model,
                 {"engine": "sglang", "sglang": {"server_urls": [server.url], "client": client}},
+                pipeline=2,
             )
             done = _train(path, f"rollout.placement={placement}")
             assert done.returncode == 0, done.stderr[-3000:]
@@ -75,13 +78,18 @@ def test_colocated_sglang_run_follows_the_memory_saver_phases_and_matches_disagg
         assert runs["colocated"][step] == metrics, step
 
 
-def test_colocated_embedded_run_resumes_exactly(tmp_path, tiny_model):  # noqa: F811
+def test_colocated_embedded_run_is_preempted_with_a_checkpoint_and_resumes_exactly(tmp_path, tiny_model):  # noqa: F811
+    from megatron_zcpo.testing import run_distributed
+    from tests.cases.colocation_cases import preempted_run
+
     whole = _config(tmp_path / "whole", tiny_model, {"placement": "colocated"}, steps=2)
     done = _train(whole)
     assert done.returncode == 0, done.stderr[-3000:]
-    split = _config(tmp_path / "split", tiny_model, {"placement": "colocated"}, steps=1)
-    assert _train(split).returncode == 0
-    resumed = _train(split, "train.steps=2")
+    # stopped (SIGUSR1) after step 1 with no periodic checkpoint: the preemption's own save, colocated
+    split = _config(tmp_path / "split", tiny_model, {"placement": "colocated"}, steps=2)
+    split.write_text(split.read_text().replace("every: 1", "every: 0"))
+    assert run_distributed(preempted_run, 1, split, timeout=600) == [1]
+    resumed = _train(split)
     assert resumed.returncode == 0 and "at step 1" in resumed.stdout, resumed.stderr[-3000:]
     assert _losses(tmp_path / "split" / "run")[2] == _losses(tmp_path / "whole" / "run")[2]
 
