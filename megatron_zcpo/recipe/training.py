@@ -283,9 +283,9 @@ class RLRecipe:
             return
         metrics.update(rollout_stats)
         push_s = time.perf_counter() - started_push if overlap is None else overlap.push_s
-        # time/world_size: the devices this step held, so `zcpo report --align-by gpu-hours` can sum GPU time
         if self.colocation is not None:  # time to hand the GPUs over, per phase entered
             metrics.update({f"time/colocate_{phase}": s for phase, s in self.colocation.seconds.items()})
+        # time/world_size: the devices this step held, so `zcpo report --align-by gpu-hours` can sum GPU time
         metrics.update(
             {
                 "time/rollout": time_rollout,

@@ -72,6 +72,7 @@ class ColocatedPhases:
         self.phase = "train"
         self.history: List[str] = ["train"]
         self.seconds: Dict[str, float] = {}  # the last entry into each phase took this long
+        self._started = 0.0
         self.tags = colocatable_tags(engine) if engine is not None else ()
         self._check()
 
