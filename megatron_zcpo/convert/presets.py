@@ -85,6 +85,16 @@ _LLAMA31 = {
 }
 
 HF_CONFIGS: Dict[str, dict] = {
+    "Qwen2.5-7B": dict(
+        _QWEN25,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+    ),
     "Qwen2.5-32B": dict(
         _QWEN25,
         hidden_size=5120,

@@ -88,6 +88,8 @@ QWEN3_4B_THINKING = ModelConfig(
 )
 MODELS = {
     "qwen2.5-32b-zcpo": QWEN25_32B,
+    "qwen2.5-32b-colocated-zcpo": QWEN25_32B,
+    "qwen2.5-7b-colocated-zcpo": preset_model_config("Qwen2.5-7B"),
     "llama-3.3-70b-zcpo": LLAMA33_70B,
     "qwen2.5-72b-zcpo": QWEN25_72B,
     "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING,
@@ -98,6 +100,8 @@ MODELS = {
 # (training GPUs, GiB per GPU) quoted in the example's config.yaml and examples/README.md.
 QUOTED = {
     "qwen2.5-32b-zcpo": (32, 55.35),
+    "qwen2.5-32b-colocated-zcpo": (16, 63.00),
+    "qwen2.5-7b-colocated-zcpo": (8, 50.19),
     "llama-3.3-70b-zcpo": (64, 59.03),
     "qwen2.5-72b-zcpo": (64, 60.73),
     "qwen3-4b-long-context-zcpo": (32, 61.39),
@@ -105,7 +109,18 @@ QUOTED = {
     "qwen3-235b-a22b-zcpo": (128, 75.57),
 }
 # The configured layout is the planner's (memory-only) suggestion, except where the config says why not.
-SUGGESTED_INSTEAD = {"qwen3-4b-long-context-zcpo": ("TP2 PP1 CP2 DP8 distopt recompute=full", 77.93)}
+SUGGESTED_INSTEAD = {
+    "qwen3-4b-long-context-zcpo": ("TP2 PP1 CP2 DP8 distopt recompute=full", 77.93),
+    # colocated: full recompute keeps room for the servers' CUDA contexts and NCCL buffers
+    "qwen2.5-7b-colocated-zcpo": ("TP2 PP1 CP1 DP4 SP distopt recompute=none", 65.53),
+}
+
+
+def rollout_nodes(settings: dict) -> int:
+    """The nodes an example's SGLang servers run on: all of them colocated, else those past TRAIN_NODES."""
+    if settings.get("PLACEMENT") == "colocated":
+        return int(settings["nodes"])
+    return int(settings["nodes"]) - int(settings["TRAIN_NODES"])
 
 
 def test_every_cluster_example_is_covered():
@@ -198,6 +213,8 @@ def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sg
     router = router_command(["http://gpu05:30000"], launch, "gpu05")
     assert int(router[router.index("--request-timeout-secs") + 1]) == client.router_timeout_s > client.request_timeout_s
     assert ("--enable-deterministic-inference" in command) == client.sampling_seeds
+    assert ("--enable-memory-saver" in command) == (config.rollout.placement == "colocated")
+    assert config.rollout.placement == settings.get("PLACEMENT", "disaggregated")
     prompt, new_tokens = config.data.max_prompt_length, config.rollout.max_new_tokens
     with (
         MockSGLangServer(
@@ -212,7 +229,7 @@ def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sg
     # every node must start its servers with the job's one key: none in the environment, no servers
     monkeypatch.delenv("ZCPO_SGLANG_API_KEY")
     assert sglang_node.main(["--model-path", "/m", "--nodes", "gpu05", "--tp-size", "8"]) == 2
-    rollout_gpus = (int(settings["nodes"]) - int(settings["TRAIN_NODES"])) * int(settings["gpus-per-node"])
+    rollout_gpus = rollout_nodes(settings) * int(settings["gpus-per-node"])
     check_timeouts(
         config,
         MODELS[example],
@@ -236,8 +253,7 @@ def test_layout_fits_80gb_h100_and_is_the_planners_suggestion(example, tmp_path)
     else:
         assert suggested.layout == layout
     # Rollout nodes: the rest of the allocation, whole SGLang servers per node.
-    rollout_nodes = int(settings["nodes"]) - int(settings["TRAIN_NODES"])
-    assert rollout_nodes >= 1 and gpus_per_node % int(settings["ROLLOUT_TP"]) == 0
+    assert rollout_nodes(settings) >= 1 and gpus_per_node % int(settings["ROLLOUT_TP"]) == 0
 
 
 def test_70b_eight_node_variant_fits_with_the_reference_offloaded(tmp_path):
@@ -526,6 +542,17 @@ def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_ove
     assert config.data.train_files == ["/data/dapo.parquet"]
     assert config.eval.data.train_files == ["/data/aime24.jsonl", "/data/aime25.jsonl"]
     assert (config.train.steps, config.train.seed) == (3, 7)
+
+
+def test_colocated_sbatch_trains_and_serves_on_every_node(tmp_path):
+    steps = run_sbatch("qwen2.5-32b-colocated-zcpo", tmp_path, FAKE_NODES="2", SLURM_JOB_NODELIST="gpu[01-02]")
+    convert, probe, dry_run, sglang, train = in_launch_order(steps)
+    assert {"--overlap", "--nodelist=gpu01,gpu02", "--ntasks-per-node=1"} <= set(sglang["options"])
+    assert {"--overlap", "--nodes=2", "--ntasks-per-node=8", "--nodelist=gpu01,gpu02"} <= set(train["options"])
+    assert sglang["command"][sglang["command"].index("--mem-fraction-static") + 1] == "0.7"
+    config = load_run_config(train["command"][2], train["command"][3:])
+    assert config.rollout.placement == "colocated" and config.parallel.tensor == 8
+    assert config.rollout.sglang.server_urls == [f"http://gpu{n:02d}:{p}" for n in (1, 2) for p in (30000, 30010)]
 
 
 def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_path):
