@@ -91,7 +91,8 @@ def test_plan_json_gives_the_chosen_modes_step_and_its_tokens_per_gpu(capsys):
     assert timing["predicted_s"] == timing["overlapped_s"]
     # colocated: generation on the 32 training GPUs, offload/onload and the IPC push; the engine's 0.85
     # pool leaves no room for the trainer's reserve: tight, the key to lower named; 0.6 fits.
-    assert main([*base, "rollout.placement=colocated"]) == 0
+    colocate = ["rollout.placement=colocated", "rollout.sglang.client.weight_sync=tensor"]  # CUDA IPC, no NCCL
+    assert main([*base, *colocate]) == 0
     colocated = json.loads(capsys.readouterr().out)
     timing = colocated["step_time"]
     assert colocated["rollout_mode"] == "colocated" and timing["predicted_s"] == timing["colocated_s"]
@@ -103,7 +104,7 @@ def test_plan_json_gives_the_chosen_modes_step_and_its_tokens_per_gpu(capsys):
     assert memory["verdict"] == "tight" and "rollout.sglang.launch.mem_fraction_static" in memory["problems"][0]
     lowered = [
         *base,
-        "rollout.placement=colocated",
+        *colocate,
         "rollout.sglang.launch.model_path=hf",
         "rollout.sglang.launch.tp_size=4",
     ]
