@@ -4,7 +4,7 @@ What each server was launched with decides whether the run works: a key it does 
 (401), a context length that refuses the longest prompt (400 on the first long prompt), per-request
 seeds it ignores (no deterministic inference), a weight load format it lacks (the push hangs).
 :func:`check_servers` reads every server's ``/get_server_info`` (and the router's
-``/list_workers``, both behind the key) once before anything long starts and names every problem
+``/workers``, both behind the key) once before anything long starts and names every problem
 with the config key or launch flag that fixes it. Behaviour of the pinned release:
 :mod:`megatron_zcpo.rollout.sglang.api`.
 """
@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
     FLATTENED_BUCKETS_SINCE,
+    ROUTER_KEY_CHECK_PATH,
     SERVER_INFO_PATHS,
     release_at_least,
     required_context_length,
@@ -114,12 +115,8 @@ async def gather_facts(http, urls: List[str], router_url: Optional[str]) -> List
     answers = await asyncio.gather(*(facts(url) for url in urls), return_exceptions=True)
     if router_url:
 
-        async def router_key():
-            try:  # sglang-router guards /list_workers with its key; another front end may lack the route
-                await http.request("GET", router_url + "/list_workers", retry=False)
-            except SGLangHTTPError as error:
-                if error.status != 404:
-                    raise
+        async def router_key():  # sglang-router 0.2.0 and 0.3.2 guard GET /workers with their key
+            await http.request("GET", router_url + ROUTER_KEY_CHECK_PATH, retry=False)
 
         answers.append((await asyncio.gather(router_key(), return_exceptions=True))[0])
         urls = [*urls, router_url]

@@ -6,12 +6,18 @@ The trainer joins, as rank 0, a process group with every server's TP ranks
 the new version; :meth:`DistributedWeightUpdate.close` destroys the group on both sides. Under
 pipeline parallelism every stage's lead has its own group and pushes its share with
 :meth:`DistributedWeightUpdate.push_part`, its last bucket carrying the new version (generation
-never runs during a push, so no request sees a server between two stages' shares).
+never runs during a push, so no request sees a server between two stages' shares). Servers of
+SGLang 0.5.21 or newer (the version each reports in ``/get_server_info``) take the buckets only
+inside a weight-update session: every push (and every share) opens one with
+``/begin_weight_update`` and closes it with ``/end_weight_update`` (which also finalises quantised
+weights) on those servers; older ones get neither request (they have no such endpoints).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import datetime
 import threading
 import time
@@ -21,7 +27,7 @@ import torch
 
 from megatron_zcpo.megatron.weights import bucket_tensors, flatten_tensors
 from megatron_zcpo.rollout.engine import RolloutError
-from megatron_zcpo.rollout.sglang.api import SERVER_INFO_PATHS
+from megatron_zcpo.rollout.sglang.api import SERVER_INFO_PATHS, WEIGHT_UPDATE_SESSIONS_SINCE, release_at_least
 from megatron_zcpo.rollout.weight_sync import dtype_name, init_custom_process_group, start_broadcast
 from megatron_zcpo.utils.network import master_address_for
 from megatron_zcpo.utils.runtime import free_port
@@ -37,6 +43,7 @@ class DistributedWeightUpdate:
         self._group = None
         self.pushed = {"bytes": 0, "tensors": 0, "buckets": 0}  # totals over this transport's pushes
         self._members: List[str] = []  # the servers in the group, in rank order
+        self._session_members: List[str] = []  # those that need a weight-update session (SGLang >= 0.5.21)
 
     def push(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast ``stream`` (HF name, tensor) in buckets of ``bucket_bytes``; the servers serve ``version`` after."""
@@ -59,6 +66,39 @@ class DistributedWeightUpdate:
             self.close()
         if self._group is None:
             self._join_group()
+        self._session("/begin_weight_update")
+        try:
+            self._send_buckets(stream, version)
+        except BaseException:
+            with contextlib.suppress(RolloutError):  # leave no server in an open session (a next begin is refused)
+                self._session("/end_weight_update")
+            raise
+        self._session("/end_weight_update")
+
+    def _session(self, path: str) -> None:
+        """POST ``path`` (begin or end of a weight-update session) to the members that need one."""
+        if not self._session_members:
+            return
+
+        async def on_members():
+            return await asyncio.gather(
+                *(
+                    self.http.request("POST", url + path, {}, retry=False, timeout=self.config.update_timeout_s)
+                    for url in self._session_members
+                ),
+                return_exceptions=True,
+            )
+
+        failed = [
+            f"{url}: {answer}"
+            for url, answer in zip(self._session_members, self.http.run(on_members()))
+            if isinstance(answer, BaseException)
+        ]
+        if failed:
+            raise RolloutError(f"{path} failed on " + "; ".join(failed))
+
+    def _send_buckets(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast ``stream`` in buckets through the joined group; the last carries ``version``."""
         buckets = bucket_tensors(stream, self.config.bucket_bytes)
         bucket = next(buckets, None)
         if bucket is None:
@@ -181,6 +221,11 @@ class DistributedWeightUpdate:
             raise RolloutError(f"joining the weight-update group at {address}:{port} failed: {joined['error']!r}")
         answer.result()
         self._group, self._members = joined["group"], members
+        self._session_members = [
+            url
+            for url, info in zip(members, infos)
+            if release_at_least(str(info.get("version", "")), WEIGHT_UPDATE_SESSIONS_SINCE)
+        ]
 
     def close(self) -> None:
         """Leave the weight-update group on the servers still in rotation and here (a no-op when never joined).
