@@ -79,3 +79,34 @@ def test_routing_replay_requests_bypass_the_router(router_release):
             [[completion]] = engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))
         assert completion.routed_experts is not None and completion.routed_experts.shape == (4, 2)
         assert completion.info["server"] == server.url
+
+
+def test_the_job_scripts_health_wait_passes_through_the_router(router_release):
+    """examples/common/zcpo_job.sh's wait_for_health, run by bash with the real curl, against the
+    router and its server (it polled the router's /health_generate: 503 on 0.2.0 until the timeout)."""
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    script = Path(__file__).parents[3] / "examples" / "common" / "zcpo_job.sh"
+    with (
+        MockSGLangServer(ScriptedEngine()) as server,
+        RealRouter(router_release, [server.url], free_port()) as router,
+    ):
+        done = subprocess.run(
+            [
+                "bash",
+                "-c",
+                f'source <(sed -n "/^wait_for_health()/,/^}}/p" {script}); log() {{ echo "$*"; }}; '
+                'die() { echo "$*"; exit 1; }; SGLANG_STARTUP_TIMEOUT=3 wait_for_health "$0" "$1"',
+                json.dumps([server.url]),
+                router.url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 0 and "2 endpoints healthy" in done.stdout, done.stdout + done.stderr
