@@ -6,8 +6,10 @@ one release (with its Python dependencies) with pip into a per-version folder of
 :class:`RealRouter` runs ``python -m sglang_router.launch_router`` from it in front of given
 workers. SGLang itself needs CUDA; its wheel is only downloaded (``pip download --no-deps``) and
 unpacked (:func:`sglang_source`) so that tests read the release's own files: 0.5.23's generated
-``/generate`` JSON contract (``sglang/api/v1/api_types.py``, needs only msgspec) and every
-release's ``server_args.py`` (the launch flags). A download that fails raises
+``/generate`` JSON contract (``sglang/api/v1/api_types.py``, needs only msgspec), every release's
+request classes and sampling parameters (read from ``io_struct.py`` / ``sampling_params.py``
+without importing them) and its launch-argument parser (``ServerArgs.add_cli_args``, imported in a
+subprocess with the few pure-Python packages of :data:`PARSER_DEPENDENCIES`: no CUDA needed). A download that fails raises
 :class:`PackageUnavailable`, which tests turn into a skip naming the package.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +26,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional, Set
+from typing import List, Optional, Set, Union
 
 ROUTER_RELEASES = ("0.2.0", "0.3.2")  # the Dockerfile's pin, and the newest on PyPI (2026-12)
 _DONE = ".complete"
@@ -54,7 +57,7 @@ def pip_target(requirement: str, name: str) -> Path:
     target = cache_dir() / name
     if not (target / _DONE).exists():
         target.mkdir(parents=True, exist_ok=True)
-        _pip(["install", "--upgrade", "--target", str(target), requirement], requirement)
+        _pip(["install", "--upgrade", "--target", str(target), *requirement.split()], requirement)
         (target / _DONE).touch()
     return target
 
@@ -93,27 +96,82 @@ def generate_contract(version: str) -> ModuleType:
     return module
 
 
-def launch_flags(version: str) -> Set[str]:
-    """Every ``--flag`` of ``python -m sglang.launch_server`` in sglang ``version``, read from its
-    ``server_args.py`` without importing it (that needs CUDA packages): the option strings of
-    ``add_argument`` calls, and (0.5.23 derives flags from its dataclass fields) the ``ServerArgs`` fields."""
-    tree = ast.parse((sglang_source(version) / "sglang" / "srt" / "server_args.py").read_text())
-    flags = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
-            flags.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--"))
-        if isinstance(node, ast.ClassDef) and node.name == "ServerArgs":
-            flags.update(
-                "--" + item.target.id.replace("_", "-")
-                for item in node.body
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-            )
-    return flags
+# What importing sglang.srt.server_args needs besides torch and transformers (0.5.3.post3 and 0.5.23).
+PARSER_DEPENDENCIES = (
+    "orjson pybase64 msgspec requests starlette fastapi pyzmq ipython openai partial_json_parser sentencepiece"
+)
+_PARSE = """
+import argparse, contextlib, io, json, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+request, answers = json.loads(sys.stdin.read()), []
+for argv in request["argvs"]:
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            parsed = vars(parser.parse_args(argv))
+        answers.append({key: value for key, value in parsed.items() if key in request["keys"]})
+    except SystemExit:
+        answers.append(errors.getvalue().strip().splitlines()[-1])
+print(json.dumps(answers))
+"""
+
+
+def parse_launch_args(version: str, argvs: List[List[str]], keys: List[str]) -> List[Union[dict, str]]:
+    """Each of ``argvs`` (arguments of ``python -m sglang.launch_server``) parsed by sglang ``version``'s
+    own parser (``ServerArgs.add_cli_args``, one subprocess): the parsed values of ``keys``, or
+    argparse's error line where that release refuses them."""
+    path = os.pathsep.join([str(pip_target(PARSER_DEPENDENCIES, "sglang-parser-deps")), str(sglang_source(version))])
+    done = subprocess.run(
+        [sys.executable, "-c", _PARSE],
+        input=json.dumps({"argvs": argvs, "keys": keys}),
+        env=dict(os.environ, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"sglang {version}'s parser did not load: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _class_fields(tree: ast.Module, name: str) -> Set[str]:
+    """The annotated fields of class ``name`` and of its bases defined in the same module."""
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    node = classes[name]
+    fields = {
+        item.target.id for item in node.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+    }
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            fields |= _class_fields(tree, base.id)
+    return fields
+
+
+def request_fields(version: str, class_name: str) -> Set[str]:
+    """The fields of request class ``class_name`` of sglang ``version``'s ``managers/io_struct.py``
+    (what an HTTP body of that endpoint may carry), read without importing it."""
+    return _class_fields(
+        ast.parse((sglang_source(version) / "sglang/srt/managers/io_struct.py").read_text()), class_name
+    )
+
+
+def sampling_fields(version: str) -> Set[str]:
+    """The keywords of sglang ``version``'s ``SamplingParams`` (``sampling/sampling_params.py``): its
+    ``__init__`` arguments (0.5.3.post3) or struct fields (0.5.23)."""
+    tree = ast.parse((sglang_source(version) / "sglang/srt/sampling/sampling_params.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SamplingParams")
+    init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    if init is not None:
+        return {arg.arg for arg in init.args.args + init.args.kwonlyargs} - {"self"}
+    return _class_fields(tree, "SamplingParams")
 
 
 class RealRouter:
-    """``python -m sglang_router.launch_router`` of sglang-router ``version`` in front of ``worker_urls``
-    on ``127.0.0.1:port``, from :func:`router_package`; a context manager that waits until it
+    """sglang-router ``version`` (from :func:`router_package`) in front of ``worker_urls`` on
+    ``127.0.0.1:port``, launched with the command line the launcher uses
+    (:func:`~megatron_zcpo.rollout.sglang.server.router_command`); a context manager that waits until it
     answers ``/readiness`` with every worker healthy, and stops it."""
 
     def __init__(self, version: str, worker_urls: List[str], port: int, api_key: Optional[str] = None):
@@ -125,9 +183,10 @@ class RealRouter:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> RealRouter:
-        command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *self.worker_urls]
-        command += ["--host", "127.0.0.1", "--port", str(self.port), "--policy", "round_robin"]
-        command += ["--api-key", self.api_key] if self.api_key else []
+        from megatron_zcpo.rollout.sglang.server import SGLangServerConfig, router_command
+
+        launch = SGLangServerConfig(model_path="-", router_port=self.port, router_policy="round_robin")
+        command = router_command(self.worker_urls, launch, "127.0.0.1", self.api_key)  # the launcher's own line
         env = dict(os.environ, PYTHONPATH=str(router_package(self.version)))
         self._process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
