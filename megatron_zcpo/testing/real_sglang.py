@@ -28,7 +28,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import List, Optional, Set, Union
 
-ROUTER_RELEASES = ("0.2.0", "0.3.2")  # the Dockerfile's pin, and the newest on PyPI (2026-12)
+from megatron_zcpo.rollout.sglang.api import ROUTER_RELEASES
+
+__all__ = ["ROUTER_RELEASES", "PackageUnavailable", "RealRouter", "generate_contract", "parse_launch_args"]
+
 _DONE = ".complete"
 
 

@@ -100,7 +100,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-PINNED_RELEASE = "0.5.3.post3"
+PINNED_RELEASE = "0.5.3.post3"  # the oldest supported release (docs/SGLANG.md; the Docker image pins the newest)
 FLATTENED_BUCKETS_SINCE = "0.5.6"  # the first release whose /update_weights_from_distributed takes load_format
 ROUTER_DEFAULT_REQUEST_TIMEOUT_S = 1800  # sglang-router 0.2.0's --request-timeout-secs
 ROUTER_RETRYABLE_STATUSES = (408, 429, 500, 502, 503, 504)
@@ -132,7 +132,8 @@ ROUTER_GENERATE_FIELDS = (
     "model",
 )
 ROUTED_EXPERTS_RELEASE = "0.5.7"  # the first release that returns routed experts (train.routing_replay=rollout)
-RELEASES = (PINNED_RELEASE, NEWEST_CHECKED_RELEASE)
+RELEASES = (PINNED_RELEASE, NEWEST_CHECKED_RELEASE)  # the tested range's ends (setup.py's extra admits it)
+ROUTER_RELEASES = ("0.2.0", "0.3.2")  # sglang-router: the oldest supported and the newest (run in CI)
 # Renamed endpoints, the pinned release's name first (both releases still answer it).
 MODEL_INFO_PATHS = ("/get_model_info", "/model_info")
 SERVER_INFO_PATHS = ("/get_server_info", "/server_info")

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from megatron_zcpo.rollout.engine import SamplingParams
+from megatron_zcpo.rollout.engine import RolloutError, SamplingParams
 from megatron_zcpo.rollout.sglang.api import NEWEST_CHECKED_RELEASE, PINNED_RELEASE, SEED_LIMIT
 from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig, request_seed
 from megatron_zcpo.testing import run_distributed
@@ -123,3 +123,46 @@ def test_pinned_mock_crashes_on_a_seed_beyond_int32():
         with pytest.raises((OSError, http.client.HTTPException)):
             urllib.request.urlopen(request, timeout=10)
         assert "int32" in server.crashed
+
+
+def test_one_version_policy_setup_extra_docker_pins_and_docs_agree():
+    """setup.py's sglang extra is the tested range, the image pins its newest pair, docs/SGLANG.md names both ends."""
+    import re
+    from pathlib import Path
+
+    from megatron_zcpo.rollout.sglang.api import ROUTER_RELEASES
+
+    root = Path(__file__).parents[3]
+    setup = (root / "setup.py").read_text()
+    assert f'"sglang>={PINNED_RELEASE},<={NEWEST_CHECKED_RELEASE}"' in setup
+    assert f'"sglang-router>={ROUTER_RELEASES[0]},<={ROUTER_RELEASES[-1]}"' in setup
+    docker = (root / "Dockerfile").read_text()
+    assert re.search(r"^ARG SGLANG_VERSION=(\S+)", docker, re.M).group(1) == NEWEST_CHECKED_RELEASE
+    assert re.search(r"^ARG SGLANG_ROUTER_VERSION=(\S+)", docker, re.M).group(1) == ROUTER_RELEASES[-1]
+    table = (root / "docs" / "SGLANG.md").read_text()
+    assert all(release in table for release in (PINNED_RELEASE, NEWEST_CHECKED_RELEASE, *ROUTER_RELEASES))
+
+
+def test_start_up_check_refuses_routing_replay_on_a_server_without_routed_experts(caplog):
+    with (
+        MockSGLangServer(ScriptedEngine()) as pinned,
+        SGLangEngine(_config(pinned.url, return_routed_experts=True)) as engine,
+    ):
+        with pytest.raises(RolloutError, match="return_routed_experts is true .* runs SGLang '0.5.3.post3'.*0.5.7"):
+            engine.check_servers(8, 4)
+    with (
+        MockSGLangServer(ScriptedEngine(), release=NEWEST_CHECKED_RELEASE) as newest,
+        SGLangEngine(_config(newest.url, return_routed_experts=True)) as engine,
+    ):
+        engine.check_servers(8, 4)
+    assert "outside the tested range" not in caplog.text
+
+
+def test_a_server_outside_the_tested_range_is_named_in_a_warning():
+    from megatron_zcpo.rollout.sglang.server_checks import ServerFacts, untested_version
+
+    def facts(version):
+        return ServerFacts("http://s:1", 1, version, None, False, None)
+
+    assert untested_version(facts(PINNED_RELEASE)) is None and untested_version(facts("0.5.23.post1")) is None
+    assert "0.5.24" in untested_version(facts("0.5.24")) and "0.5.2" in untested_version(facts("0.5.2"))
