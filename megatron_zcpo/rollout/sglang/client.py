@@ -451,6 +451,19 @@ class SGLangEngine(RolloutEngine):
         self._bring_back_returning_servers()
         return self._weights.push_part(self._quantized(named_hf_tensors), version, file_prefix)
 
+    def rotation_for_push(self) -> List[str]:
+        """The servers a push by shares goes to: those in rotation, after the lost ones that answer their
+        health check again rejoined (the push re-syncs them). Rank 0 hands it to every share's lead."""
+        self._check_open()
+        self._bring_back_returning_servers()
+        return self._http.pool.in_rotation()
+
+    def follow_rotation(self, rotation: Sequence[str]) -> None:
+        """Push to exactly ``rotation`` (rank 0's :meth:`rotation_for_push`): a share's lead never pushes
+        to a server rank 0 took out, and includes the ones it brought back."""
+        self._check_open()
+        self._http.pool.follow(rotation, "out of rank 0's rotation")
+
     def commit_weights(self, version: int, weight_maps: Sequence[Optional[Dict[str, str]]] = ()) -> None:
         """Serve ``version`` once every share is pushed ("disk": index the shares' files and reload;
         "distributed": every share's last bucket carried it), then flush every cache and verify the version."""

@@ -150,17 +150,44 @@ class DistributedWeightUpdate:
     def _wait_alongside(self, works, answer: concurrent.futures.Future, what: str) -> None:
         """Wait for collective ``works`` while the servers' HTTP ``answer`` is pending.
 
-        A server that refuses the request never joins the collective: raise at once (the group is
-        then unusable and dropped) instead of blocking until the group's timeout.
+        A server that refuses the request never joins the collective: raise at once instead of
+        blocking until the group's timeout, and abandon the group (:meth:`_abandon_group`) so that
+        the servers that joined stop waiting too.
         """
         while not all(work.is_completed() for work in works):
             if answer.done() and answer.exception() is not None:
-                self._group = None
-                raise RolloutError(f"weight update of {what} refused: {answer.exception()}") from answer.exception()
+                break
             time.sleep(0.001)
-        for work in works:
-            work.wait()
-        answer.result()
+        else:
+            for work in works:
+                work.wait()
+            if answer.exception() is None:
+                return
+        error = answer.exception()
+        self._abandon_group(answer)
+        raise RolloutError(f"weight update of {what} refused: {error}") from error
+
+    def _abandon_group(self, answer: concurrent.futures.Future) -> None:
+        """Leave a group whose collective cannot complete. Closing this end makes the members that
+        joined it fail their receive at once (gloo; NCCL over network transports) instead of waiting
+        in it for their own group timeout (torch's default, 30 min, in SGLang); once their answers
+        are in (``answer``), they drop the group too (best effort), and the next push forms a new one."""
+        import torch.distributed as dist
+
+        group, self._group, self._members = self._group, None, []
+        dist.destroy_process_group(group)
+        with contextlib.suppress(Exception):
+            answer.exception(timeout=self.config.update_timeout_s)
+        with contextlib.suppress(RolloutError):
+            self.http.run(
+                self.http.on_servers_in_rotation(
+                    "POST",
+                    "/destroy_weights_update_group",
+                    {"group_name": self.config.group_name},
+                    retry=False,
+                    timeout=30.0,
+                )
+            )
 
     def _join_group(self) -> None:
         """Create the weight-update group: the servers join over HTTP while this process joins as rank 0."""
