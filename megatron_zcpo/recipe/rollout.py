@@ -177,13 +177,20 @@ def make_engine(config: RunConfig, model_config, tokenizer):
     # Token ids are checked against the trainer's vocabulary (rollout/output_checks.py).
     client = dict(rollout.sglang.client, quantization=rollout.quantization, vocab_size=model_config.vocab_size)
     if rollout.sglang.launch is not None:
-        from megatron_zcpo.rollout.sglang.server import SGLangLauncher, launch_sglang, server_config_for_run
+        from megatron_zcpo.rollout.sglang.server import (
+            SGLangLauncher,
+            launch_sglang,
+            server_config_for_run,
+            weight_update_groups,
+        )
 
+        client_config = SGLangEngineConfig(server_urls=["unset"], **client)
         servers = server_config_for_run(
             rollout.sglang.launch,
-            SGLangEngineConfig(server_urls=["unset"], **client),
+            client_config,
             config.data.max_prompt_length,
             longest_new_tokens(config),
+            weight_update_groups(config.parallel.pipeline, config.parallel.expert, client_config),
         )
         engine = launch_sglang(SGLangLauncher(servers), **client)
     else:

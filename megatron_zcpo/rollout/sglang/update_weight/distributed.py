@@ -48,10 +48,18 @@ class DistributedWeightUpdate:
     def push(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast ``stream`` (HF name, tensor) in buckets of ``bucket_bytes``; the servers serve ``version`` after."""
         self._broadcast(stream, version)
+        self._leave_unless_kept()
 
     def push_part(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int, file_prefix: str) -> None:
         """Broadcast one stage's share; its last bucket carries ``version``."""
         self._broadcast(stream, version)
+        self._leave_unless_kept()
+
+    def _leave_unless_kept(self) -> None:
+        """Leave the group after a push unless ``keep_weight_update_groups``: its communicator then
+        holds no server GPU memory between pushes."""
+        if not self.config.keep_weight_update_groups:
+            self.close()
 
     def commit(self, version: int, weight_maps: Sequence[Optional[dict]] = ()) -> None:
         """Nothing left to do: every share's last bucket carried ``version``."""
