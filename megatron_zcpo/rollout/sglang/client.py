@@ -16,7 +16,9 @@ checked); every endpoint, field and status code used here is listed, per release
   order), ``POST /destroy_weights_update_group`` {group_name};
 - ``POST /update_weights_from_disk`` {model_path, weight_version};
 - ``load_format: "flattened_bucket"`` in /update_weights_from_distributed: the bucket arrives as one
-  uint8 broadcast (SGLang with sgl-project/sglang#13824, merged 2025-11-24; not in v0.5.3).
+  uint8 broadcast (SGLang with sgl-project/sglang#13824, merged 2025-11-24; not in v0.5.3);
+- ``POST /begin_weight_update`` {} and ``POST /end_weight_update`` {} around every push to servers
+  reporting SGLang 0.5.21 or newer (they refuse distributed updates outside such a session).
 Each returns {success, message} with 200, or 400 with the reason. The HTTP plumbing lives in
 :mod:`megatron_zcpo.rollout.sglang.http`, the weight transports in :mod:`megatron_zcpo.rollout.sglang.update_weight`.
 """

@@ -40,7 +40,9 @@ class SGLangEngineConfig:
     1,800 s; the launchers start the router with this value): it must exceed ``request_timeout_s``,
     so the client, which aborts and retries, gives up on a request first.
     ``return_routed_experts``: ask each /generate for the experts every token was routed to
-    (mixture-of-experts routing replay; SGLang >= 0.5.7 launched with ``--enable-return-routed-experts``).
+    (mixture-of-experts routing replay; SGLang >= 0.5.7 launched with ``--enable-return-routed-experts``):
+    those requests go to the servers directly, never through ``router_url`` (sglang-router 0.2.0 and
+    0.3.2 drop the field from the bodies they forward).
     ``keep_weight_update_groups``: keep the weight-update group (an NCCL communicator on every
     server GPU, outside SGLang's static pool) between pushes; false: leave it after every push and
     form it again at the next (a rendezvous per push; under pipeline / expert parallelism each
