@@ -61,6 +61,9 @@ class SGLangServerConfig:
     ``sampling_seeds``); SGLang then needs ``attention_backend`` among
     :data:`~megatron_zcpo.rollout.sglang.api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
     default for Qwen2/Llama/Qwen3 on H100).
+    ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
+    :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
+    ``mem_fraction_static`` for the weight pushes.
     """
 
     model_path: str
