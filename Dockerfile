@@ -46,35 +46,39 @@ ARG MODELOPT_VERSION=0.47.0
 RUN python -c "import modelopt" 2>/dev/null || pip install "nvidia-modelopt==${MODELOPT_VERSION}"
 
 # ---------------------------------------------------------------------------------------------
-# SGLang in its own virtual environment. sglang 0.5.3.post3 pins torch==2.8.0, torchaudio==2.8.0,
-# transformers==4.57.1, sgl-kernel==0.3.15 and flashinfer-python==0.4.0 exactly; installing it
-# next to the base's torch 2.10.0a0 would replace that torch (and break TE and apex, compiled
-# against it). The servers are separate processes that only talk HTTP and NCCL with the trainer,
-# so /opt/sglang holds SGLang with its own PyPI torch 2.8.0 (CUDA 12.8 wheels, driver R570+).
-#   sglang 0.5.3.post3: the SGLang HTTP API megatron_zcpo/rollout/sglang/client.py and
-#     server.py were written against (/generate, /update_weights_from_distributed, ...).
-#   sglang-router 0.2.0: released with it (October 2025); its launch_router takes the
-#     --worker-urls/--policy/--host/--port that rollout/sglang/server.py:router_command passes.
-#   nvidia-nccl-cu12 2.28.9: the weight push puts trainer rank 0 (the base's NCCL 2.28.9) and
-#     every SGLang worker into one NCCL communicator, so the venv gets the same NCCL release
-#     instead of the 2.27.x that torch 2.8.0 pins (same libnccl.so.2 ABI, loaded at run time).
-#     Build with SGLANG_NCCL_VERSION="" to keep torch's, and use
-#     rollout.sglang.client.weight_sync=disk if the versions must differ.
+# SGLang in its own virtual environment: the newest tested pair of docs/SGLANG.md (the tested range
+# is 0.5.3.post3 .. 0.5.23, sglang-router 0.2.0 .. 0.3.2; setup.py's sglang extra admits exactly it).
+# sglang 0.5.23 pins torch==2.14.1 (CUDA 13 wheels), transformers==5.19.0 and
+# flashinfer_python[cu13]==0.7.2 exactly; installing it next to the base's torch 2.10.0a0 would
+# replace that torch (and break TE and apex, compiled against it). The servers are separate
+# processes that only talk HTTP and NCCL with the trainer, so /opt/sglang holds SGLang with its own
+# PyPI torch (CUDA 13, like the base's CUDA 13.1, so flashinfer's JIT uses a matching nvcc).
+#   sglang 0.5.23: weight pushes inside /begin_weight_update .. /end_weight_update sessions (the
+#     client opens them on servers that report 0.5.21 or newer), routed experts for routing replay,
+#     --quantization modelopt_fp8 for FP8 rollouts.
+#   sglang-router 0.3.2: the newest sglang-router (its successor package is smg); its launch_router
+#     takes the --worker-urls/--policy/--host/--port/--request-timeout-secs/--api-key that
+#     rollout/sglang/server.py:router_command passes (CI runs that very line on CPU).
+#   nvidia-nccl-cu13 2.28.9: the weight push puts trainer rank 0 (the base's NCCL 2.28.9) and
+#     every SGLang worker into one NCCL communicator, so the venv gets the same NCCL release as
+#     the base (same libnccl.so.2 ABI, loaded at run time). Build with SGLANG_NCCL_VERSION="" to
+#     keep torch's, and use rollout.sglang.client.weight_sync=disk if the versions must differ.
 #   uv builds the venv: the base's Debian-style Python has no ensurepip, and uv ignores the
 #     base's pip constraints (which pin torch 2.10.0a0 and would block SGLang's torch).
-# flashinfer JIT-compiles some kernels at first start with the nvcc in CUDA_HOME (here the
-# base's CUDA 13.1). If that fails against the venv's CUDA 12.8 torch, run the rollout nodes on
-# SGLang's own release image instead (SGLANG_CONTAINER_IMAGE=lmsysorg/sglang:v0.5.3-cu129, see
-# examples/README.md); nothing else changes.
+# For the oldest supported release instead: --build-arg SGLANG_VERSION=0.5.3.post3
+# --build-arg SGLANG_ROUTER_VERSION=0.2.0 --build-arg SGLANG_NCCL_PACKAGE=nvidia-nccl-cu12 (its
+# torch 2.8.0 is a CUDA 12.8 build), or SGLang's own release image for the rollout nodes
+# (SGLANG_CONTAINER_IMAGE, see examples/README.md).
 ARG UV_VERSION=0.13.9
-ARG SGLANG_VERSION=0.5.3.post3
-ARG SGLANG_ROUTER_VERSION=0.2.0
+ARG SGLANG_VERSION=0.5.23
+ARG SGLANG_ROUTER_VERSION=0.3.2
+ARG SGLANG_NCCL_PACKAGE=nvidia-nccl-cu13
 ARG SGLANG_NCCL_VERSION=2.28.9
 RUN PIP_CONSTRAINT= pip install "uv==${UV_VERSION}" \
  && uv venv --python "$(command -v python3)" /opt/sglang \
  && uv pip install --python /opt/sglang/bin/python "sglang==${SGLANG_VERSION}" "sglang-router==${SGLANG_ROUTER_VERSION}" \
  && if [ -n "${SGLANG_NCCL_VERSION}" ]; then \
-        uv pip install --python /opt/sglang/bin/python "nvidia-nccl-cu12==${SGLANG_NCCL_VERSION}"; fi
+        uv pip install --python /opt/sglang/bin/python "${SGLANG_NCCL_PACKAGE}==${SGLANG_NCCL_VERSION}"; fi
 ENV SGLANG_PYTHON=/opt/sglang/bin/python
 
 # ---------------------------------------------------------------------------------------------
@@ -101,4 +105,4 @@ EOF
 # Every megatron-core internal the code relies on is present with the arguments it passes.
 RUN python -m megatron_zcpo.megatron.compat
 RUN /opt/sglang/bin/python -c "import importlib.metadata as md; \
-print(*(f'{n} {md.version(n)}' for n in ('sglang', 'sglang-router', 'torch', 'nvidia-nccl-cu12')), sep='\n')"
+print(*(f'{n} {md.version(n)}' for n in ('sglang', 'sglang-router', 'torch')), sep='\n')"

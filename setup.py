@@ -26,7 +26,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "sglang": ["sglang>=0.5.0", "sglang-router>=0.2.0"],
+    # The tested range (docs/SGLANG.md; megatron_zcpo/rollout/sglang/api.py: PINNED_RELEASE .. NEWEST_CHECKED_RELEASE).
+    "sglang": ["sglang>=0.5.3.post3,<=0.5.23", "sglang-router>=0.2.0,<=0.3.2"],
     "te": ["transformer-engine[pytorch]>=2.4"],
     "modelopt": ["nvidia-modelopt>=0.33"],
     "wandb": ["wandb>=0.16"],  # the W&B metric sink (logging.wandb_project)

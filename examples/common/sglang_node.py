@@ -32,7 +32,13 @@ import time
 from typing import List, Optional
 
 from megatron_zcpo.rollout.sglang.config import API_KEY_ENV, SGLangEngineConfig
-from megatron_zcpo.rollout.sglang.server import SGLangLauncher, SGLangServerConfig, server_config_for_run, server_specs
+from megatron_zcpo.rollout.sglang.server import (
+    SGLangLauncher,
+    SGLangServerConfig,
+    server_config_for_run,
+    server_specs,
+    weight_update_groups,
+)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -110,7 +116,9 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
     client = SGLangEngineConfig(server_urls=["unset"], **(run["rollout"]["sglang"].get("client") or {}))
     new_tokens = max(run["rollout"]["max_new_tokens"], (run.get("eval") or {}).get("max_new_tokens") or 0)
     launch["enable_memory_saver"] = run["rollout"].get("placement") == "colocated"
-    return server_config_for_run(launch, client, run["data"]["max_prompt_length"], new_tokens)
+    parallel = run.get("parallel") or {}
+    groups = weight_update_groups(parallel.get("pipeline", 1), parallel.get("expert", 1), client)
+    return server_config_for_run(launch, client, run["data"]["max_prompt_length"], new_tokens, groups)
 
 
 def planned_addresses(config: SGLangServerConfig) -> dict:

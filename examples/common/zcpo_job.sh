@@ -12,7 +12,7 @@
 #      node) with the settings the resolved config needs (context length, router timeout,
 #      deterministic inference with sampling seeds) and a fresh per-job API key
 #      (ZCPO_SGLANG_API_KEY, which the training tasks inherit and send), bound to their nodes'
-#      addresses; wait until every server and the router answer /health_generate;
+#      addresses; wait until every server answers /health_generate and the router /readiness;
 #   4. run `zcpo train` with srun on the training nodes, one task per GPU: every task reads
 #      SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR is the first training node and
 #      MASTER_PORT comes from the job id; global rank 0 drives the rollout servers;
@@ -220,14 +220,15 @@ wait_for_training() {
     TRAINING_EXIT_CODE=${rc}
 }
 
-# Poll every server and the router until all answer /health_generate (what the client checks too).
+# Poll every server's /health_generate and the router's /readiness until all answer 200 (what the
+# client checks too): sglang-router 0.2.0 answers its own /health_generate with 503, always.
 wait_for_health() {
     local urls deadline=$(( SECONDS + ${SGLANG_STARTUP_TIMEOUT:-1800} )) url waiting
-    read -r -a urls <<< "$(echo "$1" | tr -d '[]"' | tr ',' ' ') $2"
+    read -r -a urls <<< "$(echo "$1" | tr -d '[]"' | tr ',' ' ' | sed 's,[^ ][^ ]*,&/health_generate,g') ${2:+$2/readiness}"
     while :; do
         waiting=()
         for url in "${urls[@]}"; do
-            curl -sf -o /dev/null --max-time 30 "${url}/health_generate" || waiting+=("${url}")
+            curl -sf -o /dev/null --max-time 30 "${url}" || waiting+=("${url}")
         done
         (( ${#waiting[@]} == 0 )) && { log "SGLang: ${#urls[@]} endpoints healthy"; return 0; }
         [[ -z "${SGLANG_STEP_PID:-}" ]] || kill -0 "${SGLANG_STEP_PID}" 2>/dev/null || die "the SGLang step exited; see ${RUN_DIR}/sglang_step.log and ${RUN_DIR}/sglang_logs/"

@@ -182,13 +182,20 @@ def make_engine(config: RunConfig, model_config, tokenizer):
         client = colocated_client(client, config.logging.run_dir)
         launch = None if launch is None else {**launch, "enable_memory_saver": True}
     if launch is not None:
-        from megatron_zcpo.rollout.sglang.server import SGLangLauncher, launch_sglang, server_config_for_run
+        from megatron_zcpo.rollout.sglang.server import (
+            SGLangLauncher,
+            launch_sglang,
+            server_config_for_run,
+            weight_update_groups,
+        )
 
+        client_config = SGLangEngineConfig(server_urls=["unset"], **client)
         servers = server_config_for_run(
             launch,
-            SGLangEngineConfig(server_urls=["unset"], **client),
+            client_config,
             config.data.max_prompt_length,
             longest_new_tokens(config),
+            weight_update_groups(config.parallel.pipeline, config.parallel.expert, client_config),
         )
         engine = launch_sglang(SGLangLauncher(servers), **client)
     else:

@@ -11,7 +11,8 @@ members, so two shares pushing at once deadlock as soon as two servers take them
 orders (see :mod:`megatron_zcpo.rollout.sglang.api`); the pushes are bandwidth-bound either way
 (one share at a time still leaves every byte on its own sender's link). The engine's transport
 (NCCL broadcast or disk, see :mod:`megatron_zcpo.rollout.sglang.update_weight`) only sees streams of
-(HF name, tensor). Ranks meet rank 0 before, between and after the shares in the
+(HF name, tensor). Every lead pushes to the servers rank 0 has in rotation (it brings healthy lost
+ones back first), handed to them before the shares. Ranks meet rank 0 before, between and after the shares in the
 :class:`~megatron_zcpo.recipe.rank0_wait.Rank0Wait` group, never in a training group.
 """
 
@@ -141,6 +142,10 @@ def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush
         return
     from megatron.core import parallel_state as ps
 
+    # Every share goes to rank 0's rotation: not to servers it took out, and again to those back.
+    rotation = waits.broadcast(engine.rotation_for_push() if rank == 0 else None)
+    if stages.engine is not None:
+        stages.engine.follow_rotation(rotation)
     weight_map, first = None, True
     my_turn = ps.get_expert_model_parallel_rank()  # the turn whose share this rank sends, if any
     for stage in range(ps.get_pipeline_model_parallel_world_size()):

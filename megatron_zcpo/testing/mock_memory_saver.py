@@ -119,6 +119,10 @@ class MemorySaverEndpoints:
         refusal = self.memory_refusal("update_weights")
         if refusal:
             return self._result(False, refusal)
+        if self.sessions and not self.session_open:  # SGLang >= 0.5.21's weight_updater.py
+            return self._result(
+                False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
         blobs = body["serialized_named_tensors"]
         if len(blobs) != 1:  # one blob per TP rank; the mock is one rank
             return self._result(False, f"serialized_named_tensors has {len(blobs)} blobs for tp_size 1")

@@ -5,9 +5,12 @@ It behaves like the pinned router where a run depends on it (see
 robin) and is cut after ``request_timeout_secs`` (``--request-timeout-secs``, default 1,800 s),
 answering 500; a retryable answer (500, 503, ...) is retried on the next worker, up to 5
 attempts in all, without aborting the cut request on its worker. With ``api_key`` (``--api-key``)
-``/generate`` and the admin routes (``/list_workers``, ``/flush_cache``) need it (401 otherwise),
-the public routes (health, server and model info, proxied to the first worker) do not, and
-every request to a worker carries it.
+``/generate`` and the admin routes (``/list_workers``, ``/workers``, ``/flush_cache``) need it (401
+otherwise), the public routes (server and model info, proxied to the first worker) do not, and
+every request to a worker carries it. Its own routes answer as 0.2.0's do: ``/health`` 200,
+``/readiness`` 200 with the worker count, ``/health_generate`` 503 "No routers with healthy
+workers available" (without asking a worker). The real routers run in the tests too
+(:mod:`megatron_zcpo.testing.real_sglang`); this stand-in adds timeouts and fault counts.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from megatron_zcpo.rollout.sglang.api import (
 )
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer
 
-_ADMIN = {"/list_workers": ("GET",), "/flush_cache": ("POST",)}
+_ADMIN = {"/list_workers": ("GET",), "/workers": ("GET",), "/flush_cache": ("POST",)}
 
 
 class MockSGLangRouter(BackgroundHTTPServer):
@@ -77,6 +80,13 @@ class MockSGLangRouter(BackgroundHTTPServer):
             return web.Response(status=401)
         if path == "/generate" and request.method == "POST":
             return await self._generate(await request.read())
+        if path in ("/health", "/liveness") and request.method == "GET":
+            return web.Response(status=200, text="OK")
+        if path == "/readiness" and request.method == "GET":
+            workers = len(self.worker_urls)
+            return web.json_response({"status": "ready", "healthy_workers": workers, "total_workers": workers})
+        if path == "/health_generate" and request.method == "GET":  # 0.2.0 answers it itself, always
+            return web.Response(status=503, text="No routers with healthy workers available")
         if path in ROUTER_PUBLIC_PATHS and request.method == "GET":
             self.events.append((path, "ok"))
             return await self._forward("GET", self.worker_urls[0] + path, None, timeout=self.request_timeout_secs)
@@ -84,6 +94,8 @@ class MockSGLangRouter(BackgroundHTTPServer):
             self.events.append((path, "ok"))
             if path == "/list_workers":
                 return web.json_response({"urls": self.worker_urls})
+            if path == "/workers":
+                return web.json_response({"workers": [{"url": url, "is_healthy": True} for url in self.worker_urls]})
             answers = [
                 await self._forward("POST", url + path, None, timeout=self.request_timeout_secs)
                 for url in self.worker_urls

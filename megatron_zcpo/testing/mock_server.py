@@ -31,7 +31,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_zcpo.rollout.engine import RolloutEngine, SamplingParams
 from megatron_zcpo.rollout.memory import MemoryLedger
-from megatron_zcpo.rollout.sglang.api import PINNED_RELEASE, RELEASES, check_request, needs_api_key
+from megatron_zcpo.rollout.sglang.api import (
+    PINNED_RELEASE,
+    RELEASES,
+    SEED_LIMIT,
+    WEIGHT_UPDATE_SESSIONS_SINCE,
+    check_request,
+    needs_api_key,
+    release_at_least,
+)
 from megatron_zcpo.rollout.sglang.client import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer
@@ -114,6 +122,10 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         self.running_rids: set = set()
         self.aborted_rids: set = set()
         self._groups: Dict[str, Any] = {}
+        self.sessions = release_at_least(release, WEIGHT_UPDATE_SESSIONS_SINCE)  # the release's protocol
+        self.session_open = False
+        self.int32_seeds = release == PINNED_RELEASE  # 0.5.3.post3's seed packing (0.5.23: int64)
+        self.crashed: Optional[str] = None  # why the scheduler died (every request is then dropped)
         self._backend_lock = threading.Lock()
         self._handlers = {
             "/generate": self._generate,
@@ -130,6 +142,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
             "/init_weights_update_group": self._init_group,
             "/update_weights_from_distributed": self._update_from_distributed,
             "/destroy_weights_update_group": self._destroy_group,
+            "/begin_weight_update": self._begin_session,
+            "/end_weight_update": self._end_session,
         }
         self._init_memory_saver(memory_saver, gpus, memory_sizes, ledger, release_lag_s)
 
@@ -143,6 +157,9 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         if self.dead:  # died mid-update: nothing answers any more
             request.transport.close()
             raise ConnectionResetError("mock server is dead")
+        if self.crashed is not None:  # the process is gone
+            request.transport.close()
+            raise ConnectionResetError(f"mock server crashed: {self.crashed}")
         if (
             self.api_key is not None
             and needs_api_key(request.method, path)
@@ -221,6 +238,11 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         batch = isinstance(input_ids[0], list)
         prompts = input_ids if batch else [input_ids]
         sampling = dict(body.get("sampling_params") or {})
+        seed = sampling.get("sampling_seed", 42)
+        if self.deterministic_inference and self.int32_seeds and not -SEED_LIMIT <= seed < SEED_LIMIT:
+            self.crashed = f"scheduler: sampling_seed {seed} cannot be converted to type int32 without overflow"
+            request.transport.close()
+            raise ConnectionResetError(self.crashed)
         max_new_tokens = sampling.get("max_new_tokens", 128)
         params = SamplingParams(
             temperature=sampling.get("temperature", 1.0),
@@ -229,7 +251,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
             # the scheduler's cut: max_req_len - prompt - 1 (one length for the batch: the mock's simplification)
             max_new_tokens=min(max_new_tokens, min(self.max_req_len - len(p) - 1 for p in prompts)),
             stop_token_ids=tuple(sampling.get("stop_token_ids") or ()),
-            seed=sampling.get("sampling_seed", 42) if self.deterministic_inference else None,
+            seed=seed if self.deterministic_inference else None,
         )
         rid = body.get("rid") or "mock"
         self.running_rids.add(rid)
@@ -403,6 +425,10 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         body = await request.json()
         if self.memory_refusal("update_weights"):
             return self._result(False, self.memory_refusal("update_weights"))
+        if self.sessions and not self.session_open:
+            return self._result(
+                False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         group = self._groups.get(body.get("group_name"))
         if group is None:
             return self._result(False, f"no weight-update group named {body.get('group_name')!r}")
@@ -427,6 +453,20 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
             return self._result(False, f"no weight-update group named {body.get('group_name')!r}")
         await self._one_at_a_time(request.path, body.get("group_name"), dist.destroy_process_group, group)
         return self._result(True, "Succeeded to destroy custom process group.")
+
+    async def _begin_session(self, request):
+        if self.session_open:
+            return self._result(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        self.weight_updates.append(("session", request.path, None))
+        return self._result(True, "Success")
+
+    async def _end_session(self, request):
+        if not self.session_open:
+            return self._result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        self.weight_updates.append(("session", request.path, None))
+        return self._result(True, "Success")
 
     def _load_checkpoint(self, directory: str, weight_version: Optional[str]) -> None:
         from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint

@@ -222,9 +222,11 @@ TWO_LAYERS = ModelConfig(
 )
 
 
-def _push_stages_to_two_servers(rank, world, urls, api_key, model_config):
+def _push_stages_to_two_servers(rank, world, urls, api_key, model_config, lost_url):
     """PP2: each stage's lead pushes through its own group to both servers (one weight update at a
-    time each, in separate processes as real servers are); rank 0's engine commits and checks."""
+    time each, in separate processes as real servers are); rank 0's engine commits and checks.
+    ``lost_url``: a third server, dead, that rank 0 took out of rotation (in the rollout): no lead may
+    push to it."""
     from megatron.core import parallel_state as ps
 
     from megatron_zcpo.convert.mapping import megatron_to_hf_tensors
@@ -242,12 +244,13 @@ def _push_stages_to_two_servers(rank, world, urls, api_key, model_config):
     def engine(group):
         return SGLangEngine(
             SGLangEngineConfig(
-                server_urls=urls,
+                server_urls=[*urls, lost_url],
                 group_name=group,
                 group_backend="gloo",
                 master_address="127.0.0.1",
                 group_timeout_s=60,
                 bucket_bytes=8_000,
+                connect_timeout_s=2.0,
                 api_key=api_key,
                 sampling_seeds=True,
             )
@@ -256,6 +259,8 @@ def _push_stages_to_two_servers(rank, world, urls, api_key, model_config):
     stage = ps.get_pipeline_model_parallel_rank()
     stages = StageWeightPush(engine(f"zcpo_weights-pp{stage}") if is_stage_lead() else None)
     rank0 = engine("unused") if rank == 0 else None
+    if rank == 0:
+        rank0._http.pool.take_out(lost_url, "its /generate failed its retries")
     push_weights(types.SimpleNamespace(policy=model, model_config=model_config), rank0, 3, stages, Rank0Wait(120))
     served = rank0.served_weight_versions() if rank == 0 else None
     for engine_ in (stages.engine, rank0):
@@ -268,7 +273,8 @@ def _push_stages_to_two_servers(rank, world, urls, api_key, model_config):
 def test_stages_push_one_after_another_to_two_servers(tmp_path):
     """Two servers, two stages: pushed at once, the servers could take the stages' groups in opposite
     orders and wait for each other (SGLang serves one update at a time); one after the other, no server
-    ever sees a second group's request while one is in flight, and both serve exactly the pushed weights."""
+    ever sees a second group's request while one is in flight, and both serve exactly the pushed weights.
+    A third server rank 0 had taken out of rotation gets no share (the leads used to push to it, and fail)."""
     import json
     import os
 
@@ -301,8 +307,9 @@ def test_stages_push_one_after_another_to_two_servers(tmp_path):
             SGLangEngineConfig(server_urls=launcher.server_urls, api_key=launcher.api_key, sampling_seeds=True)
         )
         client.wait_until_healthy(timeout_s=180, poll_s=0.2, is_alive=launcher.alive)
+        lost = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         results = run_distributed(
-            _push_stages_to_two_servers, 2, launcher.server_urls, launcher.api_key, TWO_LAYERS, timeout=300
+            _push_stages_to_two_servers, 2, launcher.server_urls, launcher.api_key, TWO_LAYERS, lost, timeout=300
         )
         assert results[0]["served"] == {url: 3 for url in launcher.server_urls}
         reference = EmbeddedEngine(TWO_LAYERS)

@@ -24,6 +24,19 @@ mock server (:mod:`mock_server`, which validates every request against this tabl
 | POST /resume_memory_occupation | yes | yes | tags / 200 once resumed |
 | POST /update_weights_from_tensor | yes | yes (+ selector, torch_empty_cache) | serialized_named_tensors (one per TP rank), load_format "flattened_bucket", flush_cache, weight_version / {success, message} |
 | POST /pause_generation, /continue_generation | yes (no body) | yes (mode; torch_empty_cache) | nothing / 200 |
+| POST /begin_weight_update | no (404) | yes (from 0.5.21) | {} / {success, message}: opens the weight-update session |
+| POST /end_weight_update | no (404) | yes (from 0.5.21) | {} / {success, message}: closes it, finalises quantised weights |
+
+Weight-update sessions (:data:`WEIGHT_UPDATE_SESSIONS_SINCE`, read from 0.5.21's and 0.5.23's
+``managers/scheduler_components/weight_updater.py``): ``/update_weights_from_distributed`` outside a
+session answers 400 "update_weights_from_distributed must run between begin_weight_update() and
+end_weight_update()"; a second ``begin`` while one is open, or an ``end`` without one, answers 400.
+``/update_weights_from_disk`` needs none. 0.5.20 has no such endpoints. The transport reads every
+server's version (``/get_server_info``) and opens a session around each push on those that need one.
+
+Seeds: 0.5.3.post3 packs the batch's ``sampling_seed`` values into an int32 tensor
+(``sampling/sampling_batch_info.py``): a seed of 2**31 or more crashes its scheduler (the server
+dies); 0.5.23 packs int64. The client keeps every request's seed below :data:`SEED_LIMIT`.
 
 Launch (:mod:`sglang_server`): ``python -m sglang.launch_server`` with ``--model-path --host --port
 --tp-size --mem-fraction-static --dtype --random-seed`` and optionally ``--context-length``,
@@ -69,6 +82,15 @@ start-up):
 - ``load_format`` "flattened_bucket" in ``/update_weights_from_distributed``: from 0.5.6
   (:data:`FLATTENED_BUCKETS_SINCE`; 0.5.5.post3 lacks it).
 
+sglang-router 0.2.0 and 0.3.2 (run here on a CPU, :mod:`megatron_zcpo.testing.real_sglang`):
+``/health_generate`` answers 0.2.0's own 503 "No routers with healthy workers available" without
+asking any worker (0.3.2: 200), so the router's readiness is :data:`ROUTER_READY_PATH` (200 with
+``{"status": "ready", "healthy_workers": N}`` in both). 0.3.2 has no ``/list_workers`` (404); both
+guard ``GET /workers`` with their key (:data:`ROUTER_KEY_CHECK_PATH`). Both rebuild the
+``/generate`` body from the fields they know: ``return_routed_experts`` is dropped, and
+:data:`ROUTER_GENERATE_FIELDS` are added (``model``: 0.3.2; SGLang ignores unknown top-level
+fields, 0.5.23's contract too).
+
 sglang-router 0.2.0 (``python -m sglang_router.launch_router``): ``--request-timeout-secs``
 (default :data:`ROUTER_DEFAULT_REQUEST_TIMEOUT_S`) bounds each request it forwards; one cut there
 answers 500 and the router retries it (retryable: 408, 429, 500, 502, 503, 504) up to 5 attempts
@@ -82,7 +104,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-PINNED_RELEASE = "0.5.3.post3"
+PINNED_RELEASE = "0.5.3.post3"  # the oldest supported release (docs/SGLANG.md; the Docker image pins the newest)
 FLATTENED_BUCKETS_SINCE = "0.5.6"  # the first release whose /update_weights_from_distributed takes load_format
 ROUTER_DEFAULT_REQUEST_TIMEOUT_S = 1800  # sglang-router 0.2.0's --request-timeout-secs
 ROUTER_RETRYABLE_STATUSES = (408, 429, 500, 502, 503, 504)
@@ -99,8 +121,23 @@ ROUTER_PUBLIC_PATHS = (
 AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
 DETERMINISTIC_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")
 NEWEST_CHECKED_RELEASE = "0.5.23"
+WEIGHT_UPDATE_SESSIONS_SINCE = "0.5.21"  # /begin_weight_update and /end_weight_update around distributed updates
+SEED_LIMIT = 2**31  # 0.5.3.post3 packs sampling seeds as int32: seeds stay in [0, SEED_LIMIT)
+ROUTER_READY_PATH = "/readiness"  # 200 once the router has healthy workers (0.2.0 and 0.3.2)
+ROUTER_KEY_CHECK_PATH = "/workers"  # GET, behind the router's --api-key (0.2.0 and 0.3.2)
+# Fields sglang-router 0.2.0 / 0.3.2 add to every /generate body it forwards (read off the wire).
+ROUTER_GENERATE_FIELDS = (
+    "log_metrics",
+    "return_hidden_states",
+    "background",
+    "no_logs",
+    "return_bytes",
+    "return_entropy",
+    "model",
+)
 ROUTED_EXPERTS_RELEASE = "0.5.7"  # the first release that returns routed experts (train.routing_replay=rollout)
-RELEASES = (PINNED_RELEASE, NEWEST_CHECKED_RELEASE)
+RELEASES = (PINNED_RELEASE, NEWEST_CHECKED_RELEASE)  # the tested range's ends (setup.py's extra admits it)
+ROUTER_RELEASES = ("0.2.0", "0.3.2")  # sglang-router: the oldest supported and the newest (run in CI)
 # Renamed endpoints, the pinned release's name first (both releases still answer it).
 MODEL_INFO_PATHS = ("/get_model_info", "/model_info")
 SERVER_INFO_PATHS = ("/get_server_info", "/server_info")
@@ -173,7 +210,11 @@ _GENERATE = {
     "logprob_start_len": _optional(_INT),
     "top_logprobs_num": _optional(_INT),
     "return_text_in_logprobs": _BOOL,
+    # added by the routers (GenerateReqInput fields but "model", which SGLang ignores)
+    **{name: _optional(_BOOL) for name in ROUTER_GENERATE_FIELDS if name != "model"},
+    "model": _optional(_STR),
 }
+_SESSION = {"selector": _STR}
 
 ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
     SGLangEndpoint("/generate", ("POST", "PUT"), optional=_GENERATE, releases=(PINNED_RELEASE,)),
@@ -230,6 +271,8 @@ ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
         releases=(NEWEST_CHECKED_RELEASE,),
     ),
     SGLangEndpoint("/destroy_weights_update_group", ("POST",), optional={"rid": _RID, **_GROUP}),
+    SGLangEndpoint("/begin_weight_update", ("POST",), optional=_SESSION, releases=(NEWEST_CHECKED_RELEASE,)),
+    SGLangEndpoint("/end_weight_update", ("POST",), optional={}, releases=(NEWEST_CHECKED_RELEASE,)),
 )
 
 

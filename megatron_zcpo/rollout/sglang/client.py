@@ -16,7 +16,9 @@ checked); every endpoint, field and status code used here is listed, per release
   order), ``POST /destroy_weights_update_group`` {group_name};
 - ``POST /update_weights_from_disk`` {model_path, weight_version};
 - ``load_format: "flattened_bucket"`` in /update_weights_from_distributed: the bucket arrives as one
-  uint8 broadcast (SGLang with sgl-project/sglang#13824, merged 2025-11-24; not in v0.5.3).
+  uint8 broadcast (SGLang with sgl-project/sglang#13824, merged 2025-11-24; not in v0.5.3);
+- ``POST /begin_weight_update`` {} and ``POST /end_weight_update`` {} around every push to servers
+  reporting SGLang 0.5.21 or newer (they refuse distributed updates outside such a session).
 Each returns {success, message} with 200, or 400 with the reason. The HTTP plumbing lives in
 :mod:`megatron_zcpo.rollout.sglang.http`, the weight transports in :mod:`megatron_zcpo.rollout.sglang.update_weight`.
 """
@@ -39,7 +41,7 @@ from megatron_zcpo.rollout.engine import (
     validate_prompts,
 )
 from megatron_zcpo.rollout.output_checks import engine_output_problem, rejected_completion, rejected_messages
-from megatron_zcpo.rollout.sglang.api import MODEL_INFO_PATHS
+from megatron_zcpo.rollout.sglang.api import MODEL_INFO_PATHS, ROUTER_READY_PATH, SEED_LIMIT
 from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 from megatron_zcpo.rollout.sglang.http import RETRYABLE, SGLangHTTP, SGLangHTTPError
 from megatron_zcpo.rollout.sglang.memory_saver import MemorySaverClient
@@ -47,6 +49,12 @@ from megatron_zcpo.rollout.sglang.server_pool import ServersLostError
 from megatron_zcpo.rollout.sglang.update_weight import weight_update_for
 
 logger = logging.getLogger(__name__)
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The ``sampling_seed`` of request ``index`` of a call seeded ``seed``: ``seed + index`` wrapped into
+    [0, 2**31) (SGLang 0.5.3.post3 packs seeds as int32; a larger one crashes its scheduler)."""
+    return (int(seed) + index) % SEED_LIMIT
 
 
 def sglang_sampling_params(params: SamplingParams, seed: Optional[int] = None) -> Dict[str, Any]:
@@ -158,7 +166,9 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         """Sample ``n`` responses per prompt, one /generate request per sample, concurrently.
 
         With ``params.seed`` set and ``config.sampling_seeds`` on, sample j of prompt i gets
-        ``sampling_seed = seed + i*n + j``.
+        ``sampling_seed = (seed + i*n + j) mod 2**31`` (:func:`request_seed`).
+        With ``config.return_routed_experts`` the requests go to the servers directly, even with a
+        router: the routers drop ``return_routed_experts`` from the bodies they forward.
         A request that still fails after its retries is sent to another server in rotation (the
         failed one leaves it); one that fails on every server (or through the router on every
         attempt), or is refused (4xx), becomes a rejected sample: its group is dropped, bounded by
@@ -198,7 +208,9 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 index = i * n + j
-                seed = params.seed + index if params.seed is not None and self.config.sampling_seeds else None
+                seed = (
+                    request_seed(params.seed, index) if params.seed is not None and self.config.sampling_seeds else None
+                )
                 sampling = sglang_sampling_params(params, seed)
                 tasks.append(asyncio.ensure_future(self._generate_one(index, prompt, sampling, limit, given_up)))
         try:
@@ -258,16 +270,16 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         :class:`ServersLostError` below ``min_healthy``, ``RolloutError`` when every attempt
         failed; a 4xx answer is not retried (:class:`SGLangHTTPError`).
         """
-        pool, last_error = self._http.pool, None
+        pool, last_error, router = self._http.pool, None, self.generation_router
         for _ in range(len(pool.urls) + 1):
-            url = self.config.router_url or pool.pick(index)
+            url = router or pool.pick(index)
             try:
                 return url, await self._http.request("POST", url + "/generate", payload, before_retry=before_retry)
             except SGLangHTTPError:
                 raise
             except RolloutError as err:
                 await before_retry()
-                if self.config.router_url is None:
+                if router is None:
                     try:
                         pool.take_out(url, str(err))
                     except ServersLostError:
@@ -280,6 +292,12 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
                         pool.take_out(server, f"unhealthy after {err}")
                 last_error = err
         raise RolloutError(f"request {index} failed through the router on every attempt: {last_error}")
+
+    @property
+    def generation_router(self) -> Optional[str]:
+        """The router /generate requests go through, or None (round robin over the servers): None with
+        ``return_routed_experts``, which sglang-router 0.2.0 and 0.3.2 drop from the bodies they rebuild."""
+        return None if self.config.return_routed_experts else self.config.router_url
 
     async def _resync_returning_servers(self) -> bool:
         """Below ``min_healthy`` mid-rollout: lost servers that are healthy again are re-synced to the
@@ -308,7 +326,8 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
     def wait_until_healthy(
         self, timeout_s: Optional[float] = None, poll_s: float = 2.0, is_alive: Optional[Callable[[], bool]] = None
     ) -> None:
-        """Block until every server (and the router) answers ``/health_generate`` with 200.
+        """Block until every server answers ``/health_generate`` and the router ``/readiness`` with 200
+        (sglang-router 0.2.0 answers its own ``/health_generate`` with 503, whatever its workers).
 
         ``is_alive`` (e.g. "the launched processes still run") is checked between polls; raises
         ``RolloutError`` when it turns False or after ``timeout_s`` (default: the config's
@@ -316,7 +335,7 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         """
         self._check_open()
         timeout_s = self.config.startup_timeout_s if timeout_s is None else timeout_s
-        urls = list(self.config.server_urls) + ([self.config.router_url] if self.config.router_url else [])
+        urls = list(self.config.server_urls) + ([self.config.router_url] if self.generation_router else [])
         deadline = time.monotonic() + timeout_s
         waiting = urls
         while True:
@@ -331,10 +350,9 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
 
     async def _health(self, urls: Sequence[str]) -> List[bool]:
         async def healthy(url):
+            path = ROUTER_READY_PATH if url == self.config.router_url else "/health_generate"
             try:
-                await self._http.request_once(
-                    "GET", url + "/health_generate", None, timeout=self.config.connect_timeout_s
-                )
+                await self._http.request_once("GET", url + path, None, timeout=self.config.connect_timeout_s)
                 return True
             except (RolloutError,) + RETRYABLE:
                 return False
@@ -436,6 +454,19 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         self._check_open()
         self._bring_back_returning_servers()
         return self._weights.push_part(self._quantized(named_hf_tensors), version, file_prefix)
+
+    def rotation_for_push(self) -> List[str]:
+        """The servers a push by shares goes to: those in rotation, after the lost ones that answer their
+        health check again rejoined (the push re-syncs them). Rank 0 hands it to every share's lead."""
+        self._check_open()
+        self._bring_back_returning_servers()
+        return self._http.pool.in_rotation()
+
+    def follow_rotation(self, rotation: Sequence[str]) -> None:
+        """Push to exactly ``rotation`` (rank 0's :meth:`rotation_for_push`): a share's lead never pushes
+        to a server rank 0 took out, and includes the ones it brought back."""
+        self._check_open()
+        self._http.pool.follow(rotation, "out of rank 0's rotation")
 
     def commit_weights(self, version: int, weight_maps: Sequence[Optional[Dict[str, str]]] = ()) -> None:
         """Serve ``version`` once every share is pushed ("disk": index the shares' files and reload;

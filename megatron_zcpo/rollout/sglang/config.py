@@ -41,7 +41,15 @@ class SGLangEngineConfig:
     1,800 s; the launchers start the router with this value): it must exceed ``request_timeout_s``,
     so the client, which aborts and retries, gives up on a request first.
     ``return_routed_experts``: ask each /generate for the experts every token was routed to
-    (mixture-of-experts routing replay; SGLang >= 0.5.7 launched with ``--enable-return-routed-experts``).
+    (mixture-of-experts routing replay; SGLang >= 0.5.7 launched with ``--enable-return-routed-experts``):
+    those requests go to the servers directly, never through ``router_url`` (sglang-router 0.2.0 and
+    0.3.2 drop the field from the bodies they forward).
+    ``keep_weight_update_groups``: keep the weight-update group (an NCCL communicator on every
+    server GPU, outside SGLang's static pool) between pushes; false: leave it after every push and
+    form it again at the next (a rendezvous per push; under pipeline / expert parallelism each
+    share's group, so a server GPU holds one at a time instead of one per share; every SGLang
+    release has ``/destroy_weights_update_group``). The launchers count what the groups hold
+    (:func:`~megatron_zcpo.rollout.sglang.server.weight_update_reserve_bytes`).
     Server loss: a server whose request fails its retries leaves the rotation (see
     :class:`~megatron_zcpo.rollout.sglang.server_pool.ServerPool`) and its requests go to the others; with
     a router, a failed request has the servers health-checked instead. Below ``min_healthy``
@@ -85,6 +93,7 @@ class SGLangEngineConfig:
     api_key: Optional[str] = None
     router_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
     return_routed_experts: bool = False
+    keep_weight_update_groups: bool = True
 
     def __post_init__(self) -> None:
         if self.api_key is None:

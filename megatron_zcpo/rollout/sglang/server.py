@@ -12,6 +12,7 @@ What must agree with the client is filled in from its config by :func:`server_co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import signal
@@ -30,6 +31,13 @@ from megatron_zcpo.rollout.sglang.api import (
 )
 from megatron_zcpo.utils.network import is_loopback, resolve
 from megatron_zcpo.utils.slurm import expand_slurm_nodelist
+
+# Device memory of one NCCL communicator on each of its ranks, an upper estimate at NCCL's defaults on
+# H100 (a broadcast runs on rings: up to 32 channels x the receive buffers of its three protocols,
+# SIMPLE 4 MiB + LL128 ~4.6 MiB + LL 0.25 MiB = ~283 MiB). Measure it with nvidia-smi before and after
+# /init_weights_update_group on your cluster and set rollout.sglang.launch.communicator_mib.
+NCCL_COMMUNICATOR_MIB = 288.0
+MIN_MEM_FRACTION_STATIC = 0.3  # below it the launch refuses: the pushes' memory leaves SGLang too little
 
 
 @dataclass
@@ -57,6 +65,9 @@ class SGLangServerConfig:
     the server releases and resumes its weights, KV cache and CUDA graphs on request; its processes
     then run without ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` (the memory saver's
     virtual-memory mapping and CUDA IPC of its tensors break with it).
+    ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
+    :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
+    ``mem_fraction_static`` for the weight pushes.
     """
 
     model_path: str
@@ -87,6 +98,8 @@ class SGLangServerConfig:
     enable_deterministic_inference: bool = False
     attention_backend: Optional[str] = None
     enable_memory_saver: bool = False
+    gpu_memory_gib: float = 80.0
+    communicator_mib: float = NCCL_COMMUNICATOR_MIB
 
     def validate(self, prefix: str = "rollout.servers") -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -114,21 +127,55 @@ class SGLangServerConfig:
             )
 
 
+def weight_update_groups(pipeline: int, expert: int, client) -> int:
+    """How many weight-update groups (NCCL communicators) every SGLang GPU holds at once: one per share
+    under pipeline or expert parallelism (each share's lead has its own; ``pipeline`` x ``expert``
+    shares), kept between pushes unless ``client.keep_weight_update_groups`` is false (then one at a
+    time, during its share's push); none with the disk transport (``client``: an SGLangEngineConfig)."""
+    if client.weight_sync != "distributed":
+        return 0
+    return int(pipeline) * int(expert) if client.keep_weight_update_groups else 1
+
+
+def weight_update_reserve_bytes(groups: int, bucket_bytes: int, communicator_mib: float = NCCL_COMMUNICATOR_MIB) -> int:
+    """Device memory an SGLang GPU holds for weight pushes outside its static pool: the received
+    bucket (``bucket_bytes``) and ``groups`` communicators (:func:`weight_update_groups`)."""
+    return (bucket_bytes if groups else 0) + int(groups * communicator_mib * 2**20)
+
+
 def server_config_for_run(
-    launch: Mapping[str, Any], client, max_prompt_length: int, max_new_tokens: int
+    launch: Mapping[str, Any], client, max_prompt_length: int, max_new_tokens: int, weight_groups: int = 1
 ) -> SGLangServerConfig:
     """The launcher config of ``launch`` (``rollout.sglang.launch``) with what must agree with the
     client (``client``, its SGLangEngineConfig) and the run's lengths filled in where ``launch``
     leaves it: ``--context-length`` that serves ``max_prompt_length + max_new_tokens`` in full,
     the router's ``--request-timeout-secs`` from ``client.router_timeout_s``, deterministic
-    inference when ``client.sampling_seeds`` and the client's API key."""
+    inference when ``client.sampling_seeds`` and the client's API key. ``--mem-fraction-static``
+    gives up what the weight pushes hold outside SGLang's static pool (:func:`weight_update_reserve_bytes`
+    of ``weight_groups`` groups, see :func:`weight_update_groups`, on GPUs of ``gpu_memory_gib``), so
+    SGLang keeps the memory it plans for its activations (its static pool, model weights included,
+    shrinks instead: the planner's decode rate sees the lowered fraction)."""
     derived = {
         "context_length": required_context_length(max_prompt_length, max_new_tokens),
         "router_request_timeout_s": client.router_timeout_s,
         "enable_deterministic_inference": bool(client.sampling_seeds),
         "api_key": client.api_key,
     }
-    return SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
+    config = SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
+    groups = weight_groups if client.weight_sync == "distributed" else 0
+    reserve = weight_update_reserve_bytes(groups, client.bucket_bytes, config.communicator_mib)
+    fraction = config.mem_fraction_static - reserve / (config.gpu_memory_gib * 2**30)
+    if fraction < MIN_MEM_FRACTION_STATIC:
+        raise ValueError(
+            f"the weight pushes hold {reserve / 2**30:.1f} GiB of every SGLang GPU outside its static pool "
+            f"({groups} weight-update groups x {config.communicator_mib:.0f} MiB + a "
+            f"rollout.sglang.client.bucket_bytes = {client.bucket_bytes / 2**30:.2f} GiB bucket), leaving "
+            f"rollout.sglang.launch.mem_fraction_static {config.mem_fraction_static} - "
+            f"{reserve / 2**30:.1f} / {config.gpu_memory_gib:.0f} GiB = {fraction:.2f} < {MIN_MEM_FRACTION_STATIC}: "
+            f"set rollout.sglang.client.keep_weight_update_groups=false (one group at a time), lower "
+            f"bucket_bytes, or use rollout.sglang.client.weight_sync=disk"
+        )
+    return dataclasses.replace(config, mem_fraction_static=round(fraction, 4))
 
 
 def without_expandable_segments(env: Mapping[str, str]) -> Dict[str, str]:

@@ -4,19 +4,24 @@ What each server was launched with decides whether the run works: a key it does 
 (401), a context length that refuses the longest prompt (400 on the first long prompt), per-request
 seeds it ignores (no deterministic inference), a weight load format it lacks (the push hangs).
 :func:`check_servers` reads every server's ``/get_server_info`` (and the router's
-``/list_workers``, both behind the key) once before anything long starts and names every problem
+``/workers``, both behind the key) once before anything long starts and names every problem
 with the config key or launch flag that fixes it. Behaviour of the pinned release:
 :mod:`megatron_zcpo.rollout.sglang.api`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
     FLATTENED_BUCKETS_SINCE,
+    NEWEST_CHECKED_RELEASE,
+    PINNED_RELEASE,
+    ROUTED_EXPERTS_RELEASE,
+    ROUTER_KEY_CHECK_PATH,
     SERVER_INFO_PATHS,
     release_at_least,
     required_context_length,
@@ -26,6 +31,7 @@ from megatron_zcpo.rollout.sglang.config import API_KEY_ENV
 from megatron_zcpo.rollout.sglang.http import SGLangHTTPError
 
 KEY = "rollout.sglang.client"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,25 @@ def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_
             f"server ignores it and waits for tensors one by one, so the push hangs; set "
             f"{KEY}.flattened_buckets=false"
         )
+    if config.return_routed_experts and not release_at_least(facts.version, ROUTED_EXPERTS_RELEASE):
+        problems.append(
+            f"{KEY}.return_routed_experts is true (train.routing_replay=rollout) but {facts.url} runs SGLang "
+            f"{facts.version!r}, which returns routed experts from {ROUTED_EXPERTS_RELEASE} on (launched with "
+            f"--enable-return-routed-experts); use a newer SGLang (docs/SGLANG.md) or another train.routing_replay"
+        )
     return problems
+
+
+def untested_version(facts: ServerFacts) -> Optional[str]:
+    """A warning when the server's SGLang release is outside the tested range (docs/SGLANG.md), else None."""
+    if release_at_least(facts.version, PINNED_RELEASE) and not release_at_least(
+        facts.version, NEWEST_CHECKED_RELEASE + ".post9999"
+    ):
+        return None
+    return (
+        f"{facts.url} runs SGLang {facts.version!r}, outside the tested range {PINNED_RELEASE} .. "
+        f"{NEWEST_CHECKED_RELEASE} (docs/SGLANG.md): its protocol is assumed to be the nearest tested release's"
+    )
 
 
 async def gather_facts(http, urls: List[str], router_url: Optional[str]) -> List[ServerFacts]:
@@ -114,12 +138,8 @@ async def gather_facts(http, urls: List[str], router_url: Optional[str]) -> List
     answers = await asyncio.gather(*(facts(url) for url in urls), return_exceptions=True)
     if router_url:
 
-        async def router_key():
-            try:  # sglang-router guards /list_workers with its key; another front end may lack the route
-                await http.request("GET", router_url + "/list_workers", retry=False)
-            except SGLangHTTPError as error:
-                if error.status != 404:
-                    raise
+        async def router_key():  # sglang-router 0.2.0 and 0.3.2 guard GET /workers with their key
+            await http.request("GET", router_url + ROUTER_KEY_CHECK_PATH, retry=False)
 
         answers.append((await asyncio.gather(router_key(), return_exceptions=True))[0])
         urls = [*urls, router_url]
@@ -139,6 +159,8 @@ def check_servers(http, config, max_prompt_length: int, max_new_tokens: int) -> 
     run: the key, then each server's context length, seeds and load format. Returns their facts;
     raises ``RolloutError`` listing every problem, each naming the key or launch flag that fixes it."""
     facts = http.run(gather_facts(http, list(config.server_urls), config.router_url))
+    for warning in filter(None, map(untested_version, facts)):
+        logger.warning(warning)
     problems = [
         problem for fact in facts for problem in server_problems(fact, config, max_prompt_length, max_new_tokens)
     ]

@@ -58,6 +58,10 @@ class ServerPool:
         if self.lost.pop(url, None) is not None:
             logger.warning("SGLang server %s is back in rotation", url)
 
+    def follow(self, rotation: Sequence[str], reason: str) -> None:
+        """Make exactly ``rotation`` (another client's) the servers in rotation; the others leave it for ``reason``."""
+        self.lost = {url: self.lost.get(url, reason) for url in self.urls if url not in rotation}
+
     def check(self) -> None:
         """Raise :class:`ServersLostError` naming the lost servers when fewer than ``min_healthy`` remain."""
         remaining = len(self.in_rotation())

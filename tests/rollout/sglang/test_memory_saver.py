@@ -202,3 +202,15 @@ def test_an_engine_without_memory_saver_cannot_be_colocated():
         assert server.memory.released == set()
         with pytest.raises(MemoryPhaseError, match="--enable-memory-saver"):
             release_for_training(engine)
+
+
+@pytest.mark.parametrize("release", ["0.5.3.post3", "0.5.23"])
+def test_the_tensor_push_opens_a_weight_update_session_where_the_release_needs_one(release):
+    with MockSGLangServer(ScriptedEngine(), memory_saver=True, release=release) as server, _engine(server) as engine:
+        assert _post(server, "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}) == 400 or (
+            release == "0.5.3.post3"
+        )
+        engine.update_weights(iter(TENSORS), 1)
+        sessions = [path for kind, path, _ in server.weight_updates if kind == "session"]
+        assert sessions == ([] if release == "0.5.3.post3" else ["/begin_weight_update", "/end_weight_update"])
+        assert not server.session_open and server.backend.version == 1

@@ -184,3 +184,57 @@ def test_last_server_lost_mid_rollout_a_returned_one_is_resynced_from_disk_at_on
         assert list(engine._http.pool.lost) == [b.url] and restarted.backend.version == 1
         assert {c.weight_version for group in groups for c in group} == {1}
     restarted.stop()
+
+
+def test_shares_follow_rank_0s_rotation_and_healthy_servers_rejoin_it():
+    """Under PP/EP each share's lead has its own client: it pushes to rank 0's rotation (without the
+    servers rank 0 took out), and rank 0 brings healthy lost servers back before a push by shares."""
+    with MockSGLangServer(ScriptedEngine()) as first, MockSGLangServer(ScriptedEngine()) as second:
+        urls = [first.url, second.url]
+        with (
+            SGLangEngine(_config(first.url, server_urls=urls)) as rank0,
+            SGLangEngine(_config(first.url, server_urls=urls)) as lead,
+        ):
+            rank0._http.pool.take_out(second.url, "its /generate failed its retries")
+            second.faults["/health_generate"] = ["503"]  # still down at the first push
+            lead.follow_rotation(rank0.rotation_for_push())
+            assert lead._http.pool.in_rotation() == [first.url] and second.url in lead._http.pool.lost
+            lead.follow_rotation(rank0.rotation_for_push())  # healthy again: back for the next push
+            assert rank0._http.pool.in_rotation() == lead._http.pool.in_rotation() == urls
+
+
+def _refused_bucket(rank, world, ports):
+    """Rank 0 pushes to two servers; the one on rank 2 refuses the first bucket (503) and never joins
+    its broadcast. Rank 1's server joined it: returns how long its update waited."""
+    import torch
+
+    from megatron_zcpo.rollout.sglang.client import SGLangEngineConfig
+
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    if rank == 0:
+        config = SGLangEngineConfig(server_urls=urls, group_backend="gloo", group_timeout_s=600, max_retries=0)
+        with SGLangEngine(config) as engine:
+            engine.wait_until_healthy(timeout_s=60, poll_s=0.1)
+            with pytest.raises(RolloutError, match="refused"):
+                engine.update_weights([("w", torch.ones(4, 4))], version=1)
+        return None
+    faults = {"/update_weights_from_distributed": ["503"]} if rank == 2 else {}
+    with MockSGLangServer(ScriptedEngine(), port=ports[rank - 1], faults=faults) as server:
+        deadline = time.monotonic() + 300
+        while ("/destroy_weights_update_group", "ok") not in server.events and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = [time.monotonic() for kind, path, _ in server.weight_updates if kind == "start"]
+        return {"events": list(server.events), "ended": time.monotonic() < deadline, "started": len(started)}
+
+
+def test_a_refused_bucket_releases_the_servers_that_joined_its_broadcast():
+    """The trainer leaves the broadcast's group at once: the server that joined it stops waiting (its
+    update fails) and drops the group, instead of waiting in the broadcast until its group timeout
+    (torch's default 30 min in SGLang; the run used to hang there)."""
+    from megatron_zcpo.testing import run_distributed
+    from megatron_zcpo.utils.runtime import free_port
+
+    _, joined, refusing = run_distributed(_refused_bucket, 3, [free_port(), free_port()], timeout=240)
+    assert joined["ended"] and refusing["ended"]
+    assert ("/update_weights_from_distributed", "503") in refusing["events"]
+    assert ("/destroy_weights_update_group", "ok") in joined["events"]

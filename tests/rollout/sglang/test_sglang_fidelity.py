@@ -187,7 +187,8 @@ def test_router_cuts_requests_at_its_timeout_and_retries_them_without_abort():
         MockSGLangRouter([slow.url], request_timeout_secs=0.2, api_key="k", max_attempts=2) as router,
     ):
         assert _post(router.url + "/generate", {"input_ids": [1]})[0] == 401
-        assert _http("GET", router.url + "/health_generate", None)[0] == 200  # a public route
+        assert _http("GET", router.url + "/readiness", None)[0] == 200  # a public route
+        assert _http("GET", router.url + "/health_generate", None)[0] == 503  # 0.2.0's own answer, always
         status, payload = _post(router.url + "/generate", {"input_ids": [1]}, key="k")
         assert status == 500 and b"Request failed" in payload
         assert router.events[-1] == ("/generate", "500 after 2 attempts")

@@ -6,12 +6,17 @@ The trainer joins, as rank 0, a process group with every server's TP ranks
 the new version; :meth:`DistributedWeightUpdate.close` destroys the group on both sides. Under
 pipeline parallelism every stage's lead has its own group and pushes its share with
 :meth:`DistributedWeightUpdate.push_part`, its last bucket carrying the new version (generation
-never runs during a push, so no request sees a server between two stages' shares).
+never runs during a push, so no request sees a server between two stages' shares). Servers of
+SGLang 0.5.21 or newer (the version each reports in ``/get_server_info``) take the buckets only
+inside a weight-update session: every push (and every share) opens one with
+``/begin_weight_update`` and closes it with ``/end_weight_update`` (which also finalises quantised
+weights) on those servers; older ones get neither request (they have no such endpoints).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import threading
 import time
@@ -22,6 +27,7 @@ import torch
 from megatron_zcpo.megatron.weights import bucket_tensors, flatten_tensors
 from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import SERVER_INFO_PATHS
+from megatron_zcpo.rollout.sglang.update_weight.session import session_members, weight_update_session
 from megatron_zcpo.rollout.weight_sync import dtype_name, init_custom_process_group, start_broadcast
 from megatron_zcpo.utils.network import master_address_for
 from megatron_zcpo.utils.runtime import free_port
@@ -37,14 +43,23 @@ class DistributedWeightUpdate:
         self._group = None
         self.pushed = {"bytes": 0, "tensors": 0, "buckets": 0}  # totals over this transport's pushes
         self._members: List[str] = []  # the servers in the group, in rank order
+        self._session_members: List[str] = []  # those that need a weight-update session (SGLang >= 0.5.21)
 
     def push(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast ``stream`` (HF name, tensor) in buckets of ``bucket_bytes``; the servers serve ``version`` after."""
         self._broadcast(stream, version)
+        self._leave_unless_kept()
 
     def push_part(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int, file_prefix: str) -> None:
         """Broadcast one stage's share; its last bucket carries ``version``."""
         self._broadcast(stream, version)
+        self._leave_unless_kept()
+
+    def _leave_unless_kept(self) -> None:
+        """Leave the group after a push unless ``keep_weight_update_groups``: its communicator then
+        holds no server GPU memory between pushes."""
+        if not self.config.keep_weight_update_groups:
+            self.close()
 
     def commit(self, version: int, weight_maps: Sequence[Optional[dict]] = ()) -> None:
         """Nothing left to do: every share's last bucket carried ``version``."""
@@ -59,6 +74,11 @@ class DistributedWeightUpdate:
             self.close()
         if self._group is None:
             self._join_group()
+        with weight_update_session(self.http, self._session_members, self.config.update_timeout_s):
+            self._send_buckets(stream, version)
+
+    def _send_buckets(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast ``stream`` in buckets through the joined group; the last carries ``version``."""
         buckets = bucket_tensors(stream, self.config.bucket_bytes)
         bucket = next(buckets, None)
         if bucket is None:
@@ -110,17 +130,44 @@ class DistributedWeightUpdate:
     def _wait_alongside(self, works, answer: concurrent.futures.Future, what: str) -> None:
         """Wait for collective ``works`` while the servers' HTTP ``answer`` is pending.
 
-        A server that refuses the request never joins the collective: raise at once (the group is
-        then unusable and dropped) instead of blocking until the group's timeout.
+        A server that refuses the request never joins the collective: raise at once instead of
+        blocking until the group's timeout, and abandon the group (:meth:`_abandon_group`) so that
+        the servers that joined stop waiting too.
         """
         while not all(work.is_completed() for work in works):
             if answer.done() and answer.exception() is not None:
-                self._group = None
-                raise RolloutError(f"weight update of {what} refused: {answer.exception()}") from answer.exception()
+                break
             time.sleep(0.001)
-        for work in works:
-            work.wait()
-        answer.result()
+        else:
+            for work in works:
+                work.wait()
+            if answer.exception() is None:
+                return
+        error = answer.exception()
+        self._abandon_group(answer)
+        raise RolloutError(f"weight update of {what} refused: {error}") from error
+
+    def _abandon_group(self, answer: concurrent.futures.Future) -> None:
+        """Leave a group whose collective cannot complete. Closing this end makes the members that
+        joined it fail their receive at once (gloo; NCCL over network transports) instead of waiting
+        in it for their own group timeout (torch's default, 30 min, in SGLang); once their answers
+        are in (``answer``), they drop the group too (best effort), and the next push forms a new one."""
+        import torch.distributed as dist
+
+        group, self._group, self._members = self._group, None, []
+        dist.destroy_process_group(group)
+        with contextlib.suppress(Exception):
+            answer.exception(timeout=self.config.update_timeout_s)
+        with contextlib.suppress(RolloutError):
+            self.http.run(
+                self.http.on_servers_in_rotation(
+                    "POST",
+                    "/destroy_weights_update_group",
+                    {"group_name": self.config.group_name},
+                    retry=False,
+                    timeout=30.0,
+                )
+            )
 
     def _join_group(self) -> None:
         """Create the weight-update group: the servers join over HTTP while this process joins as rank 0."""
@@ -181,6 +228,7 @@ class DistributedWeightUpdate:
             raise RolloutError(f"joining the weight-update group at {address}:{port} failed: {joined['error']!r}")
         answer.result()
         self._group, self._members = joined["group"], members
+        self._session_members = session_members(members, infos)
 
     def close(self) -> None:
         """Leave the weight-update group on the servers still in rotation and here (a no-op when never joined).

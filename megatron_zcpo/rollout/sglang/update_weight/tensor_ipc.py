@@ -27,6 +27,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_zcpo.rollout.engine import RolloutError
+from megatron_zcpo.rollout.sglang.update_weight.session import session_members, weight_update_session
 from megatron_zcpo.utils.devices import compute_device, has_cuda
 
 
@@ -104,6 +105,7 @@ class TensorIPCWeightUpdate:
         self.http, self.config = http, config
         self.pushed = {"bytes": 0, "tensors": 0, "buckets": 0}
         self.tp_sizes: Optional[Dict[str, int]] = None
+        self.session_members: List[str] = []  # servers that need a weight-update session (SGLang >= 0.5.21)
         self.device = compute_device()
 
     def _server_tp_sizes(self) -> Dict[str, int]:
@@ -113,6 +115,7 @@ class TensorIPCWeightUpdate:
             urls = self.http.pool.in_rotation()
             infos = self.http.run(self.http.get_from_all_servers(SERVER_INFO_PATHS))
             self.tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in zip(urls, infos)}
+            self.session_members = session_members(urls, infos)
         return self.tp_sizes
 
     def push(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
@@ -120,6 +123,11 @@ class TensorIPCWeightUpdate:
         if has_cuda():
             _device_uuid_handles()
         tp_sizes = self._server_tp_sizes()
+        with weight_update_session(self.http, self.session_members, self.config.update_timeout_s):
+            self._push_buckets(stream, tp_sizes, version)
+
+    def _push_buckets(self, stream: Iterable[Tuple[str, torch.Tensor]], tp_sizes: Dict[str, int], version: int) -> None:
+        """Flatten, post and free the buckets one by one; the last bucket carries ``version``."""
         buckets = flattened_buckets(stream, self.config.bucket_bytes, self.device)
         bucket = next(buckets, None)
         while bucket is not None:
