@@ -114,7 +114,7 @@ class Layout:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
 
     def stage_layers(self, model: ModelConfig) -> List[int]:
-        """Transformer layers of each pipeline stage (ValueError naming the key when they do not split)."""
+        """Transformer layers of each pipeline stage (ValueError when they do not split: :meth:`validate`)."""
         return pipeline_stage_layers(
             model.num_layers, self.pipeline_parallel, self.first_stage_layers, self.last_stage_layers
         )
@@ -166,12 +166,14 @@ class Layout:
                     f"{prefix}.pipeline_parallel >= 2, got {self.pipeline_parallel}"
                 )
             chunks *= self.virtual_pipeline
-        if self.uneven:
-            uneven = [layers for layers in self.stage_layers(model) if layers % (self.virtual_pipeline or 1)]
-            if uneven:
+        if self.uneven or self.virtual_pipeline is None:
+            keys = (f"{prefix}.pipeline_parallel", f"{prefix}.first_stage_layers", f"{prefix}.last_stage_layers")
+            layers = pipeline_stage_layers(
+                model.num_layers, self.pipeline_parallel, self.first_stage_layers, self.last_stage_layers, keys
+            )
+            if any(count % (self.virtual_pipeline or 1) for count in layers):
                 raise ValueError(
-                    f"{prefix}.virtual_pipeline={self.virtual_pipeline} must divide every stage's layers "
-                    f"{self.stage_layers(model)}"
+                    f"{prefix}.virtual_pipeline={self.virtual_pipeline} must divide every stage's layers {layers}"
                 )
         elif model.num_layers % chunks:
             raise ValueError(

@@ -38,9 +38,8 @@ def _reference_weights(rank, world, model_config):
     return gather_full_state_dict(model)
 
 
-def _train_one_step(rank, world, tp, pp, model_config, weights, distributed_optimizer, **stage_layers):
-    """Load ``weights``, run one forward/backward over the global batch and one Adam step
-    (``stage_layers``: uneven pipeline stages, transformer_config's keywords).
+def _train_one_step(rank, world, tp, pp, model_config, weights, distributed_optimizer):
+    """Load ``weights``, run one forward/backward over the global batch and one Adam step.
 
     Adam's first step is lr * g / (|g| + eps): with eps=1e-6 a rounding-level difference in a
     near-zero gradient moves a parameter by at most ~lr * 1e-9 / eps, well inside the tolerance.
@@ -55,9 +54,7 @@ def _train_one_step(rank, world, tp, pp, model_config, weights, distributed_opti
     from megatron_zcpo.megatron.weights import gather_full_state_dict, load_global_state_dict
 
     layout = setup_megatron(tensor_parallel=tp, pipeline_parallel=pp, seed=5)
-    config = transformer_config(
-        model_config, tensor_parallel=tp, pipeline_parallel=pp, calculate_per_token_loss=True, **stage_layers
-    )
+    config = transformer_config(model_config, tensor_parallel=tp, pipeline_parallel=pp, calculate_per_token_loss=True)
     model = build_gpt_model(model_config, config)
     load_global_state_dict(model, weights)
     ddp = DistributedDataParallel(

@@ -1,5 +1,6 @@
 """Uneven pipeline stages (megatron-core's num_layers_in_first_pipeline_stage): a 5-layer model at PP2 as
-3 + 2 layers trains like one process, streams its weights whole, and converts both ways bit-exact."""
+3 + 2 layers holds 3 and 2 layers, streams its weights whole under their global names, computes one
+process's logits and converts both ways bit-exact (the trainer's step: tests/training/test_trainer_uneven_stages.py)."""
 
 import dataclasses
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 from megatron_zcpo.megatron.model import pipeline_stage_layers
 from megatron_zcpo.testing import run_distributed
 from tests.convert.test_convert import _assert_same_hf_checkpoint, _hf_logits, _make_hf_model, _tokens
-from tests.megatron.test_parallel import MODEL, _reference_weights, _train_one_step
+from tests.megatron.test_parallel import MODEL, _reference_weights
 
 FIVE_LAYERS = dataclasses.replace(MODEL, num_layers=5)
 FIRST_STAGE = 3  # PP2 as 3 + 2 layers
@@ -43,22 +44,24 @@ def _convert_at_pp1(rank, world, hf_dir, ckpt_dir):
 
 
 def _uneven_rank(rank, world, model_config, weights, ckpt_dir, resaved_dir):
-    """At PP2 with 3 + 2 layers: one training step (test_parallel's), the weight stream to rank 0, the
-    converted checkpoint's logits and its re-save by megatron-core's writer."""
+    """At PP2 with 3 + 2 layers: the weight stream to rank 0, the converted checkpoint's logits and its
+    re-save by megatron-core's writer."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config, write_model_config
     from megatron_zcpo.convert.verify import megatron_logits
+    from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
     from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0, load_global_state_dict
 
-    trained = _train_one_step(rank, world, 1, 2, model_config, weights, False, first_stage_layers=FIRST_STAGE)
+    setup_megatron(pipeline_parallel=2)
     gpt = build_gpt_model(
         model_config, transformer_config(model_config, pipeline_parallel=2, first_stage_layers=FIRST_STAGE)
     )
     load_global_state_dict(gpt, weights)
     streamed = {name: tensor.clone() for name, tensor in iter_model_tensors_to_rank0(gpt)}
+    layers = len(gpt.decoder.layers)
     converted = read_model_config(ckpt_dir)
     gpt = build_gpt_model(converted, transformer_config(converted, pipeline_parallel=2, first_stage_layers=FIRST_STAGE))
     load_model_checkpoint(gpt, ckpt_dir)
@@ -69,8 +72,7 @@ def _uneven_rank(rank, world, model_config, weights, ckpt_dir, resaved_dir):
     torch.distributed.barrier()
     dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(resaved_dir))
     return {
-        **trained,
-        "layers": len(gpt.decoder.layers),
+        "layers": layers,
         "streamed": streamed,
         "logits": logits if ps.is_pipeline_last_stage() else None,
     }
@@ -84,21 +86,13 @@ def _convert_back(rank, world, ckpt_dir, hf_dir, hf_files):
     convert_megatron_to_hf(ckpt_dir, hf_dir, max_shard_bytes=40_000, hf_files=hf_files)
 
 
-def test_pp2_with_3_plus_2_layers_trains_streams_and_converts_like_pp1(tmp_path):
+def test_pp2_with_3_plus_2_layers_streams_and_converts_like_pp1(tmp_path):
     hf_dir, ckpt_dir, resaved = tmp_path / "hf", tmp_path / "megatron", tmp_path / "resaved_pp2_uneven"
     _make_hf_model(hf_dir, "qwen2", HF_FIVE_LAYERS, torch.float32, seed=0)
     weights = run_distributed(_reference_weights, 1, FIVE_LAYERS)[0]
-    single = run_distributed(_train_one_step, 1, 1, 1, FIVE_LAYERS, weights, False)[0]
     pp1_logits = run_distributed(_convert_at_pp1, 1, str(hf_dir), str(ckpt_dir))[0]
     results = run_distributed(_uneven_rank, 2, FIVE_LAYERS, weights, str(ckpt_dir), str(resaved))
     assert [result["layers"] for result in results] == [3, 2]  # the stages really are uneven
-    for rank, result in enumerate(results):
-        assert result["loss"] == pytest.approx(single["loss"], abs=1e-5), f"rank {rank} loss"
-        assert result["grad_norm"] == pytest.approx(single["grad_norm"], abs=1e-5), f"rank {rank} grad norm"
-        assert result["params"].keys() == single["params"].keys()
-        for name, value in single["params"].items():
-            torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=0, msg=name)
-    assert max((single["params"][n] - w).abs().max().item() for n, w in weights.items()) > 1e-4
     streamed = results[0]["streamed"]  # every layer once, under its global index, equal to what was loaded
     assert streamed.keys() == weights.keys()
     for name, tensor in streamed.items():
