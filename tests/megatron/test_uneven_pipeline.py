@@ -28,6 +28,16 @@ def test_stage_layers_follow_megatron_core():
         pipeline_stage_layers(94, 8, 10, 10)
 
 
+def test_the_converters_check_uneven_stages_under_their_flags():
+    from megatron_zcpo.convert.checkpoint import check_parallel_layout
+    from megatron_zcpo.convert.presets import preset_model_config
+
+    qwen3_235b = preset_model_config("Qwen3-235B-A22B")
+    with pytest.raises(ValueError, match="--pp=8 does not divide num_layers=94: e.g. --first-stage-layers=11 and"):
+        check_parallel_layout(qwen3_235b, 4, 8, 16, 1)
+    check_parallel_layout(qwen3_235b, 4, 8, 16, 1, first_stage_layers=11, last_stage_layers=11)
+
+
 def _convert_at_pp1(rank, world, hf_dir, ckpt_dir):
     """HF -> Megatron in one process; the converted checkpoint's PP1 logits."""
     from megatron_zcpo.checkpoint.io import load_model_checkpoint
