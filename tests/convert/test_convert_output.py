@@ -106,3 +106,9 @@ def test_converters_refuse_occupied_outputs_replace_them_whole_and_export_a_run(
         config = json.loads((export / "config.json").read_text())
         assert config["num_hidden_layers"] == HF_CASE["num_hidden_layers"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no leftovers
+    # a run directory as model.path (its newest step's weights) brings its run's tokenizer along
+    from megatron_zcpo.recipe.config import build_run_config
+    from megatron_zcpo.recipe.inputs import load_tokenizer
+
+    run = build_run_config({"model": {"path": str(tmp_path / "run")}, "logging": {"run_dir": str(tmp_path / "r2")}})
+    assert load_tokenizer(run).convert_tokens_to_ids("fox") == 4
