@@ -29,7 +29,11 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="Megatron checkpoint directory (with model_config.json)")
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        help="a converted checkpoint (with model_config.json), a training step, a checkpoint or run directory",
+    )
     parser.add_argument("--out", required=True, help="output Hugging Face model directory")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights (default: as stored)")
     parser.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (GiB)")
