@@ -113,3 +113,15 @@ def test_unsure_predictions_warn_with_the_key_and_sure_ones_refuse(tmp_path, cap
     assert [check.key for check in check_timeouts(tiny, TINY, RolloutServers(count=8, tp_size=4)) if not check.ok] == [
         "rollout.sglang.client.request_timeout_s"
     ]
+
+
+def test_at_start_up_a_predicted_duration_warns_and_the_run_starts(model_dir, caplog):
+    """SGLang does not report its GPU type: a 32B model's 4,096-token request, predicted at minutes on
+    an H100, against request_timeout_s=5 is a warning naming the key, not a refusal."""
+    config = _run(model_dir, "http://unset", request_timeout_s=5)
+    config.rollout.max_new_tokens = 4096
+    with MockSGLangServer(ScriptedEngine(), context_length=required_context_length(16, 4096)) as server:
+        config.rollout.sglang.server_urls = [server.url]
+        with caplog.at_level(logging.WARNING, logger="megatron_zcpo.recipe.timeouts"):
+            make_engine(config, QWEN25_32B, None).shutdown()
+    assert "raise rollout.sglang.client.request_timeout_s above" in caplog.text
