@@ -38,19 +38,19 @@ def test_the_converters_check_uneven_stages_under_their_flags():
     check_parallel_layout(qwen3_235b, 4, 8, 16, 1, first_stage_layers=11, last_stage_layers=11)
 
 
-def _convert_at_pp1(rank, world, hf_dir, ckpt_dir):
-    """HF -> Megatron in one process; the converted checkpoint's PP1 logits."""
+def _weights_and_convert_at_pp1(rank, world, hf_dir, ckpt_dir):
+    """In one process: seeded global weights of the 5-layer model (test_parallel's), HF -> Megatron,
+    and the converted checkpoint's PP1 logits."""
     from megatron_zcpo.checkpoint.io import load_model_checkpoint
     from megatron_zcpo.convert.checkpoint import convert_hf_to_megatron
     from megatron_zcpo.convert.verify import megatron_logits
-    from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
 
-    setup_megatron()
+    weights = _reference_weights(rank, world, FIVE_LAYERS)
     model = convert_hf_to_megatron(hf_dir, ckpt_dir)
     gpt = build_gpt_model(model, transformer_config(model))
     load_model_checkpoint(gpt, ckpt_dir)
-    return megatron_logits(gpt, _tokens(model.vocab_size))
+    return weights, megatron_logits(gpt, _tokens(model.vocab_size))
 
 
 def _uneven_rank(rank, world, model_config, weights, ckpt_dir, resaved_dir):
@@ -99,8 +99,7 @@ def _convert_back(rank, world, ckpt_dir, hf_dir, hf_files):
 def test_pp2_with_3_plus_2_layers_streams_and_converts_like_pp1(tmp_path):
     hf_dir, ckpt_dir, resaved = tmp_path / "hf", tmp_path / "megatron", tmp_path / "resaved_pp2_uneven"
     _make_hf_model(hf_dir, "qwen2", HF_FIVE_LAYERS, torch.float32, seed=0)
-    weights = run_distributed(_reference_weights, 1, FIVE_LAYERS)[0]
-    pp1_logits = run_distributed(_convert_at_pp1, 1, str(hf_dir), str(ckpt_dir))[0]
+    weights, pp1_logits = run_distributed(_weights_and_convert_at_pp1, 1, str(hf_dir), str(ckpt_dir))[0]
     results = run_distributed(_uneven_rank, 2, FIVE_LAYERS, weights, str(ckpt_dir), str(resaved))
     assert [result["layers"] for result in results] == [3, 2]  # the stages really are uneven
     streamed = results[0]["streamed"]  # every layer once, under its global index, equal to what was loaded
