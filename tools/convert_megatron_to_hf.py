@@ -1,11 +1,15 @@
 """Convert a Megatron dist checkpoint (converted or trained, any TP/PP/EP) into a Hugging Face model directory.
 
-    python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR [--dtype bfloat16] [--max-shard-gb 2]
-        [--verify [--tp N] [--pp N] [--ep N] [--etp N]]
+    python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR [--overwrite] [--dtype bfloat16]
+        [--max-shard-gb 2] [--hf-files DIR] [--verify [--tp N] [--pp N] [--ep N] [--etp N]]
 
---ckpt is the directory holding the torch_dist files and model_config.json. Streams one tensor at
-a time into sharded safetensors with model.safetensors.index.json, writes config.json and copies
-the tokenizer and generation config stored with the checkpoint. --verify then loads the checkpoint
+--ckpt is a converted checkpoint (the directory holding the torch_dist files and model_config.json),
+a training step (<run_dir>/checkpoints/step_XXXXXXXX or its weights/), a checkpoint directory or a
+run directory (its newest complete step). Streams one tensor at a time into sharded safetensors with
+model.safetensors.index.json, writes config.json and copies the tokenizer and generation config:
+those stored with a converted checkpoint, for a training step those of the run's model.tokenizer /
+model.path (its config.yaml), or of --hf-files. --out is written whole into a fresh directory and
+renamed into place: a non-empty --out is refused unless --overwrite. --verify then loads the checkpoint
 in Megatron at --tp/--pp/--ep/--etp and compares its logits with transformers on the written
 directory (the max abs difference is printed last; exit 1 above --tolerance).
 """
@@ -13,17 +17,33 @@ directory (the max abs difference is printed last; exit 1 above --tolerance).
 import argparse
 import sys
 
-from convert_hf_to_megatron import add_layout_arguments, describe, verify_layout  # tools/ is the script's directory
+from convert_hf_to_megatron import (
+    add_layout_arguments,
+    describe,
+    stage_layers,
+    verify_layout,
+)  # tools/ is the script's directory
 
 DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="Megatron checkpoint directory (with model_config.json)")
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        help="a converted checkpoint (with model_config.json), a training step, a checkpoint or run directory",
+    )
     parser.add_argument("--out", required=True, help="output Hugging Face model directory")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="cast weights (default: as stored)")
     parser.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (GiB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once converted")
+    parser.add_argument(
+        "--hf-files",
+        default=None,
+        help="Hugging Face directory whose config.json and tokenizer files go with the weights "
+        "(default: the checkpoint's hf/, or the training run's model.tokenizer / model.path)",
+    )
     add_layout_arguments(parser)
     return parser.parse_args(argv)
 
@@ -33,19 +53,32 @@ def main(argv=None) -> int:
     import torch
 
     from megatron_zcpo.checkpoint.io import read_model_config
-    from megatron_zcpo.convert.checkpoint import check_parallel_layout, convert_megatron_to_hf
+    from megatron_zcpo.convert.checkpoint import (
+        check_parallel_layout,
+        convert_megatron_to_hf,
+        hf_files_of,
+        require_megatron_checkpoint,
+    )
     from megatron_zcpo.megatron.initialize import setup_megatron
 
-    check_parallel_layout(read_model_config(args.ckpt), args.tp, args.pp, args.ep, args.etp)
+    try:
+        ckpt = require_megatron_checkpoint(args.ckpt)
+    except FileNotFoundError as error:
+        raise SystemExit(f"--ckpt: {error}") from None
+    check_parallel_layout(read_model_config(ckpt), args.tp, args.pp, args.ep, args.etp, **stage_layers(args))
+    hf_files = args.hf_files or hf_files_of(ckpt)
     setup_megatron()
     model = convert_megatron_to_hf(
-        args.ckpt,
+        ckpt,
         args.out,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
         max_shard_bytes=int(args.max_shard_gb * 2**30),
+        overwrite=args.overwrite,
+        hf_files=hf_files,
     )
-    print(f"wrote {args.out}: {describe(model)}", flush=True)
-    return verify_layout(args, args.ckpt, args.out, model) if args.verify else 0
+    tokenizer = f"tokenizer and config from {hf_files}" if hf_files else "no tokenizer files found: pass --hf-files DIR"
+    print(f"wrote {args.out} from {ckpt}: {describe(model)}; {tokenizer}", flush=True)
+    return verify_layout(args, ckpt, args.out, model) if args.verify else 0
 
 
 if __name__ == "__main__":  # dist_checkpointing re-imports __main__ in a spawned process

@@ -139,10 +139,12 @@ def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None
     return rollout_tp, (launch or {}).get("mem_fraction_static", SGLangServerConfig.mem_fraction_static)
 
 
-def decode_rate_of(args, config: RunConfig, model, load, hardware):
+def decode_rate_of(args, config: RunConfig, model, load, hardware, rollout_gpus: int):
     """(generated tokens/s per rollout GPU, a phrase saying where it comes from): the given
-    ``--decode-tokens-per-s``, else the calibrated roofline for ``load``'s mean lengths."""
+    ``--decode-tokens-per-s``, else the calibrated roofline for ``load``'s mean lengths, each server
+    decoding at most the requests in flight on it (``rollout_gpus`` split into servers)."""
     from megatron_zcpo.planning.decode_rate import decode_tokens_per_s_per_gpu
+    from megatron_zcpo.recipe.timeouts import in_flight_per_server
 
     if args.decode_tokens_per_s is not None:
         return args.decode_tokens_per_s, "given (--decode-tokens-per-s)"
@@ -154,6 +156,7 @@ def decode_rate_of(args, config: RunConfig, model, load, hardware):
         rollout_tp,
         mem_fraction=mem_fraction,
         gpu_memory_bytes=hardware.gpu_memory_gib * 2**30,
+        max_batch=in_flight_per_server(config, max(1, rollout_gpus // rollout_tp)),
     )
     return rate, (
         f"modelled for TP{rollout_tp} servers (mem_fraction_static {mem_fraction}) from SGLang's "
@@ -169,7 +172,7 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
 
     layout = plan.layout
     load = step_load_of(config, args.response_fraction, prompt_fraction=0.5)
-    rate, source = decode_rate_of(args, config, model, load, hardware)
+    rate, source = decode_rate_of(args, config, model, load, hardware, args.rollout_gpus or gpus)
     rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
     colocated = config.rollout.placement == "colocated"
     cluster = Cluster(
@@ -210,9 +213,10 @@ def colocated_memory_of(args, config: RunConfig, model, plan):
     return ColocatedMemory(plan=plan, mem_fraction=mem_fraction, bucket_bytes=bucket)
 
 
-def timeout_checks_of(args, config: RunConfig, model, gpus: int, decode_rate: float):
+def timeout_checks_of(args, config: RunConfig, model, gpus: int, hardware):
     """The timeout chain of ``config`` (megatron_zcpo/recipe/timeouts.py) on the planned servers:
-    ``--rollout-gpus`` (default ``gpus``) split into servers of the planned tensor parallelism."""
+    ``--rollout-gpus`` (default ``gpus``) split into servers of the planned tensor parallelism, with
+    ``--decode-tokens-per-s`` when given (else modelled per server)."""
     from megatron_zcpo.recipe.timeouts import RolloutServers, timeout_checks
 
     rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
@@ -220,7 +224,8 @@ def timeout_checks_of(args, config: RunConfig, model, gpus: int, decode_rate: fl
         count=max(1, (args.rollout_gpus or gpus) // rollout_tp),
         tp_size=rollout_tp,
         mem_fraction=mem_fraction,
-        decode_tokens_per_s_per_gpu=decode_rate,
+        decode_tokens_per_s_per_gpu=args.decode_tokens_per_s,
+        gpu_memory_bytes=hardware.gpu_memory_gib * 2**30,
     )
     return timeout_checks(config, model, servers)
 
@@ -282,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_memory(model, layout, workload, hardware)
         timing, decode_rate, decode_source = _step_time(args, config, model, plan, gpus, hardware)
         colocated = colocated_memory_of(args, config, model, plan)
-        timeouts = timeout_checks_of(args, config, model, gpus, decode_rate)
+        timeouts = timeout_checks_of(args, config, model, gpus, hardware)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise SystemExit(f"zcpo plan: {error}") from None
     best = suggest_layout(model, workload, gpus, hardware=hardware, base=layout) if args.gpus else None
@@ -290,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     # The rollout's durations scale with the cluster: without --gpus (or --rollout-gpus) its size is a
     # guess (the fewest GPUs that fit), so a short timeout is reported but does not fail the plan.
     cluster_given = bool(args.gpus or args.rollout_gpus)
-    timeouts_ok = all(check.ok for check in timeouts) or not cluster_given
+    timeouts_ok = not any(check.refused for check in timeouts) or not cluster_given
     memory_ok = plan.verdict != "does not fit" and (colocated is None or colocated.verdict != "does not fit")
     if args.json:
         print(
@@ -304,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
                     "step_time": timing.to_dict(),
                     "decode_tokens_per_s_per_gpu": decode_rate,
                     "decode_source": decode_source,
-                    "timeouts": [{**vars(check), "ok": check.ok} for check in timeouts],
+                    "timeouts": [{**vars(check), "ok": check.ok, "refused": check.refused} for check in timeouts],
                     "timeouts_checked_for_rollout_gpus": args.rollout_gpus or gpus,
                     "cluster_given": cluster_given,
                     "colocated_memory": colocated.to_dict() if colocated else None,

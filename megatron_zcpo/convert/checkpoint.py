@@ -25,7 +25,8 @@ import torch
 
 from megatron_zcpo.checkpoint.io import read_model_config, write_model_config
 from megatron_zcpo.convert import hf_checkpoint, mapping
-from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.convert.output_dir import atomic_output_dir
+from megatron_zcpo.megatron.model import ModelConfig, pipeline_stage_layers
 
 HF_FILES_DIR = "hf"
 
@@ -273,14 +274,61 @@ def _single_piece_target(piece: _StoredPiece, full: torch.Tensor):
 # ----------------------------------------------------------------------------- conversions
 
 
-def megatron_checkpoint_dir(path: str | os.PathLike) -> Optional[Path]:
-    """The model-checkpoint directory at ``path`` (itself, or a training step's ``weights/``), or
-    None when ``path`` is not a Megatron model checkpoint (e.g. a Hugging Face directory)."""
-    from megatron_zcpo.checkpoint.io import MODEL_CONFIG_FILE
+# Where a run keeps its checkpoints (recipe/config.py: checkpoint.dir defaults to <run_dir>/checkpoints)
+# and its resolved config (recipe/training.py writes <run_dir>/config.yaml).
+RUN_CHECKPOINTS_DIR = "checkpoints"
+RUN_CONFIG_FILE = "config.yaml"
 
-    for candidate in (Path(path), Path(path) / "weights"):
+
+def megatron_checkpoint_dir(path: str | os.PathLike) -> Optional[Path]:
+    """The model-checkpoint directory at ``path``: itself, a training step's ``weights/``, or the
+    newest complete step's ``weights/`` of a checkpoint root or of a run directory (its
+    ``checkpoints/``); None when ``path`` is not a Megatron model checkpoint (e.g. a Hugging Face
+    directory)."""
+    from megatron_zcpo.checkpoint.io import MODEL_CONFIG_FILE, find_latest
+
+    path = Path(path)
+    steps = [find_latest(root) for root in (path, path / RUN_CHECKPOINTS_DIR)]
+    for candidate in (path, path / "weights", *(step / "weights" for step in steps if step is not None)):
         if (candidate / MODEL_CONFIG_FILE).is_file():
             return candidate
+    return None
+
+
+def require_megatron_checkpoint(path: str | os.PathLike) -> Path:
+    """:func:`megatron_checkpoint_dir`, or ``FileNotFoundError`` saying what to pass."""
+    found = megatron_checkpoint_dir(path)
+    if found is None:
+        raise FileNotFoundError(
+            f"{path} is not a Megatron checkpoint: pass a converted checkpoint (the directory with "
+            f"model_config.json), a training step (<run_dir>/{RUN_CHECKPOINTS_DIR}/step_XXXXXXXX or its "
+            f"weights/), a checkpoint directory or a run directory (its newest complete step is used)"
+        )
+    return found
+
+
+def hf_files_of(checkpoint: str | os.PathLike) -> Optional[Path]:
+    """The Hugging Face files (config.json, tokenizer) that belong with a Megatron model checkpoint:
+    a converted checkpoint's ``hf/``, else, for a training step's ``weights/``, the tokenizer (or
+    the ``model.path``, its ``hf/`` when converted) of the run that saved it, read from the run
+    directory's config.yaml; None when neither is there."""
+    import yaml
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / HF_FILES_DIR).is_dir():
+        return checkpoint / HF_FILES_DIR
+    run_config = checkpoint.absolute().parent.parent.parent / RUN_CONFIG_FILE  # <run>/checkpoints/step_N/weights
+    if not run_config.is_file():
+        return None
+    model = (yaml.safe_load(run_config.read_text()) or {}).get("model") or {}
+    for key in ("tokenizer", "path"):
+        if model.get(key):
+            source = Path(model[key])
+            source = source / HF_FILES_DIR if (source / HF_FILES_DIR).is_dir() else source
+            if (source / hf_checkpoint.CONFIG_FILE).is_file() or any(
+                (source / name).is_file() for name in hf_checkpoint.ASSET_FILES
+            ):
+                return source
     return None
 
 
@@ -292,14 +340,17 @@ def model_config_at(path: str | os.PathLike) -> ModelConfig:
     return mapping.model_config_from_hf(hf_checkpoint.read_hf_config(path))
 
 
-def convert_hf_to_megatron(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelConfig:
+def convert_hf_to_megatron(
+    hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, overwrite: bool = False
+) -> ModelConfig:
     """Convert a Hugging Face model directory into a Megatron checkpoint loadable at any TP/PP.
 
     Reads config.json and the safetensors shards one tensor at a time, checks every name and
     shape first (meta tensors, no data read, nothing written yet), then writes ``ckpt_dir`` (see
-    the module docstring). Raises naming the offending tensor: ``KeyError`` when one is missing,
-    ``ValueError`` on a shape mismatch or a tensor the mapping does not know. Returns the model
-    config. Writing needs :func:`setup_megatron` in a single process.
+    the module docstring) whole or not at all (:func:`~megatron_zcpo.convert.output_dir.atomic_output_dir`:
+    a non-empty ``ckpt_dir`` is refused unless ``overwrite``). Raises naming the offending tensor:
+    ``KeyError`` when one is missing, ``ValueError`` on a shape mismatch or a tensor the mapping does
+    not know. Returns the model config. Writing needs :func:`setup_megatron` in a single process.
     """
     hf_config = hf_checkpoint.read_hf_config(hf_dir)
     model = mapping.model_config_from_hf(hf_config)
@@ -318,14 +369,15 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLik
             name: mapping.hf_to_megatron_tensor(name, source.meta, model)
             for name in mapping.megatron_tensor_names(model)
         }
-        save_streaming_checkpoint(
-            ckpt_dir,
-            model,
-            global_tensor=lambda name: mapping.hf_to_megatron_tensor(name, source.tensor, model),
-            describe_tensor=planned.__getitem__,
-        )
-    hf_checkpoint.write_hf_config(Path(ckpt_dir) / HF_FILES_DIR, hf_config)
-    hf_checkpoint.copy_hf_assets(hf_dir, Path(ckpt_dir) / HF_FILES_DIR)
+        with atomic_output_dir(ckpt_dir, overwrite=overwrite, source=hf_dir) as out:
+            save_streaming_checkpoint(
+                out,
+                model,
+                global_tensor=lambda name: mapping.hf_to_megatron_tensor(name, source.tensor, model),
+                describe_tensor=planned.__getitem__,
+            )
+            hf_checkpoint.write_hf_config(out / HF_FILES_DIR, hf_config)
+            hf_checkpoint.copy_hf_assets(hf_dir, out / HF_FILES_DIR)
     return model
 
 
@@ -342,18 +394,26 @@ def convert_megatron_to_hf(
     dtype: Optional[torch.dtype] = None,
     max_shard_bytes: int = hf_checkpoint.DEFAULT_MAX_SHARD_BYTES,
     model: Optional[ModelConfig] = None,
+    overwrite: bool = False,
+    hf_files: Optional[str | os.PathLike] = None,
 ) -> ModelConfig:
     """Convert a Megatron checkpoint into a Hugging Face model directory.
 
-    Streams the checkpoint one tensor at a time into sharded safetensors with an index (at
-    most one shard of ``max_shard_bytes`` in memory), cast to ``dtype`` when given (else the
-    stored dtype), and writes config.json from the model config (on top of the original one when
-    the checkpoint carries it) plus the tokenizer and generation files. ``model`` defaults to the
-    checkpoint's ``model_config.json``. Needs :func:`setup_megatron` in a single process.
+    ``ckpt_dir``: a model checkpoint, a training step, a checkpoint root or a run directory
+    (:func:`megatron_checkpoint_dir`). Streams the checkpoint one tensor at a time into sharded
+    safetensors with an index (at most one shard of ``max_shard_bytes`` in memory), cast to
+    ``dtype`` when given (else the stored dtype), and writes config.json from the model config (on
+    top of the original one when known) plus the tokenizer and generation files of ``hf_files``
+    (default :func:`hf_files_of`: the converted checkpoint's ``hf/`` or the training run's model).
+    ``out_dir`` is written whole or not at all (:func:`~megatron_zcpo.convert.output_dir.atomic_output_dir`:
+    a non-empty one is refused unless ``overwrite``). ``model`` defaults to the checkpoint's
+    ``model_config.json``. Needs :func:`setup_megatron` in a single process.
     """
+    ckpt_dir = require_megatron_checkpoint(ckpt_dir)
     model = model or read_model_config(ckpt_dir)
-    hf_files = Path(ckpt_dir) / HF_FILES_DIR
-    base = hf_checkpoint.read_hf_config(hf_files) if (hf_files / hf_checkpoint.CONFIG_FILE).is_file() else None
+    hf_files = Path(hf_files) if hf_files is not None else hf_files_of(ckpt_dir)
+    has_config = hf_files is not None and (hf_files / hf_checkpoint.CONFIG_FILE).is_file()
+    base = hf_checkpoint.read_hf_config(hf_files) if has_config else None
     stored_dtypes: set = set()
 
     def stored_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
@@ -361,16 +421,17 @@ def convert_megatron_to_hf(
             stored_dtypes.add(tensor.dtype)
             yield name, tensor
 
-    hf_checkpoint.write_safetensors_shards(
-        out_dir, mapping.megatron_to_hf_stream(stored_tensors(), model, dtype), max_shard_bytes
-    )
-    config = mapping.hf_config_from_model_config(model, base)
-    written = {dtype} if dtype is not None else stored_dtypes
-    if len(written) == 1:
-        _set_dtype_field(config, written.pop())
-    hf_checkpoint.write_hf_config(out_dir, config)
-    if hf_files.is_dir():
-        hf_checkpoint.copy_hf_assets(hf_files, out_dir)
+    with atomic_output_dir(out_dir, overwrite=overwrite, source=ckpt_dir) as out:
+        hf_checkpoint.write_safetensors_shards(
+            out, mapping.megatron_to_hf_stream(stored_tensors(), model, dtype), max_shard_bytes
+        )
+        config = mapping.hf_config_from_model_config(model, base)
+        written = {dtype} if dtype is not None else stored_dtypes
+        if len(written) == 1:
+            _set_dtype_field(config, written.pop())
+        hf_checkpoint.write_hf_config(out, config)
+        if hf_files is not None:
+            hf_checkpoint.copy_hf_assets(hf_files, out)
     return model
 
 
@@ -380,16 +441,20 @@ def check_parallel_layout(
     pipeline_parallel: int,
     expert_parallel: int = 1,
     expert_tensor_parallel: Optional[int] = None,
+    *,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
 ) -> None:
     """Raise ``ValueError`` naming the field when ``model`` cannot be split ``tensor_parallel`` x
-    ``pipeline_parallel`` (and its experts ``expert_parallel`` x ``expert_tensor_parallel``, None: as TP)."""
+    ``pipeline_parallel`` (with the first / last stage's layer counts when given: uneven stages) and
+    its experts ``expert_parallel`` x ``expert_tensor_parallel`` (None: as TP)."""
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, field) % tensor_parallel:
             raise ValueError(
                 f"{field}={getattr(model, field)} is not divisible by tensor parallelism {tensor_parallel}"
             )
-    if model.num_layers % pipeline_parallel:
-        raise ValueError(f"num_layers={model.num_layers} is not divisible by pipeline parallelism {pipeline_parallel}")
+    tool_flags = ("--pp", "--first-stage-layers", "--last-stage-layers")
+    pipeline_stage_layers(model.num_layers, pipeline_parallel, first_stage_layers, last_stage_layers, tool_flags)
     expert_tensor_parallel = expert_tensor_parallel or tensor_parallel
     if not model.is_moe:
         if expert_parallel != 1:

@@ -97,6 +97,7 @@ def _checkpoint_logits_on_rank(
     tokens,
     expert_parallel=1,
     expert_tensor_parallel=None,
+    **stage_layers,
 ):
     from megatron.core import parallel_state as ps
 
@@ -120,6 +121,7 @@ def _checkpoint_logits_on_rank(
             sequence_parallel=sequence_parallel,
             expert_parallel=expert_parallel,
             expert_tensor_parallel=expert_tensor_parallel,
+            **stage_layers,
         ),
     )
     load_model_checkpoint(model, ckpt_dir)
@@ -147,9 +149,13 @@ def checkpoint_logits(
     sequence_parallel: bool = False,
     expert_parallel: int = 1,
     expert_tensor_parallel: Optional[int] = None,
+    *,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
 ) -> torch.Tensor:
     """Logits ``[B, T, V]`` (fp32) of a converted checkpoint loaded in Megatron at the given
-    TP/PP/EP/ETP (and sequence parallelism: T must then be a multiple of TP).
+    TP/PP/EP/ETP (and sequence parallelism: T must then be a multiple of TP; uneven pipeline stages:
+    ``first_stage_layers`` / ``last_stage_layers``).
 
     Runs :func:`layout_world_size` local processes (gloo on CPU, NCCL on GPUs).
     """
@@ -172,6 +178,8 @@ def checkpoint_logits(
         expert_parallel,
         expert_tensor_parallel,
         timeout=3600,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
     )
     return next(logits for logits in results if logits is not None)
 
@@ -185,10 +193,19 @@ def max_logit_difference(
     sequence_parallel: bool = False,
     expert_parallel: int = 1,
     expert_tensor_parallel: Optional[int] = None,
+    **stage_layers: Optional[int],
 ) -> float:
-    """Max abs difference between the checkpoint's Megatron logits and the Hugging Face model's for ``tokens``."""
+    """Max abs difference between the checkpoint's Megatron logits and the Hugging Face model's for
+    ``tokens`` (``stage_layers``: :func:`checkpoint_logits`'s uneven-stage keywords)."""
     megatron = checkpoint_logits(
-        ckpt_dir, tokens, tensor_parallel, pipeline_parallel, sequence_parallel, expert_parallel, expert_tensor_parallel
+        ckpt_dir,
+        tokens,
+        tensor_parallel,
+        pipeline_parallel,
+        sequence_parallel,
+        expert_parallel,
+        expert_tensor_parallel,
+        **stage_layers,
     )
     return (megatron - hf_logits(hf_dir, tokens)).abs().max().item()
 

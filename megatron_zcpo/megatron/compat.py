@@ -55,6 +55,8 @@ _TRANSFORMER_CONFIG_KEYWORDS = (
     "init_method_std",
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage",  # uneven pipeline stages (parallel.first/last_stage_layers)
+    "num_layers_in_last_pipeline_stage",
     "context_parallel_size",
     "sequence_parallel",
     "params_dtype",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +219,68 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, divisible_by: int =
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+# How pipeline_stage_layers names the pipeline size and the first / last stage's layers in errors.
+PIPELINE_KEYS = ("parallel.pipeline", "parallel.first_stage_layers", "parallel.last_stage_layers")
+
+
+def pipeline_stage_layers(
+    num_layers: int,
+    pipeline: int,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
+    keys: Tuple[str, str, str] = PIPELINE_KEYS,
+) -> List[int]:
+    """Transformer layers of each of ``pipeline`` stages, as megatron-core 0.16.1 splits them
+    (``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``: the first and
+    last stage hold their given counts, the other stages share the rest evenly; none given: all
+    stages even). Raises ``ValueError`` naming ``keys`` (the pipeline size, the first and the last
+    stage's layers) and a split that works (e.g. 94 layers at PP8: 11 + 6 x 12 + 11)."""
+    pipeline_key, first_key, last_key = keys
+    uneven = {first_key: first_stage_layers, last_key: last_stage_layers}
+    given = {key: value for key, value in uneven.items() if value is not None}
+    for key, value in given.items():
+        if not 0 < value < num_layers:
+            raise ValueError(f"{key}={value} must be between 1 and num_layers - 1 = {num_layers - 1}")
+    if pipeline == 1 and given:
+        raise ValueError(f"{first_key} / {last_key} need {pipeline_key} > 1")
+    middle_stages, middle_layers = pipeline - len(given), num_layers - sum(given.values())
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or middle_layers % max(1, middle_stages):
+        problem = (
+            f"with {', '.join(f'{key}={value}' for key, value in given.items())} leaves {middle_layers} layers "
+            f"to {middle_stages} other stage(s)"
+            if given
+            else f"does not divide num_layers={num_layers}"
+        )
+        raise ValueError(f"{pipeline_key}={pipeline} {problem}: {_stage_splits(num_layers, pipeline, keys)}")
+    layers = [middle_layers // middle_stages if middle_stages else 0] * pipeline
+    if first_stage_layers is not None:
+        layers[0] = first_stage_layers
+    if last_stage_layers is not None:
+        layers[-1] = last_stage_layers
+    return layers
+
+
+def _stage_splits(num_layers: int, pipeline: int, keys: Tuple[str, str, str]) -> str:
+    """A layout that splits ``num_layers`` over ``pipeline`` stages, for an error message: the
+    middle stages at ceil(num_layers / pipeline) (or fewer), the first and last sharing the rest."""
+    _, first_key, last_key = keys
+    if num_layers % pipeline == 0:
+        return f"the even split of {num_layers // pipeline} per stage works"
+    if num_layers < pipeline:
+        return f"{pipeline} stages need at least as many layers"
+    if pipeline == 2:
+        first = (num_layers + 1) // 2
+        return f"e.g. {first_key}={first} (last stage {num_layers - first})"
+    per_stage = math.ceil(num_layers / pipeline)
+    while num_layers - (pipeline - 2) * per_stage < 2:
+        per_stage -= 1
+    edges = num_layers - (pipeline - 2) * per_stage
+    return (
+        f"e.g. {first_key}={edges // 2} and {last_key}={edges - edges // 2}, "
+        f"{per_stage} in each of the {pipeline - 2} other stages"
+    )
+
+
 def transformer_config(
     model: ModelConfig,
     *,
@@ -231,9 +293,14 @@ def transformer_config(
     expert_parallel: int = 1,
     expert_tensor_parallel: Optional[int] = None,
     moe=None,
+    first_stage_layers: Optional[int] = None,
+    last_stage_layers: Optional[int] = None,
     **overrides: Any,
 ):
     """The megatron-core ``TransformerConfig`` for ``model`` at the given parallelism.
+
+    ``first_stage_layers`` / ``last_stage_layers``: uneven pipeline stages
+    (:func:`pipeline_stage_layers`, checked here with the config keys named).
 
     For a mixture-of-experts ``model`` also its MoE fields (:func:`moe_transformer_fields`) at
     ``expert_parallel`` x ``expert_tensor_parallel`` (None: as ``tensor_parallel``), with the
@@ -243,6 +310,7 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = has_cuda()
+    pipeline_stage_layers(model.num_layers, pipeline_parallel, first_stage_layers, last_stage_layers)
     kwargs = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -262,6 +330,8 @@ def transformer_config(
         init_method_std=model.init_method_std,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
         context_parallel_size=context_parallel,
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,

@@ -149,9 +149,12 @@ def decode_roofline(
     gpu_memory_bytes: float = H100_80GB_BYTES,
     hbm_bytes_per_s: float = H100_HBM3_BYTES_S,
     peak_flops: float = H100_BF16_DENSE_FLOPS,
+    max_batch: Optional[float] = None,
 ) -> DecodeRoofline:
-    """The roofline of the module docstring at efficiency 1. Raises ``ValueError`` when the weights
-    leave no KV memory (too few GPUs per server) or a length is not positive."""
+    """The roofline of the module docstring at efficiency 1. ``max_batch``: the requests in flight on
+    the server, which bound the batch below what its KV cache holds (a tiny model's cache holds
+    millions of sequences, but a server decodes only those it was sent). Raises ``ValueError`` when
+    the weights leave no KV memory (too few GPUs per server) or a length is not positive."""
     if not (prompt_tokens > 0 and response_tokens > 0):
         raise ValueError(f"prompt and response tokens must be positive, got {prompt_tokens}, {response_tokens}")
     if not 0 < mem_fraction < 1:
@@ -165,6 +168,8 @@ def decode_roofline(
             f"use more GPUs per server (tensor parallel)"
         )
     batch = kv_memory / (kv_bytes_per_token(model) * (prompt_tokens + response_tokens))
+    if max_batch is not None:
+        batch = min(batch, max_batch)
     step = decode_step_s(
         model,
         batch,
@@ -206,9 +211,11 @@ def decode_tokens_per_s_per_gpu(
     mem_fraction: float = 0.85,
     gpu_memory_bytes: float = H100_80GB_BYTES,
     efficiency: Optional[float] = None,
+    max_batch: Optional[float] = None,
 ) -> float:
     """Generated tokens/s per GPU of TP-``tensor_parallel`` servers decoding requests of these mean
-    lengths (module docstring); ``efficiency`` None: :func:`calibrated_efficiency`."""
+    lengths (module docstring), at most ``max_batch`` at a time (:func:`decode_roofline`);
+    ``efficiency`` None: :func:`calibrated_efficiency`."""
     if efficiency is None:
         efficiency = calibrated_efficiency()
     roofline = decode_roofline(
@@ -218,6 +225,7 @@ def decode_tokens_per_s_per_gpu(
         tensor_parallel,
         mem_fraction=mem_fraction,
         gpu_memory_bytes=gpu_memory_bytes,
+        max_batch=max_batch,
     )
     return efficiency * roofline.tokens_per_s_per_gpu
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from megatron_zcpo.megatron.model import ModelConfig, padded_vocab_size
+from megatron_zcpo.megatron.model import ModelConfig, padded_vocab_size, pipeline_stage_layers
 from megatron_zcpo.planning.moe_costs import (
     DEFAULT_EXPERT_IMBALANCE,
     expert_parameters_per_gpu,
@@ -97,7 +97,9 @@ class Layout:
     ``recompute``: "none", "selective" (megatron-core's default ``core_attn`` module) or "full"
     (uniform, one layer per checkpoint). Mixture-of-experts models: ``expert_parallel`` (EP) x
     ``expert_tensor_parallel`` (ETP) ranks, carved out of each stage's TP * CP * DP ranks, share the
-    experts (megatron-core's expert groups); they add no GPUs.
+    experts (megatron-core's expert groups); they add no GPUs. ``first_stage_layers`` /
+    ``last_stage_layers``: uneven pipeline stages (``parallel.first_stage_layers`` / ``last_stage_layers``,
+    :func:`~megatron_zcpo.megatron.model.pipeline_stage_layers`), None: layers split evenly.
     """
 
     tensor_parallel: int = 1
@@ -110,6 +112,19 @@ class Layout:
     recompute: str = "selective"
     expert_parallel: int = 1
     expert_tensor_parallel: Optional[int] = None  # None: as tensor_parallel
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the first or last pipeline stage has a layer count of its own."""
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_layers(self, model: ModelConfig) -> List[int]:
+        """Transformer layers of each pipeline stage (ValueError when they do not split: :meth:`validate`)."""
+        return pipeline_stage_layers(
+            model.num_layers, self.pipeline_parallel, self.first_stage_layers, self.last_stage_layers
+        )
 
     @property
     def expert_tensor(self) -> int:
@@ -158,7 +173,16 @@ class Layout:
                     f"{prefix}.pipeline_parallel >= 2, got {self.pipeline_parallel}"
                 )
             chunks *= self.virtual_pipeline
-        if model.num_layers % chunks:
+        if self.uneven or self.virtual_pipeline is None:
+            keys = (f"{prefix}.pipeline_parallel", f"{prefix}.first_stage_layers", f"{prefix}.last_stage_layers")
+            layers = pipeline_stage_layers(
+                model.num_layers, self.pipeline_parallel, self.first_stage_layers, self.last_stage_layers, keys
+            )
+            if any(count % (self.virtual_pipeline or 1) for count in layers):
+                raise ValueError(
+                    f"{prefix}.virtual_pipeline={self.virtual_pipeline} must divide every stage's layers {layers}"
+                )
+        elif model.num_layers % chunks:
             raise ValueError(
                 f"{prefix}.pipeline_parallel={self.pipeline_parallel} x virtual_pipeline="
                 f"{self.virtual_pipeline} must divide model.num_layers={model.num_layers}"
@@ -189,7 +213,8 @@ class Layout:
 
     def describe(self) -> str:
         """Short human-readable form, e.g. ``TP8 PP2 CP1 DP4 SP distopt recompute=full`` (``EP8`` for MoE)."""
-        parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}"]
+        stages = f"(first {self.first_stage_layers}, last {self.last_stage_layers} layers)" if self.uneven else ""
+        parts = [f"TP{self.tensor_parallel}", f"PP{self.pipeline_parallel}{stages}"]
         if self.virtual_pipeline:
             parts.append(f"VPP{self.virtual_pipeline}")
         parts += [f"CP{self.context_parallel}", f"DP{self.data_parallel}"]
@@ -321,21 +346,38 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
     return (split + 3 * h * model.intermediate_size) // tensor_parallel + replicated
 
 
-def stage_parameters(model: ModelConfig, layout: Layout, stage: str) -> int:
-    """Parameters held by one GPU of pipeline stage ``stage`` ("first" or "last").
+# The stages the planner evaluates: the first and the last, and with uneven stages a middle one
+# (its layer count may be the largest; of the middle stages the second holds the most in flight).
+STAGES = ("first", "middle", "last")
 
-    Each pipeline rank holds num_layers / PP layers (over all its virtual chunks). The first stage
+
+def stage_rank(layout: Layout, stage: str) -> int:
+    """The pipeline rank evaluated for ``stage`` ("first", "middle" or "last")."""
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r}: choose one of {STAGES}")
+    return {"first": 0, "middle": min(1, layout.pipeline_parallel - 1), "last": layout.pipeline_parallel - 1}[stage]
+
+
+def stage_layer_count(model: ModelConfig, layout: Layout, stage: str) -> int:
+    """Transformer layers of one GPU of ``stage`` (all its virtual chunks)."""
+    return layout.stage_layers(model)[stage_rank(layout, stage)]
+
+
+def stage_parameters(model: ModelConfig, layout: Layout, stage: str) -> int:
+    """Parameters held by one GPU of pipeline stage ``stage`` ("first", "middle" or "last").
+
+    Each pipeline rank holds its stage's layers (num_layers / PP, or the uneven stages' counts;
+    over all its virtual chunks). The first stage
     adds the word embedding, the last the final norm and the output layer; with tied embeddings
     and PP > 1 the last stage keeps its own copy of the embedding as output weight (megatron-core
     keeps the two in sync by an all-reduce of their gradients). With PP = 1 the single stage holds
     everything, the tied weight once. Vocabulary rows are Megatron's padded ones.
     """
-    if stage not in ("first", "last"):
-        raise ValueError(f"stage={stage!r}: choose 'first' or 'last'")
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     vocab_rows = padded_vocab_size(model.vocab_size, tp, model.make_vocab_size_divisible_by)
     vocab_shard = vocab_rows * model.hidden_size // tp
-    count = model.num_layers // pp * layer_parameters(model, tp) + stage_expert_parameters(model, layout)
+    layers = stage_layer_count(model, layout, stage)
+    count = layers * layer_parameters(model, tp) + stage_expert_parameters(model, layout, stage)
     holds_embedding = stage == "first" or pp == 1
     holds_output = stage == "last" or pp == 1
     if holds_embedding:
@@ -347,13 +389,10 @@ def stage_parameters(model: ModelConfig, layout: Layout, stage: str) -> int:
     return count
 
 
-def stage_expert_parameters(model: ModelConfig, layout: Layout) -> int:
-    """Routed-expert parameters one GPU of a pipeline stage holds (0 for a dense model)."""
-    return int(
-        expert_parameters_per_gpu(
-            model, model.num_layers / layout.pipeline_parallel, layout.expert_parallel, layout.expert_tensor
-        )
-    )
+def stage_expert_parameters(model: ModelConfig, layout: Layout, stage: str = "first") -> int:
+    """Routed-expert parameters one GPU of pipeline stage ``stage`` holds (0 for a dense model)."""
+    layers = stage_layer_count(model, layout, stage)
+    return int(expert_parameters_per_gpu(model, layers, layout.expert_parallel, layout.expert_tensor))
 
 
 def layer_activation_bytes(
@@ -453,8 +492,10 @@ def layers_in_flight(
     pipeline_rank: int,
     virtual_pipeline: Optional[int] = None,
     num_microbatches: Optional[int] = None,
+    stage_layers: Optional[float] = None,
 ) -> float:
-    """Transformer layers whose activations pipeline rank ``pipeline_rank`` holds at its peak.
+    """Transformer layers whose activations pipeline rank ``pipeline_rank`` holds at its peak
+    (``stage_layers``: the rank's layers when the stages are uneven; None: num_layers / PP).
 
     megatron-core's schedules (``get_pp_rank_microbatches``) run W warm-up forwards before the
     first backward, so W + 1 (model chunk, micro-batch) pairs are in flight: W = PP - rank - 1 for
@@ -472,7 +513,9 @@ def layers_in_flight(
         in_flight = 2 * (pipeline_parallel - pipeline_rank - 1) + (chunks - 1) * pipeline_parallel + 1
     if num_microbatches is not None:
         in_flight = min(in_flight, num_microbatches * chunks)
-    return in_flight * num_layers / (pipeline_parallel * chunks)
+    if stage_layers is None:
+        stage_layers = num_layers / pipeline_parallel
+    return in_flight * stage_layers / chunks
 
 
 def token_stats_bytes(
@@ -545,9 +588,9 @@ def _logits_kl_bytes(model: ModelConfig, layout: Layout, workload: Workload, tok
 def stage_phase_components(
     model: ModelConfig, layout: Layout, workload: Workload, hardware: Hardware, stage: str, phase: str
 ) -> Dict[str, float]:
-    """Bytes per component on one GPU of ``stage`` ("first"/"last") in ``phase`` ("train"/"experience")."""
+    """Bytes per component on one GPU of ``stage`` ("first"/"middle"/"last") in ``phase`` ("train"/"experience")."""
     params = stage_parameters(model, layout, stage)
-    experts = stage_expert_parameters(model, layout)
+    experts = stage_expert_parameters(model, layout, stage)
     per_param = bytes_per_parameter(layout.distributed_optimizer, layout.data_parallel * layout.context_parallel)
     # The distributed optimizer shards the experts' state over their own replicas (expert DP).
     per_expert = bytes_per_parameter(layout.distributed_optimizer, layout.expert_data_parallel)
@@ -558,8 +601,15 @@ def stage_phase_components(
     imbalance = workload.expert_imbalance
     one_layer_working_set = model_layer_activation_bytes(model, layout, tokens, "none", imbalance)
     if phase == "train":
-        rank = 0 if stage == "first" else pp - 1
-        in_flight = layers_in_flight(model.num_layers, pp, rank, layout.virtual_pipeline, workload.num_microbatches)
+        rank = stage_rank(layout, stage)
+        in_flight = layers_in_flight(
+            model.num_layers,
+            pp,
+            rank,
+            layout.virtual_pipeline,
+            workload.num_microbatches,
+            stage_layers=layout.stage_layers(model)[rank],
+        )
         activations = in_flight * model_layer_activation_bytes(model, layout, tokens, layout.recompute, imbalance)
         # The backward of a layer briefly holds the gradients of its intermediates, about one
         # layer's activations; full recompute first rebuilds those activations too.

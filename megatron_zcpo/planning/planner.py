@@ -115,15 +115,18 @@ class MemoryPlan:
 def plan_memory(model: ModelConfig, layout: Layout, workload: Workload, hardware: Hardware = Hardware()) -> MemoryPlan:
     """Per-GPU memory of ``model`` trained at ``layout`` on ``workload``, for the most loaded GPU.
 
-    Evaluates the first and the last pipeline stage (one stage when PP = 1) in the train and the
-    experience phase and returns the breakdown of the largest. Raises ``ValueError`` naming the
+    Evaluates the first and the last pipeline stage (one stage when PP = 1; with uneven stages a
+    middle one too, when there is one) in the train and the experience phase and returns the
+    breakdown of the largest. Raises ``ValueError`` naming the
     offending key on an inconsistent input.
     """
     model.validate()
     layout.validate(model)
     workload.validate()
     hardware.validate()
-    stages = ("first",) if layout.pipeline_parallel == 1 else ("first", "last")
+    stages: tuple = ("first",) if layout.pipeline_parallel == 1 else ("first", "last")
+    if layout.uneven and layout.pipeline_parallel > 2:
+        stages = ("first", "middle", "last")
     evaluated = {
         (stage, phase): stage_phase_components(model, layout, workload, hardware, stage, phase)
         for stage in stages
@@ -188,6 +191,8 @@ def candidate_layouts(
                         recompute=recompute,
                         expert_parallel=ep,
                         expert_tensor_parallel=etp,
+                        first_stage_layers=None,
+                        last_stage_layers=None,
                     )
                     same = (tp, pp, cp, recompute, ep, layout.expert_tensor)  # ETP unset is ETP = TP
                     try:

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from megatron_zcpo.recipe.config import RunConfig
 
 
 def load_tokenizer(config: RunConfig):
-    """The HF tokenizer of ``model.tokenizer``, else of ``model.path`` (its ``hf/`` when converted)."""
+    """The HF tokenizer of ``model.tokenizer``, else of ``model.path``'s Hugging Face files (a
+    converted checkpoint's ``hf/``, a training step's or run directory's: the tokenizer of the run
+    that saved it, :func:`megatron_zcpo.convert.checkpoint.hf_files_of`)."""
     from transformers import AutoTokenizer
+
+    from megatron_zcpo.convert.checkpoint import hf_files_of, megatron_checkpoint_dir
 
     path = config.model.tokenizer
     if path is None:
-        path = config.model.path
-        if (Path(path) / "hf").is_dir():  # a converted checkpoint carries the HF files here
-            path = str(Path(path) / "hf")
+        checkpoint = megatron_checkpoint_dir(config.model.path)
+        path = str((hf_files_of(checkpoint) if checkpoint is not None else None) or config.model.path)
     return AutoTokenizer.from_pretrained(path)
 
 

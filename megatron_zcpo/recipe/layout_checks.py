@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
-from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.megatron.model import ModelConfig, pipeline_stage_layers
 from megatron_zcpo.recipe.config import RunConfig
 
 # What model.preset must agree on with model.path: the shapes the plan and the layout depend on
@@ -89,6 +89,8 @@ def plan_inputs(config: RunConfig, gpus: int):
         recompute=config.train.recompute or "none",
         expert_parallel=parallel.expert,
         expert_tensor_parallel=parallel.expert_tensor,
+        first_stage_layers=parallel.first_stage_layers,
+        last_stage_layers=parallel.last_stage_layers,
     )
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     # The trainer gives a sequence longer than the token budget a micro-batch of its own.
@@ -137,10 +139,12 @@ def layout_problems(
             f"parallel.tensor={tp} must divide the model's {' and '.join(undivided)} "
             f"(parallel.tensor may be {', '.join(map(str, valid[:8]))})"
         )
-    if model.num_layers % pp:
+    try:
+        pipeline_stage_layers(model.num_layers, pp, parallel.first_stage_layers, parallel.last_stage_layers)
+    except ValueError as error:
         problems.append(
-            f"parallel.pipeline={pp} must divide the model's num_layers={model.num_layers} "
-            f"(parallel.pipeline may be {', '.join(map(str, _divisors_of_all(model.num_layers)[:8]))})"
+            f"{error} (even stages: parallel.pipeline may be "
+            f"{', '.join(map(str, _divisors_of_all(model.num_layers)[:8]))})"
         )
     if tokenizer_size is not None and tokenizer_size > model.vocab_size:
         problems.append(

@@ -31,6 +31,7 @@ chain on their real layout, and refuses a config that fails, naming each key.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -39,16 +40,26 @@ from megatron_zcpo.planning.decode_rate import H100_80GB_BYTES, decode_roofline,
 from megatron_zcpo.planning.step_time import INFINIBAND_NDR_BYTES_S
 from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 
+logger = logging.getLogger(__name__)
+
 CLIENT = "rollout.sglang.client"
 EVAL_BATCH_PROMPTS = 64  # prompts per evaluation generate call (megatron_zcpo/rollout/evaluation.py)
 MEAN_FRACTION = 0.5  # mean prompt and response length as a fraction of the caps (zcpo plan's default)
+
+
+# Below this size a decode step is bound by what the roofline leaves out (SGLang's per-step
+# scheduling, kernel launches, HTTP): a tiny model's predicted durations are not sure.
+MIN_MODELLED_PARAMETERS = 1e9
 
 
 @dataclass(frozen=True)
 class RolloutServers:
     """The SGLang servers the predictions assume: how many, GPUs each (``tp_size``), their
     ``mem_fraction_static``, the decode rate per GPU (None: modelled by
-    :mod:`megatron_zcpo.planning.decode_rate`), GPU memory and the trainer-to-server link."""
+    :mod:`megatron_zcpo.planning.decode_rate`), GPU memory and the trainer-to-server link.
+    ``known_hardware``: the servers are the GPUs these figures describe (``zcpo plan``'s
+    hardware); False where nobody said (SGLang does not report its GPU type at start-up, and a
+    server may run on CPUs): a duration predicted on unknown hardware only warns."""
 
     count: int
     tp_size: int
@@ -56,26 +67,36 @@ class RolloutServers:
     decode_tokens_per_s_per_gpu: Optional[float] = None
     gpu_memory_bytes: float = H100_80GB_BYTES
     link_bytes_per_s: float = INFINIBAND_NDR_BYTES_S
+    known_hardware: bool = True
 
 
 @dataclass(frozen=True)
 class TimeoutCheck:
-    """One timeout (``key``, ``timeout_s``) against the predicted duration it bounds."""
+    """One timeout (``key``, ``timeout_s``) against the predicted duration it bounds. ``sure``:
+    the prediction may refuse a run (config arithmetic, or the modelled hardware and a model the
+    roofline describes); an unsure one that fails only warns."""
 
     key: str
     bounds: str
     timeout_s: float
     predicted_s: float
+    sure: bool = True
 
     @property
     def ok(self) -> bool:
         return self.timeout_s > self.predicted_s
 
+    @property
+    def refused(self) -> bool:
+        """Failed, and sure enough to refuse the run."""
+        return not self.ok and self.sure
+
     def problem(self) -> str:
         """What is wrong and what to raise (for a failed check)."""
+        unsure = "" if self.sure else " (an estimate on unknown hardware or for a tiny model: a warning only)"
         return (
             f"{self.key} = {self.timeout_s:,.0f} s does not outlast {self.bounds} (predicted "
-            f"{self.predicted_s:,.0f} s): raise {self.key} above {self.predicted_s:,.0f}"
+            f"{self.predicted_s:,.0f} s): raise {self.key} above {self.predicted_s:,.0f}{unsure}"
         )
 
 
@@ -93,48 +114,59 @@ def longest_new_tokens(config) -> int:
     return max(config.rollout.max_new_tokens, config.eval.max_new_tokens or 0)
 
 
+def call_samples(config) -> Dict[str, int]:
+    """Samples of one generate call: dynamic sampling's first round (``round``) and one evaluation
+    batch (``eval_call``)."""
+    rollout, sampling = config.rollout, config.rollout.dynamic_sampling
+    oversample = sampling.oversample_factor if sampling.drop_tied_groups else 1.0
+    return {
+        "round": math.ceil(rollout.prompts_per_step * oversample) * rollout.samples_per_prompt,
+        "eval_call": min(EVAL_BATCH_PROMPTS, config.eval.num_prompts) * config.eval.k,
+    }
+
+
+def in_flight_per_server(config, server_count: int) -> int:
+    """The most requests one server holds at a time: the client's ``max_concurrency``, or a
+    generate call's samples when fewer, spread over ``server_count`` servers."""
+    largest_call = max(call_samples(config).values())
+    return math.ceil(min(client_config(config).max_concurrency, largest_call) / server_count)
+
+
 def predicted_durations(config, model, servers: RolloutServers) -> Dict[str, float]:
     """Seconds of: one request (``request``), dynamic sampling's first round (``round``), one
     evaluation batch (``eval_call``), one weight bucket (``bucket``) and the whole push (``push``)
-    of ``config`` (a RunConfig) with ``model`` (ModelConfig) on ``servers``."""
+    of ``config`` (a RunConfig) with ``model`` (ModelConfig) on ``servers``. A server decodes at
+    most the requests in flight on it (:func:`in_flight_per_server`), however many its KV cache
+    would hold."""
     client, rollout = client_config(config), config.rollout
     prompt, response = MEAN_FRACTION * config.data.max_prompt_length, MEAN_FRACTION * rollout.max_new_tokens
-    roofline = decode_roofline(
-        model,
-        prompt,
-        response,
-        servers.tp_size,
-        mem_fraction=servers.mem_fraction,
-        gpu_memory_bytes=servers.gpu_memory_bytes,
-    )
+    in_flight = in_flight_per_server(config, servers.count)
+    shape = dict(mem_fraction=servers.mem_fraction, gpu_memory_bytes=servers.gpu_memory_bytes)
+    roofline = decode_roofline(model, prompt, response, servers.tp_size, max_batch=in_flight, **shape)
     rate = servers.decode_tokens_per_s_per_gpu or decode_tokens_per_s_per_gpu(
-        model,
-        prompt,
-        response,
-        servers.tp_size,
-        mem_fraction=servers.mem_fraction,
-        gpu_memory_bytes=servers.gpu_memory_bytes,
+        model, prompt, response, servers.tp_size, max_batch=in_flight, **shape
     )
     one_sequence = rate * servers.tp_size / roofline.batch  # tokens/s of one of the batch's sequences
-    in_flight = math.ceil(client.max_concurrency / servers.count)
     request = math.ceil(in_flight / max(1.0, math.floor(roofline.batch))) * longest_new_tokens(config) / one_sequence
 
     def call(samples: float, mean_response: float) -> float:
         return max(samples * mean_response / (rate * servers.count * servers.tp_size), request)
 
-    sampling = rollout.dynamic_sampling
-    oversample = sampling.oversample_factor if sampling.drop_tied_groups else 1.0
+    samples = call_samples(config)
     model_bytes = 2 * model.num_parameters  # bf16
     return {
         "request": request,
-        "round": call(math.ceil(rollout.prompts_per_step * oversample) * rollout.samples_per_prompt, response),
-        "eval_call": call(
-            min(EVAL_BATCH_PROMPTS, config.eval.num_prompts) * config.eval.k,
-            MEAN_FRACTION * (config.eval.max_new_tokens or rollout.max_new_tokens),
-        ),
+        "round": call(samples["round"], response),
+        "eval_call": call(samples["eval_call"], MEAN_FRACTION * (config.eval.max_new_tokens or rollout.max_new_tokens)),
         "bucket": min(client.bucket_bytes, model_bytes) / servers.link_bytes_per_s,
         "push": model_bytes / servers.link_bytes_per_s,
     }
+
+
+def predictions_sure(model, servers: RolloutServers) -> bool:
+    """Whether predicted durations may refuse a run: on the hardware they model, for a model of at
+    least :data:`MIN_MODELLED_PARAMETERS` parameters."""
+    return servers.known_hardware and model.num_parameters >= MIN_MODELLED_PARAMETERS
 
 
 def timeout_checks(config, model, servers: RolloutServers) -> List[TimeoutCheck]:
@@ -144,15 +176,21 @@ def timeout_checks(config, model, servers: RolloutServers) -> List[TimeoutCheck]
     evaluated = config.eval.at_start or config.eval.at_end or config.eval.every
     retries = client.request_timeout_s * (1 + client.max_retries)
     update = times["push"] if client.weight_sync == "disk" else times["bucket"]
+    sure = predictions_sure(model, servers)
     checks = [
         TimeoutCheck(
             f"{CLIENT}.request_timeout_s",
             "one request (a full-length response, queued behind the requests in flight on its server)",
             client.request_timeout_s,
             times["request"],
+            sure,
         ),
         TimeoutCheck(
-            f"{CLIENT}.rollout_timeout_s", "dynamic sampling's first round", client.rollout_timeout_s, times["round"]
+            f"{CLIENT}.rollout_timeout_s",
+            "dynamic sampling's first round",
+            client.rollout_timeout_s,
+            times["round"],
+            sure,
         ),
         TimeoutCheck(
             f"{CLIENT}.rollout_timeout_s",
@@ -160,20 +198,27 @@ def timeout_checks(config, model, servers: RolloutServers) -> List[TimeoutCheck]
             client.rollout_timeout_s,
             retries,
         ),
-        TimeoutCheck(f"{CLIENT}.update_timeout_s", "one weight update request", client.update_timeout_s, update),
-        TimeoutCheck(f"{CLIENT}.group_timeout_s", "one bucket's broadcast", client.group_timeout_s, times["bucket"]),
+        TimeoutCheck(f"{CLIENT}.update_timeout_s", "one weight update request", client.update_timeout_s, update, sure),
+        TimeoutCheck(
+            f"{CLIENT}.group_timeout_s", "one bucket's broadcast", client.group_timeout_s, times["bucket"], sure
+        ),
         TimeoutCheck(
             "parallel.collective_timeout_s",
             "the weight push (ranks wait for it in a training group)",
             config.parallel.collective_timeout_s,
             times["push"],
+            sure,
         ),
     ]
     if evaluated:
         checks.insert(
             2,
             TimeoutCheck(
-                f"{CLIENT}.rollout_timeout_s", "one evaluation batch", client.rollout_timeout_s, times["eval_call"]
+                f"{CLIENT}.rollout_timeout_s",
+                "one evaluation batch",
+                client.rollout_timeout_s,
+                times["eval_call"],
+                sure,
             ),
         )
     if client.router_url:
@@ -190,9 +235,13 @@ def timeout_checks(config, model, servers: RolloutServers) -> List[TimeoutCheck]
 
 
 def check_timeouts(config, model, servers: RolloutServers) -> List[TimeoutCheck]:
-    """:func:`timeout_checks`; raises ``ValueError`` naming every timeout to raise. Returns the checks."""
+    """:func:`timeout_checks`; raises ``ValueError`` naming every timeout to raise where the check is
+    sure, and logs a warning naming the key for each unsure one that fails. Returns the checks."""
     checks = timeout_checks(config, model, servers)
-    failed = [check.problem() for check in checks if not check.ok]
+    for check in checks:
+        if not check.ok and not check.sure:
+            logger.warning("timeout may be short: %s", check.problem())
+    failed = [check.problem() for check in checks if check.refused]
     if failed:
         raise ValueError("timeouts shorter than the predicted durations they bound:\n  " + "\n  ".join(failed))
     return checks
@@ -205,6 +254,7 @@ def render_timeout_checks(checks: List[TimeoutCheck]) -> str:
     lines = ["timeouts (predicted durations from megatron_zcpo/planning/step_time.py):"]
     for check in checks:
         verdict = "ok" if check.ok else f"RAISE above {format_seconds(check.predicted_s)}"
+        verdict += "" if check.ok or check.sure else " (an estimate: warning only)"
         lines.append(
             f"  {check.key:<40} {check.timeout_s:>10,.0f} s  vs {format_seconds(check.predicted_s):>10}  "
             f"{check.bounds}: {verdict}"
@@ -242,5 +292,6 @@ def check_sglang_servers(config, model, engine) -> List[TimeoutCheck]:
         count=len(facts),
         tp_size=max(fact.tp_size for fact in facts),
         mem_fraction=min(fractions) if fractions else RolloutServers.mem_fraction,
+        known_hardware=False,  # SGLang does not report its GPU type: predictions only warn
     )
     return check_timeouts(config, model, servers)

@@ -25,6 +25,10 @@ class ParallelConfig:
     # TP x CP x DP ranks), each expert's MLP over `expert_tensor` ranks (null: as `tensor`).
     expert: int = 1
     expert_tensor: Optional[int] = None
+    # Uneven pipeline stages (megatron-core's num_layers_in_first/last_pipeline_stage): the first and
+    # last stage's layer counts, the other stages split the rest evenly; null: all stages even.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     def validate(self) -> None:
         for key in ("tensor", "pipeline", "context", "expert"):
@@ -32,6 +36,11 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"parallel.collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        for key in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"parallel.{key} must be >= 1 (or null), got {getattr(self, key)}")
+        if (self.first_stage_layers or self.last_stage_layers) and self.pipeline == 1:
+            raise ValueError("parallel.first_stage_layers / parallel.last_stage_layers need parallel.pipeline > 1")
         if self.expert_tensor is not None and self.expert_tensor < 1:
             raise ValueError(f"parallel.expert_tensor must be >= 1 (or null), got {self.expert_tensor}")
         if self.sequence_parallel and self.tensor == 1:

@@ -138,6 +138,8 @@ class PolicyTrainer:
             expert_parallel=parallel.expert,
             expert_tensor_parallel=parallel.expert_tensor,
             moe=train.moe,
+            first_stage_layers=parallel.first_stage_layers,
+            last_stage_layers=parallel.last_stage_layers,
         )
         self._build_models(initial_weights, reference_weights)
         self._build_optimizer()

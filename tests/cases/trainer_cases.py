@@ -97,6 +97,7 @@ def make_trainer(
     ep=1,
     etp=None,
     train_overrides=None,
+    first_stage_layers=None,
     **algorithm_overrides,
 ):
     from megatron_zcpo.algorithms import AlgorithmConfig
@@ -138,6 +139,7 @@ def make_trainer(
             sequence_parallel=sequence_parallel,
             expert=ep,
             expert_tensor=etp,
+            first_stage_layers=first_stage_layers,
         ),
         initial_weights=policy,
         reference_weights=reference,
@@ -169,6 +171,7 @@ def one_update(
     model=MODEL,
     ep=1,
     etp=None,
+    first_stage_layers=None,
 ):
     """Coefficients, metrics and the updated global weights after one rollout step."""
     trainer = make_trainer(
@@ -185,6 +188,7 @@ def one_update(
         model=model,
         ep=ep,
         etp=etp,
+        first_stage_layers=first_stage_layers,
     )
     samples = rollout()
     if importance_sampling:

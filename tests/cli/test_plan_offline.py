@@ -158,6 +158,18 @@ def test_the_decode_rate_is_modelled_unless_given(capsys):
         main(["plan", LLAMA_EXAMPLE, "--gpus", "64", "--preset", "Llama-3.3-70B", "--rollout-tp", "1"])
 
 
+def test_the_modelled_servers_decode_only_the_requests_in_flight(capsys):
+    """With rollout.sglang.client.max_concurrency=32 over the 8 TP4 servers each decodes 4 sequences,
+    not the 76 its KV cache holds: the modelled rate is that of a batch of 4 (and the slower rollout
+    outlasts the shipped rollout_timeout_s: the plan fails)."""
+    args = ["plan", QWEN_EXAMPLE, "--gpus", "32", "--preset", "Qwen2.5-32B", "--json"]
+    assert main([*args, "rollout.sglang.client.max_concurrency=32"]) == 1
+    bounded = json.loads(capsys.readouterr().out)
+    expected = decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 4, mem_fraction=0.85, max_batch=4)
+    assert bounded["decode_tokens_per_s_per_gpu"] == pytest.approx(expected)
+    assert expected < decode_tokens_per_s_per_gpu(QWEN25_32B, 1024, 10240, 4, mem_fraction=0.85) / 5
+
+
 def test_plan_checks_every_timeout_against_the_predicted_durations(capsys):
     """The shipped 32B example passes; with the 7,200 s it shipped before, dynamic sampling's first round
     (12,288 samples, ~9,990 s) outlasts rollout_timeout_s: the plan says which key to raise and fails."""

@@ -87,3 +87,13 @@ def test_published_online_tpot_is_faster_than_modelled_by_less_than_1_5x(request
     context = measured.prompt_tokens + measured.response_tokens / 2
     step = decode_step_s(LLAMA31_70B, in_flight, context, 4) / calibrated_efficiency()
     assert median_tpot_s < step < 1.5 * median_tpot_s
+
+
+def test_the_batch_is_bounded_by_the_requests_in_flight():
+    """A server decodes the requests it was sent: below what its KV cache holds, the batch is those."""
+    full = decode_roofline(QWEN25_32B, 1024, 10240, 4, mem_fraction=0.85)
+    bounded = decode_roofline(QWEN25_32B, 1024, 10240, 4, mem_fraction=0.85, max_batch=8)
+    assert full.batch > 8 and bounded.batch == 8
+    assert bounded.step_s == pytest.approx(decode_step_s(QWEN25_32B, 8, 1024 + 5120, 4))
+    assert bounded.step_s < full.step_s and bounded.tokens_per_s_per_gpu < full.tokens_per_s_per_gpu
+    assert decode_roofline(QWEN25_32B, 1024, 10240, 4, mem_fraction=0.85, max_batch=1e9).batch == full.batch

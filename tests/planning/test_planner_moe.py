@@ -1,12 +1,13 @@
 """The planner and step model for mixture-of-experts models: active vs total parameters, experts per GPU, all-to-all."""
 
+import dataclasses
 import json
 
 import pytest
 
 from megatron_zcpo.cli.main import main
 from megatron_zcpo.convert.presets import preset_model_config
-from megatron_zcpo.planning.memory_model import Layout, Workload
+from megatron_zcpo.planning.memory_model import STAGES, Layout, Workload
 from megatron_zcpo.planning.planner import candidate_layouts, plan_memory
 from megatron_zcpo.planning.step_time import (
     Cluster,
@@ -64,3 +65,39 @@ def test_moe_examples_plan_with_nothing_downloaded(capsys, example, gpus, rollou
     answer = json.loads(capsys.readouterr().out)
     assert answer["plan"]["fits"] and answer["plan"]["active_parameters"] < answer["plan"]["model_parameters"] / 9
     assert answer["step_time"]["all_to_all_s"] > 0
+
+
+def test_qwen3_235b_at_pp8_takes_uneven_stages_and_the_busiest_stage_is_planned(capsys):
+    """94 layers split only as PP 1, 2, 47 or 94 evenly; published runs use PP8 with 11 + 6 x 12 + 11.
+    The planner evaluates the middle stages too: with 12 layers (and no embedding) one is the busiest."""
+    from megatron_zcpo.megatron.model import padded_vocab_size
+    from megatron_zcpo.planning.memory_model import layer_parameters, stage_expert_parameters, stage_parameters
+
+    uneven = Layout(
+        tensor_parallel=4,
+        pipeline_parallel=8,
+        data_parallel=4,
+        expert_parallel=16,
+        expert_tensor_parallel=1,
+        recompute="full",  # as the example: activations are small, the stage's weights decide
+    )
+    with pytest.raises(
+        ValueError, match="layout.pipeline_parallel=8 does not divide num_layers=94: e.g. layout.first_stage_layers=11"
+    ):
+        uneven.validate(A22B)
+    uneven = dataclasses.replace(uneven, first_stage_layers=11, last_stage_layers=11)
+    plan = plan_memory(A22B, uneven, WORKLOAD)
+    assert plan.stage == "middle" and set(plan.totals) == {f"{s}/{p}" for s in STAGES for p in ("train", "experience")}
+    per_layer = layer_parameters(A22B, 4) + stage_expert_parameters(A22B, uneven, "middle") / 12
+    assert plan.parameters_on_gpu == pytest.approx(12 * per_layer, rel=1e-6)
+    assert stage_parameters(A22B, uneven, "middle") - stage_parameters(A22B, uneven, "first") == pytest.approx(
+        per_layer - padded_vocab_size(A22B.vocab_size, 4) * A22B.hidden_size / 4, rel=1e-9
+    )
+    example = str(EXAMPLES / "qwen3-235b-a22b-zcpo" / "config.yaml")
+    keys = ["parallel.pipeline=8", "parallel.expert=16", "parallel.first_stage_layers=11"]
+    args = ["plan", example, "--gpus", "128", "--rollout-gpus", "64", "--preset", "Qwen3-235B-A22B", "--json"]
+    assert main(args + keys + ["parallel.last_stage_layers=11"]) == 0
+    planned = json.loads(capsys.readouterr().out)["plan"]
+    assert planned["fits"] and planned["most_loaded"]["stage"] == "middle"
+    with pytest.raises(SystemExit, match="parallel.first_stage_layers=11 leaves 83 layers to 7 other stage"):
+        main(args + keys)
