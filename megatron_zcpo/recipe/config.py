@@ -13,6 +13,7 @@ from megatron_zcpo.diagnostics.config import DiagnosticsConfig
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rewards.config import RewardConfig
 from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingConfig
+from megatron_zcpo.tools.config import ToolsConfig
 from megatron_zcpo.training.config import ParallelConfig, TrainConfig, check_context_parallel
 from megatron_zcpo.utils.config_loader import (
     ConfigError,
@@ -209,6 +210,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def validate(self) -> None:
         """Cross-section checks (each section validates itself first)."""
@@ -240,6 +242,13 @@ class RunConfig:
                     "rollout.sglang.client.return_routed_experts needs "
                     "rollout.sglang.launch.return_routed_experts=true (--enable-return-routed-experts)"
                 )
+        if self.tools.enabled and self.train.routing_replay != "none":
+            raise ValueError("tools.enabled: multi-turn rollouts do not support train.routing_replay (set it to none)")
+        if self.tools.enabled and self.tools.max_total_tokens <= self.data.max_prompt_length:
+            raise ValueError(
+                f"tools.max_total_tokens={self.tools.max_total_tokens} must exceed data.max_prompt_length="
+                f"{self.data.max_prompt_length} (it is the budget of the prompt and every turn)"
+            )
         if self.reward.overlong_penalty and self.reward.max_response_length != self.rollout.max_new_tokens:
             raise ValueError(
                 f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="

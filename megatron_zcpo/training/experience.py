@@ -143,7 +143,7 @@ def calibrate(samples: Sequence[RolloutSample], experience: Dict[int, ResponseTo
     stats = ResponseStats(
         group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float64),
-        lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64),
+        lengths=torch.tensor([s.policy_length for s in samples], dtype=torch.float64),
         kl_sum=sums[:, 0],
         k1_sum=sums[:, 1],
     )
