@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -45,8 +46,6 @@ def parse_tool_call(text: str, call_format: str, start: str = "<tool_call>", end
         return ToolCall("", None, 'the tool call needs {"name": ..., "arguments": {...}}')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models send the arguments JSON-encoded once more
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
     return ToolCall(call["name"], arguments)

@@ -1,0 +1,114 @@
+"""Multi-turn samples: tool tokens (response_mask 0) stay in the sequence but reach no loss, statistic or length."""
+
+import pytest
+import torch
+
+from megatron_zcpo.recipe.rollout import rollout_metrics, samples_from_groups
+from megatron_zcpo.rollout.engine import Completion
+from megatron_zcpo.training.batch import RolloutSample, collate, collate_packed
+from megatron_zcpo.training.update import minibatch_normalizer
+
+# Sample 0: policy turn [4, 5], tool turn [6, 7, 8], policy turn [9]; sample 1: one policy turn.
+MASK = [1, 1, 0, 0, 0, 1]
+
+
+def _samples():
+    return [
+        RolloutSample(
+            [1, 2, 3],
+            [4, 5, 6, 7, 8, 9],
+            group_id=0,
+            reward=1.0,
+            rollout_logprobs=[-0.1, -0.2, 0.0, 0.0, 0.0, -0.6],
+            response_mask=MASK,
+        ),
+        RolloutSample([10], [11, 12], group_id=0, reward=0.0, rollout_logprobs=[-1.0, -2.0]),
+    ]
+
+
+def _read_back(mb):
+    """{sample: [(response token index, target, rollout log-prob)]} through the micro-batch's response positions."""
+    targets = mb.targets.reshape(-1)[mb.response_positions]
+    out, offset = {}, 0
+    for index, length in zip(mb.sample_indices, mb.response_lengths):
+        span = slice(offset, offset + length)
+        out[index] = [
+            (int(t), int(y), round(float(r), 4))
+            for t, y, r in zip(mb.response_token_index[span], targets[span], mb.rollout_logprobs[span])
+        ]
+        offset += length
+    return out
+
+
+EXPECTED = {0: [(0, 4, -0.1), (1, 5, -0.2), (5, 9, -0.6)], 1: [(0, 11, -1.0), (1, 12, -2.0)]}
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_only_policy_tokens_hold_response_positions(cp_size):
+    samples = _samples()
+    assert _read_back(collate(samples, [0, 1])) == EXPECTED
+    merged = {0: [], 1: []}
+    for rank in range(cp_size):
+        mb = collate_packed(samples, [0, 1], rank, cp_size)
+        for index, tokens in _read_back(mb).items():
+            merged[index] += tokens
+        # The model still reads the tool tokens (they are inputs).
+        assert {6, 7, 8} <= set(mb.tokens.reshape(-1).tolist()) or cp_size > 1
+    assert {i: sorted(v) for i, v in merged.items()} == EXPECTED
+
+
+def test_lengths_and_normaliser_count_the_policy_tokens():
+    samples = _samples()
+    assert [s.policy_length for s in samples] == [3, 2]
+    assert [s.sequence_length for s in samples] == [8, 2]  # the model sees every token
+    assert minibatch_normalizer(samples, [0, 1], "tokens") == 5.0
+
+
+def test_a_mask_of_the_wrong_length_is_named():
+    sample = RolloutSample([1], [2, 3], group_id=0, reward=0.0, response_mask=[1])
+    with pytest.raises(ValueError, match="sample 0: response_mask of 1 for 2 tokens"):
+        collate([sample], [0])
+
+
+def test_engine_masks_reach_the_trainer_samples_and_metrics():
+    class Result:
+        records = [type("Record", (), {"uid": "u0"})()]
+        completions = [
+            [
+                Completion(
+                    [1],
+                    [4, 5, 6, 7],
+                    [-0.1, 0.0, 0.0, -0.4],
+                    "stop",
+                    2,
+                    output_mask=[1, 0, 0, 1],
+                    info={"turns": 2, "tool_calls": 1, "tool_errors": 0, "stop_reason": "answer"},
+                ),
+                Completion(
+                    [1],
+                    [8],
+                    [-0.5],
+                    "stop",
+                    2,
+                    output_mask=[1],
+                    info={"turns": 1, "tool_calls": 0, "tool_errors": 0, "stop_reason": "answer"},
+                ),
+            ]
+        ]
+        rewards = type(
+            "Rewards",
+            (),
+            {
+                "reward": torch.tensor([[1.0, -1.0]]),
+                "loss_mask": torch.tensor([[True, True]]),
+                "score": torch.tensor([[1.0, -1.0]]),
+                "truncated": torch.tensor([[False, False]]),
+            },
+        )()
+
+    samples = samples_from_groups(Result(), group_offset=0)
+    assert samples[0].response_mask == [1, 0, 0, 1] and samples[0].policy_length == 2
+    assert samples[0].info["tool_calls"] == 1
+    metrics = rollout_metrics(samples)
+    assert metrics["rollout/tool_call_fraction"] == 0.5 and metrics["rollout/response_length_mean"] == 1.5
+    assert metrics["rollout/tool_tokens_mean"] == 1.0 and metrics["rollout/turns_mean"] == 1.5
