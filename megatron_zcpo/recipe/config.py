@@ -249,7 +249,14 @@ class RunConfig:
                 f"tools.max_total_tokens={self.tools.max_total_tokens} must exceed data.max_prompt_length="
                 f"{self.data.max_prompt_length} (it is the budget of the prompt and every turn)"
             )
-        if self.reward.overlong_penalty and self.reward.max_response_length != self.rollout.max_new_tokens:
+        policy_cap = self.rollout.max_new_tokens * (self.tools.max_turns if self.tools.enabled else 1)
+        if self.reward.overlong_penalty and self.reward.max_response_length != policy_cap:
+            if self.tools.enabled:
+                raise ValueError(
+                    f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens "
+                    f"x tools.max_turns = {policy_cap} (with tools the overlong penalty counts the policy's tokens "
+                    "over all its turns)"
+                )
             raise ValueError(
                 f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="
                 f"{self.rollout.max_new_tokens} (the overlong penalty is measured against the generation cap)"
@@ -262,7 +269,8 @@ class RunConfig:
 
 def _derived_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
     """Fill keys whose default follows another key: the overlong penalty's L_max is the
-    generation cap, and its buffer L_cache 1/5 of it up to 4,096 (the paper: 20,480 and 4,096);
+    generation cap (with tools: per turn, times tools.max_turns), and its buffer L_cache 1/5 of it up
+    to 4,096 (the paper: 20,480 and 4,096);
     overlapped rollouts turn the importance-sampling correction on unless it is set."""
     rollout = data.get("rollout") or {}
     train = data.get("train")
@@ -271,8 +279,11 @@ def _derived_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(sampling, dict):
             sampling.setdefault("enabled", True)
     reward = data.setdefault("reward", {}) if isinstance(data.get("reward", {}), dict) else data["reward"]
+    tools = data.get("tools") if isinstance(data.get("tools"), dict) else {}
+    turns = tools.get("max_turns", ToolsConfig.max_turns) if tools.get("enabled") else 1
     if isinstance(reward, dict):
-        cap = reward.setdefault("max_response_length", rollout.get("max_new_tokens", RolloutConfig.max_new_tokens))
+        cap = rollout.get("max_new_tokens", RolloutConfig.max_new_tokens)
+        cap = reward.setdefault("max_response_length", cap * turns if isinstance(turns, int) else cap)
         if isinstance(cap, int):
             reward.setdefault("overlong_buffer", min(4096, max(1, cap // 5)))
     return data
