@@ -1,5 +1,6 @@
 """Tools (megatron_zcpo/tools): the calculator, Python-function tools, the sandboxed code tool, parsing, config."""
 
+import os
 import time
 
 import pytest
@@ -82,7 +83,7 @@ def test_config_errors_name_the_key(registry, key):
 
 def test_code_tool_runs_code_in_its_own_process():
     tool = CodeTool(timeout_s=5)
-    assert tool.run("import os; print(6 * 7, os.getpid() != %d)" % __import__("os").getpid()) == "42 True\n"
+    assert tool.run(f"import os; print(6 * 7, os.getpid() != {os.getpid()})") == "42 True\n"
     assert tool.run({"code": "print('hi')"}) == "hi\n"
     failed = tool.run("raise ValueError('bad input')")
     assert failed.error and "ValueError: bad input" in failed.text
