@@ -14,7 +14,7 @@ backend's first use per kind of call is checked against the torch one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,10 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _as_compute(grads, tiling: Tiling):
-    return tuple(None if g is None else g.to(tiling.dtype) for g in grads)
+def _as_compute(grads, tiling: Tiling) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The upstream (logprob, entropy, kl) gradients in the tiles' compute dtype."""
+    grad_logprob, grad_entropy, grad_kl = (None if g is None else g.to(tiling.dtype) for g in grads)
+    return grad_logprob, grad_entropy, grad_kl
 
 
 def _shaped(results, shape, dtype) -> TokenStats:
@@ -132,6 +134,7 @@ def _logits_loader(logits: torch.Tensor, ref_logits: Optional[torch.Tensor]) -> 
     def load(start, stop, first, last, z, zr):
         _copy_clamped(logits[start:stop, first:last], z)
         if zr is not None:
+            assert ref_logits is not None  # the tiles get a reference buffer only with reference logits
             _copy_clamped(ref_logits[start:stop, first:last], zr)
 
     return load
@@ -289,6 +292,7 @@ def _hidden_loader(policy: OutputProjection, reference: Optional[OutputProjectio
     def load(start, stop, first, last, z, zr):
         policy.logits_into(start, stop, first, last, z)
         if zr is not None:
+            assert reference is not None  # the tiles get a reference buffer only with a reference projection
             reference.logits_into(start, stop, first, last, zr)
 
     return load
@@ -383,7 +387,7 @@ def fused_token_stats(
         raise ValueError(f"weight {tuple(weight.shape)} must be [V_local, H={hidden.shape[-1]}]")
     if (ref_hidden is None) != (ref_weight is None):
         raise ValueError("ref_hidden and ref_weight must be given together")
-    if ref_hidden is not None:
+    if ref_hidden is not None and ref_weight is not None:
         if ref_hidden.shape != hidden.shape:
             raise ValueError(
                 f"ref_hidden {tuple(ref_hidden.shape)} must have the shape of hidden {tuple(hidden.shape)}"

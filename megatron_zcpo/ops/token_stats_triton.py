@@ -119,7 +119,7 @@ def _choose(kind: str, key: tuple, n_rows: int, n_cols: int, candidates, launch,
             errors.append(f"{config}: {type(error).__name__}: {error}"[:300])
     if not timings:
         raise RuntimeError(f"no Triton {kind} kernel shape ran: " + "; ".join(errors))
-    _TUNED[key] = min(timings, key=timings.get)
+    _TUNED[key] = min(timings, key=lambda candidate: timings[candidate])
     return _TUNED[key]
 
 
@@ -250,6 +250,7 @@ def fused_forward(
         z_rows, zr_rows = z[: stop - start], None if zr is None else zr[: stop - start]
         policy.logits_into(start, stop, 0, n_cols, z_rows)
         if reference is not None:
+            assert zr_rows is not None  # allocated with the reference
             reference.logits_into(start, stop, 0, n_cols, zr_rows)
         launch = _forward_launcher(z_rows, zr_rows, local_targets[start:stop], stats, tiling, cache, start)
         # One shape for the whole call: the cache's super-blocks must not change between chunks.
@@ -263,7 +264,7 @@ def fused_forward(
             device,
         )
         launch(config)
-    if cache is not None:
+    if cache is not None and config is not None:  # config is None only for zero rows
         cache.width = config.width
     return merge_shards(stats.double(), tiling), cache
 

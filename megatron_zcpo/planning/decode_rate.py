@@ -44,6 +44,7 @@ while it finishes) are not modelled. FP8 weights (``quantization``) are not mode
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.planning.memory_model import H100_80GB_GIB
@@ -110,7 +111,7 @@ class DecodeRoofline:
 
 def kv_bytes_per_token(model: ModelConfig) -> float:
     """bf16 bytes of one token's K and V over all layers."""
-    return 2 * model.num_layers * model.num_key_value_heads * model.head_dim * BF16_BYTES
+    return 2 * model.num_layers * model.num_key_value_heads * model.kv_channels * BF16_BYTES
 
 
 def decode_step_s(
@@ -200,7 +201,7 @@ def decode_tokens_per_s_per_gpu(
     *,
     mem_fraction: float = 0.85,
     gpu_memory_bytes: float = H100_80GB_BYTES,
-    efficiency: float = None,
+    efficiency: Optional[float] = None,
 ) -> float:
     """Generated tokens/s per GPU of TP-``tensor_parallel`` servers decoding requests of these mean
     lengths (module docstring); ``efficiency`` None: :func:`calibrated_efficiency`."""

@@ -272,7 +272,7 @@ def bytes_per_parameter(distributed_optimizer: bool, optimizer_shards: int = 1) 
     parameter + two Adam moments), divided by ``optimizer_shards`` (= DP * CP) under the distributed
     optimizer: 18 in all without sharding, 6 + 12/d with it.
     """
-    optimizer = BYTES_FP32 * (1 + ADAM_MOMENTS)
+    optimizer: float = BYTES_FP32 * (1 + ADAM_MOMENTS)
     if distributed_optimizer:
         optimizer = optimizer / optimizer_shards
     return {"parameters": BYTES_BF16, "gradients": BYTES_FP32, "optimizer_states": optimizer}
@@ -289,12 +289,12 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
     :func:`~megatron_zcpo.planning.moe_costs.non_expert_mlp_parameters`.
     """
     h = model.hidden_size
-    q = model.num_attention_heads * model.head_dim
-    kv = 2 * model.num_key_value_heads * model.head_dim
+    q = model.num_attention_heads * model.kv_channels
+    kv = 2 * model.num_key_value_heads * model.kv_channels
     split = h * (q + kv) + q * h
     if model.qkv_bias:
         split += q + kv
-    replicated = 2 * h + (2 * model.head_dim if model.qk_layernorm else 0)
+    replicated = 2 * h + (2 * model.kv_channels if model.qk_layernorm else 0)
     if model.is_moe:
         return int(split // tensor_parallel + replicated + non_expert_mlp_parameters(model, tensor_parallel))
     return (split + 3 * h * model.intermediate_size) // tensor_parallel + replicated
@@ -386,7 +386,7 @@ def layer_activation_bytes(
         return tokens * BYTES_BF16 * hidden_size / hidden_divisor
     hidden_bytes = 4 * BYTES_BF16 * hidden_size + (2 * hidden_size if dropout else 0)
     mlp_bytes = (3 if gated_mlp else 2) * BYTES_BF16 * ffn_hidden_size
-    split_bytes = BYTES_BF16 * (2 * query_width + kv_width) + mlp_bytes
+    split_bytes: float = BYTES_BF16 * (2 * query_width + kv_width) + mlp_bytes
     if flash_attention:
         split_bytes += BYTES_FP32 * num_heads
     elif recompute == "none":
@@ -404,8 +404,8 @@ def model_layer_activation_bytes(model: ModelConfig, layout: Layout, tokens: flo
         return layer_activation_bytes(
             tokens,
             hidden_size=model.hidden_size,
-            query_width=model.num_attention_heads * model.head_dim,
-            kv_width=2 * model.num_key_value_heads * model.head_dim,
+            query_width=model.num_attention_heads * model.kv_channels,
+            kv_width=2 * model.num_key_value_heads * model.kv_channels,
             ffn_hidden_size=ffn_hidden_size,
             num_heads=model.num_attention_heads,
             tensor_parallel=layout.tensor_parallel,

@@ -39,7 +39,7 @@ def non_expert_mlp_parameters(model: ModelConfig, tensor_parallel: int) -> float
     share = moe_layer_share(model)
     h = model.hidden_size
     dense = 3 * h * model.intermediate_size / tensor_parallel
-    routed = model.num_experts * h
+    routed: float = model.num_experts * h
     if model.shared_expert_intermediate_size:
         routed += 3 * h * model.shared_expert_intermediate_size / tensor_parallel + h
     return (1 - share) * dense + share * routed

@@ -96,7 +96,7 @@ def plan_memory(model: ModelConfig, layout: Layout, workload: Workload, hardware
         for phase in ("train", "experience")
     }
     totals = {key: sum(value.values()) for key, value in evaluated.items()}
-    stage, phase = max(totals, key=totals.get)
+    stage, phase = max(totals, key=lambda key: totals[key])
     return MemoryPlan(
         model=model,
         layout=layout,

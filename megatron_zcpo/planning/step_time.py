@@ -84,7 +84,7 @@ def forward_flops_per_token(model: ModelConfig, sequence_length: float) -> float
     dense = model.num_active_parameters - model.vocab_size * model.hidden_size  # the embedding is a lookup
     if model.tie_word_embeddings:
         dense += model.vocab_size * model.hidden_size  # the tied weight still runs as output layer
-    attention = 4 * model.num_layers * model.num_attention_heads * model.head_dim * sequence_length / 2
+    attention = 4 * model.num_layers * model.num_attention_heads * model.kv_channels * sequence_length / 2
     return 2 * dense + attention
 
 

@@ -10,7 +10,7 @@ from megatron_zcpo.recipe.preflight import check_reward_function
 from tests.cli.test_train import tiny_model, write_config  # noqa: F401 - the fixture is used by name
 
 
-def test_every_problem_is_named_before_any_process_starts(tmp_path, tiny_model, capsys, monkeypatch):  # noqa: F811
+def test_every_problem_is_named_before_any_process_starts(tmp_path, tiny_model, capsys, monkeypatch):
     monkeypatch.delenv("ZCPO_STARTUP_CHECKED", raising=False)
     blocked = tmp_path / "not_a_dir"
     blocked.write_text("")
