@@ -191,3 +191,28 @@ def test_groups_of_trajectories_and_distinct_affinity_keys(tokenizer):
     assert [len(g) for g in groups] == [3, 3]
     keys = [key for _, _, key in inner.requests]
     assert len(set(keys[:6])) == 6 and keys[:6] == keys[6:]
+
+
+def test_evaluation_reports_how_often_the_policy_called_a_tool(tokenizer):
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_zcpo.data.records import PromptRecord
+    from megatron_zcpo.rollout.evaluation import evaluate
+
+    engine, _ = _engine(tokenizer, lambda text, turn: CALL if "12" in text and turn == 0 else "answer<|im_end|>")
+    records = [
+        PromptRecord(uid=f"u{i}", messages=[], answer="408", prompt_ids=_prompt(tokenizer, text))
+        for i, text in enumerate(["what is 12*34?", "what is 2*3?"])
+    ]
+
+    def score(batch, completions):
+        shape = (len(batch), len(completions[0]))
+        zeros = torch.zeros(shape, dtype=torch.bool)
+        return SimpleNamespace(score=torch.ones(shape), valid=~zeros, failed=zeros, truncated=zeros)
+
+    result = evaluate(engine, records, score, _stop(tokenizer), k=2)
+    assert result["tool_call_fraction"] == 0.5 and result["tool_calls_mean"] == 0.5
+    policy_lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (CALL, "answer<|im_end|>")]
+    assert result["mean_response_length"] == (2 * sum(policy_lengths) + 2 * policy_lengths[1]) / 4

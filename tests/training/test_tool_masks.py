@@ -112,3 +112,22 @@ def test_engine_masks_reach_the_trainer_samples_and_metrics():
     metrics = rollout_metrics(samples)
     assert metrics["rollout/tool_call_fraction"] == 0.5 and metrics["rollout/response_length_mean"] == 1.5
     assert metrics["rollout/tool_tokens_mean"] == 1.0 and metrics["rollout/turns_mean"] == 1.5
+
+
+def test_policy_turns_and_per_turn_experience_metrics():
+    from megatron_zcpo.training.experience import experience_metrics, policy_turn_of_tokens
+    from megatron_zcpo.training.metrics import MetricAccumulator
+    from megatron_zcpo.training.rollout_step import ResponseTokenStats
+
+    mask = torch.tensor([1, 1, 0, 0, 1, 0, 1, 1])
+    assert policy_turn_of_tokens(mask).tolist() == [0, 0, 0, 0, 1, 1, 2, 2]
+    sample = RolloutSample([1], list(range(8)), group_id=0, reward=1.0, response_mask=mask.tolist())
+    policy = torch.tensor([0, 1, 4, 6, 7])  # the response indices of its policy tokens
+    kl = torch.tensor([1.0, 3.0, 5.0, 7.0, 9.0])
+    stats = ResponseTokenStats(torch.zeros(5), torch.zeros(5), 2 * kl, kl, policy)
+    metrics = MetricAccumulator()
+    experience_metrics([sample], {0: stats}, metrics)
+    means = {name: metrics.sums[name] / metrics.counts[name] for name in metrics.sums}
+    assert means["experience/kl_turn1"] == 2.0 and means["experience/kl_turn2"] == 5.0
+    assert means["experience/kl_turn3plus"] == 8.0 and means["experience/entropy_turn3plus"] == 16.0
+    assert means["experience/kl"] == 5.0
