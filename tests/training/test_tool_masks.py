@@ -131,3 +131,21 @@ def test_policy_turns_and_per_turn_experience_metrics():
     assert means["experience/kl_turn1"] == 2.0 and means["experience/kl_turn2"] == 5.0
     assert means["experience/kl_turn3plus"] == 8.0 and means["experience/entropy_turn3plus"] == 16.0
     assert means["experience/kl"] == 5.0
+
+
+def _broadcast_case(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron_zcpo.recipe.rollout import broadcast_samples
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+    samples = _samples() if rank == 0 else None
+    received = broadcast_samples(samples)
+    return [(list(map(int, s.response_mask)) if s.response_mask is not None else None) for s in received]
+
+
+def test_masks_reach_every_rank():
+    from megatron_zcpo.testing import run_distributed
+
+    assert run_distributed(_broadcast_case, 2) == [[MASK, None]] * 2
