@@ -149,3 +149,33 @@ def test_masks_reach_every_rank():
     from megatron_zcpo.testing import run_distributed
 
     assert run_distributed(_broadcast_case, 2) == [[MASK, None]] * 2
+
+
+def _calibrate_case(rank, world_size):
+    from megatron_zcpo.algorithms.registry import build_algorithm
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.training.experience import calibrate
+    from megatron_zcpo.training.rollout_step import ResponseTokenStats
+
+    setup_megatron()
+    samples = _samples()
+    # Per policy token KL 0.3 (sample 0: 3 policy tokens of 6) and 0.1 (sample 1: 2 tokens).
+    experience = {
+        0: ResponseTokenStats(
+            torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.full((3,), 0.3), torch.tensor([0, 1, 5])
+        ),
+        1: ResponseTokenStats(
+            torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.full((2,), 0.1), torch.tensor([0, 1])
+        ),
+    }
+    coefficients, stats = calibrate(samples, experience, build_algorithm({"name": "zcpo", "beta": 1.0}))
+    return stats.lengths.tolist(), coefficients.tolist()
+
+
+def test_length_normalisation_divides_by_the_policy_tokens():
+    from megatron_zcpo.testing import run_distributed
+
+    [(lengths, coefficients)] = run_distributed(_calibrate_case, 1)
+    assert lengths == [3.0, 2.0]
+    # D~ = 0.3 and 0.1 (the mean KL over each response's policy tokens), centred: +-0.1; rewards 1, 0.
+    assert coefficients == pytest.approx([1.0 - 0.1, -1.0 + 0.1], abs=1e-6)
