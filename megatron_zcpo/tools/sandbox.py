@@ -44,6 +44,11 @@ def _limits(cpu_s: int, memory_bytes: int, file_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+def _read_head(path: str, limit: int = 2**20) -> str:
+    with open(path, "rb") as handle:
+        return handle.read(limit).decode("utf-8", "replace")
+
+
 class CodeTool(Tool):
     """Runs the call's Python code (a string, or ``{"code": ...}``) with ``python -I`` in a fresh temporary
     directory and returns its stdout (and stderr on failure).
@@ -70,23 +75,28 @@ class CodeTool(Tool):
         env = {k: v for k, v in os.environ.items() if not k.lower().startswith(_DROPPED_ENV_PREFIXES)}
         env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
         limits = functools.partial(_limits, max(1, int(self.timeout_s + 0.999)), self.memory_mb * 2**20, 2**20)
+        # Output goes to files under the same 1 MiB limit as any file (a pipe would let a printing loop
+        # fill this process's memory until the timeout); past it a write fails ("File too large":
+        # Python ignores SIGXFSZ).
         with tempfile.TemporaryDirectory(prefix="zcpo-code-") as workdir:
-            process = subprocess.Popen(
-                self.command(code),
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                preexec_fn=limits,
-            )
-            try:
-                out, err = process.communicate(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.communicate()
-                return ToolResult(f"error: the code did not finish within {self.timeout_s:g} s", error=True)
-        stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+            out_path, err_path = os.path.join(workdir, ".stdout"), os.path.join(workdir, ".stderr")
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                process = subprocess.Popen(
+                    self.command(code),
+                    cwd=workdir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    preexec_fn=limits,
+                )
+                try:
+                    process.wait(timeout=self.timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    return ToolResult(f"error: the code did not finish within {self.timeout_s:g} s", error=True)
+            stdout, stderr = (_read_head(path) for path in (out_path, err_path))
         if process.returncode != 0:
             reason = f"signal {-process.returncode}" if process.returncode < 0 else f"exit code {process.returncode}"
             tail = stderr.strip().splitlines()[-1:] or [""]

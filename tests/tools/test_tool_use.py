@@ -108,3 +108,9 @@ def test_code_tool_has_no_network():
     result = CodeTool(timeout_s=10).run(code)
     assert result.error and ("unreachable" in result.text or "OSError" in result.text)
     assert CodeTool(timeout_s=10).isolated_network
+
+
+def test_code_tool_output_is_bounded():
+    result = CodeTool(timeout_s=10).run("while True: print('x' * 10000)")
+    assert result.error and "File too large" in result.text
+    assert CodeTool(timeout_s=5).run("print('\\u00e9t\\u00e9')") == "\u00e9t\u00e9\n"
