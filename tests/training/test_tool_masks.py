@@ -179,3 +179,51 @@ def test_length_normalisation_divides_by_the_policy_tokens():
     assert lengths == [3.0, 2.0]
     # D~ = 0.3 and 0.1 (the mean KL over each response's policy tokens), centred: +-0.1; rewards 1, 0.
     assert coefficients == pytest.approx([1.0 - 0.1, -1.0 + 0.1], abs=1e-6)
+
+
+def _tail_case(rank, world_size, policy, reference):
+    """One ZCPO step (experience, calibration, F1-F7 diagnostics, update) on a rollout, and on the same
+    rollout where some responses end with a masked tool turn: a causal model's earlier positions do not
+    see those tokens, so every metric and every updated weight must be the same."""
+    import random
+
+    from tests.cases import diagnostics_cases, trainer_cases
+
+    plain = trainer_cases.rollout()
+    rng = random.Random(5)
+    with_tools = []
+    for i, s in enumerate(plain):
+        tail = [rng.randrange(trainer_cases.MODEL.vocab_size) for _ in range(i % 3 * 2)]
+        with_tools.append(
+            RolloutSample(
+                s.prompt_ids,
+                list(s.response_ids) + tail,
+                s.group_id,
+                s.reward,
+                s.trainable,
+                response_mask=[1] * len(s.response_ids) + [0] * len(tail),
+            )
+        )
+    out = []
+    for samples in (plain, with_tools):
+        trainer = trainer_cases.make_trainer(1, 1, policy, reference, "zcpo")
+        trainer.diagnostics = diagnostics_cases.diagnostics()
+        metrics = trainer.train_step(samples)
+        out.append((metrics, trainer.global_state_dict()))
+    return out
+
+
+def test_masked_tool_tail_changes_no_metric_and_no_weight(weights):
+    from megatron_zcpo.testing import run_distributed
+
+    [[(plain, plain_weights), (tools, tools_weights)]] = run_distributed(_tail_case, 1, *weights)
+    skipped = ("time/", "train/tokens_per_s")
+    compared = [k for k in plain if not k.startswith(skipped)]
+    assert any(k.startswith("diag/") for k in compared) and "update/policy_loss" in compared
+    for key in compared:
+        a, b = plain[key], tools[key]
+        assert (a != a and b != b) or a == pytest.approx(b, rel=1e-5, abs=1e-7), key
+    # Adam moves a weight by ~lr = 1e-3 per step; the longer sequences pack into other micro-batches
+    # (another summation order), which moved weights by 3e-7 here. A leak would move them by ~1e-3.
+    worst = max(float((value - tools_weights[name]).abs().max()) for name, value in plain_weights.items())
+    assert worst < 1e-5
