@@ -181,9 +181,8 @@ def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
     from megatron_zcpo.cli.demo_stats import verdict
 
     table = Table(title=f"{name}, seed {seed}: held-out accuracy on {summary['problems']} problems never trained on")
-    for column in ("before", "after", "gain", "SE (paired)", "gain / SE", "reward", "KL to ref", "length", "steps"):
-        table.add_column(column, justify="right")
-    table.add_row(
+    columns = ["before", "after", "gain", "SE (paired)", "gain / SE", "reward", "KL to ref", "length", "steps"]
+    row = [
         f"{summary['before']:.3f}",
         f"{summary['after']:.3f}",
         f"{summary['gain']:+.3f}",
@@ -193,13 +192,14 @@ def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
         f"{summary['kl']:.2e}",
         f"{summary['length']:.1f}",
         str(summary["steps"]),
-    )
+    ]
+    if "tool_call_fraction_before" in summary:  # multi-turn tasks: the held-out share of responses calling a tool
+        columns += ["tool calls before", "after"]
+        row += [f"{summary['tool_call_fraction_before']:.3f}", f"{summary['tool_call_fraction_after']:.3f}"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    table.add_row(*row)
     console.print(table)
-    if "tool_call_fraction_before" in summary:
-        console.print(
-            f"tool calls: {summary['tool_call_fraction_before']:.3f} of held-out responses before, "
-            f"{summary['tool_call_fraction_after']:.3f} after"
-        )
     console.print(verdict(summary["gain"], summary["se"]))
 
 
