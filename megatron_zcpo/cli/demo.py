@@ -77,6 +77,39 @@ TASKS: Dict[str, DemoTask] = {
         True,
         "chains of 3-5 one-digit +/- terms, a worked scratchpad or the answer alone (6-45-token responses)",
     ),
+    # Two-digit products: the tiny model cannot multiply in its head, but the calculator tool can. The
+    # warm-up calls the tool in a tool_fraction share of its responses and answers at once in
+    # the rest; RL rewards the trajectories that used it (multi-turn rollouts, tool turns masked out).
+    "calculator": DemoTask(
+        DemoSpec(
+            task_options=(
+                ("min_terms", 2),
+                ("max_terms", 2),
+                ("min_digits", 2),
+                ("max_digits", 2),
+                ("operators", ("*",)),
+                ("allow_parentheses", False),
+                ("allow_negation", False),
+            ),
+            tool_fraction=0.3,
+            max_response_tokens=16,
+            sft_max_steps=300,
+            sft_eval_every=10**9,  # no single-turn greedy check: the held-out evaluation before RL measures it
+        ),
+        {
+            "rollout": {"max_new_tokens": 16},
+            "data": {"max_prompt_length": 48},
+            "tools": {
+                "enabled": True,
+                "max_turns": 2,
+                "max_total_tokens": 112,
+                "call_format": "plain",
+                "registry": {"calculator": {"kind": "calculator"}},
+            },
+        },
+        False,
+        "two-digit products with a calculator tool (multi-turn: call, the tool's turn, the boxed answer)",
+    ),
 }
 
 
@@ -121,6 +154,13 @@ def run_summary(run_dir: Path) -> dict:
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         return sum(values) / len(values) if values else math.nan
 
+    evaluations = [json.loads(f.read_text()) for f in sorted(Path(run_dir).glob("eval/step_*.json"))]
+    tools = {}
+    if evaluations and "tool_call_fraction" in evaluations[0]:  # multi-turn tasks: tool use before and after
+        tools = {
+            "tool_call_fraction_before": evaluations[0]["tool_call_fraction"],
+            "tool_call_fraction_after": evaluations[-1]["tool_call_fraction"],
+        }
     measured = [r for r in records if any(key.startswith("diag/") for key in r)][1:]
     names = sorted({key for r in measured for key in r if key.startswith("diag/")})
     return {
@@ -129,6 +169,7 @@ def run_summary(run_dir: Path) -> dict:
         "kl": mean(tail, "experience/kl"),
         "length": mean(tail, "rollout/response_length_mean"),
         "steps": int(train[-1]["step"]) if train else 0,
+        **tools,
         "diagnostics": {name[len("diag/") :]: mean(measured, name) for name in names},
     }
 
@@ -140,9 +181,8 @@ def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
     from megatron_zcpo.cli.demo_stats import verdict
 
     table = Table(title=f"{name}, seed {seed}: held-out accuracy on {summary['problems']} problems never trained on")
-    for column in ("before", "after", "gain", "SE (paired)", "gain / SE", "reward", "KL to ref", "length", "steps"):
-        table.add_column(column, justify="right")
-    table.add_row(
+    columns = ["before", "after", "gain", "SE (paired)", "gain / SE", "reward", "KL to ref", "length", "steps"]
+    row = [
         f"{summary['before']:.3f}",
         f"{summary['after']:.3f}",
         f"{summary['gain']:+.3f}",
@@ -152,7 +192,13 @@ def print_run_summary(name: str, seed: int, summary: dict, console) -> None:
         f"{summary['kl']:.2e}",
         f"{summary['length']:.1f}",
         str(summary["steps"]),
-    )
+    ]
+    if "tool_call_fraction_before" in summary:  # multi-turn tasks: the held-out share of responses calling a tool
+        columns += ["tool calls before", "after"]
+        row += [f"{summary['tool_call_fraction_before']:.3f}", f"{summary['tool_call_fraction_after']:.3f}"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    table.add_row(*row)
     console.print(table)
     console.print(verdict(summary["gain"], summary["se"]))
 

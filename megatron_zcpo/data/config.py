@@ -24,6 +24,8 @@ class DataConfig:
     enable_thinking: null leaves the chat template's default; true / false is passed to the template
         as ``enable_thinking`` (Qwen3's hybrid template: false closes an empty ``<think></think>``
         block so the model answers without reasoning). Refused with a template that does not read it.
+    system_prompt: when set, a system message put first in every prompt that has none (e.g. the
+        description of the tools of a multi-turn run, ``tools:``).
     shuffle, seed: each epoch is a fresh permutation drawn from (seed, epoch).
     on_bad_row: "error" stops at start-up listing the bad rows (file:line); "skip" logs and drops them.
     """
@@ -36,6 +38,7 @@ class DataConfig:
     max_prompt_length: int = 2048
     chat_template: str = "auto"
     enable_thinking: Optional[bool] = None
+    system_prompt: Optional[str] = None
     shuffle: bool = True
     seed: int = 1234
     on_bad_row: str = "error"
@@ -64,6 +67,8 @@ class DataConfig:
             problems.append(f"data.enable_thinking must be true, false or null, got {self.enable_thinking!r}")
         if self.enable_thinking is not None and self.chat_template == "plain":
             problems.append("data.enable_thinking is a chat-template option; data.chat_template='plain' has none")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            problems.append(f"data.system_prompt must be a string, got {self.system_prompt!r}")
         if not isinstance(self.seed, int):
             problems.append(f"data.seed must be an integer, got {self.seed!r}")
         if self.on_bad_row not in ON_BAD_ROW_CHOICES:

@@ -81,13 +81,24 @@ def tokenize_records(
 
 
 def load_records(config: DataConfig) -> List[PromptRecord]:
-    """The untokenized records ``config`` names: all its files in order, or its reasoning-gym task."""
+    """The untokenized records ``config`` names: all its files in order, or its reasoning-gym task;
+    with ``system_prompt``, each record that has no system message gets it first."""
     config.validate()
     if config.task:
-        return reasoning_gym_records(
+        records = reasoning_gym_records(
             config.task, config.task_size, config.seed, config.task_instruction, **config.task_options
         )
-    return [record for path in config.train_files for record in read_prompt_file(path, config.on_bad_row)]
+    else:
+        records = [record for path in config.train_files for record in read_prompt_file(path, config.on_bad_row)]
+    if not config.system_prompt:
+        return records
+    system = {"role": "system", "content": config.system_prompt}
+    return [
+        r
+        if r.messages and r.messages[0]["role"] == "system"
+        else dataclasses.replace(r, messages=[system, *r.messages])
+        for r in records
+    ]
 
 
 class PromptDataset:

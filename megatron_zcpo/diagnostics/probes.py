@@ -86,8 +86,9 @@ def single_token(sample_index: int, position: int) -> Selector:
 
 
 def trainable_tokens(samples, indices: Sequence[int]) -> Tensor:
-    """[M, 2] int64 (sample index, position) of every trainable response token of ``samples[indices]``."""
-    rows = [(i, t) for i in indices if samples[i].trainable for t in range(len(samples[i].response_ids))]
+    """[M, 2] int64 (sample index, position) of every trainable response token of ``samples[indices]``
+    (the policy's own: a position counts the policy's tokens, tool turns hold none)."""
+    rows = [(i, t) for i in indices if samples[i].trainable for t in range(samples[i].policy_length)]
     return torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
 
 

@@ -313,7 +313,7 @@ def _group_shares(rollout: _Rollout, config: DiagnosticsConfig, families: set) -
     for indices in groups:
         geometry = rollout.branches(indices)
         shares.append(float(geometry.kl_share))
-        lengths.append(sum(len(rollout.samples[i].response_ids) for i in indices) / len(indices))
+        lengths.append(sum(rollout.samples[i].policy_length for i in indices) / len(indices))
         if "f2" in families:
             cancellations.append(float(rollout.cancellation(indices, geometry.reward_norm, config.tokens_per_group)))
     shares = torch.tensor(shares, dtype=torch.float64)
@@ -354,7 +354,7 @@ def _length_correlations(rollout: _Rollout) -> Metrics:
     if penalty is None and rollout.split is not None:
         penalty = -rollout.split.kl_coefficients
     stats = rollout.stats
-    used = torch.tensor([s.trainable and len(s.response_ids) > 0 for s in samples])
+    used = torch.tensor([s.trainable and s.policy_length > 0 for s in samples])
     metrics = {"f4_corr_length_kl_sum": pearson(stats.lengths[used], stats.kl_sum[used])}
     if penalty is not None:
         metrics["f4_corr_length_penalty"] = pearson(stats.lengths[used], penalty[used])

@@ -13,6 +13,7 @@ from megatron_zcpo.diagnostics.config import DiagnosticsConfig
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rewards.config import RewardConfig
 from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingConfig
+from megatron_zcpo.tools.config import ToolsConfig
 from megatron_zcpo.training.config import ParallelConfig, TrainConfig, check_context_parallel
 from megatron_zcpo.utils.config_loader import (
     ConfigError,
@@ -238,6 +239,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def validate(self) -> None:
         """Cross-section checks (each section validates itself first)."""
@@ -274,7 +276,21 @@ class RunConfig:
                 "train.reference_offload=false with rollout.placement=colocated keeps the reference on the GPU "
                 "while the engine generates there: leave train.reference_offload unset (true when colocated)"
             )
-        if self.reward.overlong_penalty and self.reward.max_response_length != self.rollout.max_new_tokens:
+        if self.tools.enabled and self.train.routing_replay != "none":
+            raise ValueError("tools.enabled: multi-turn rollouts do not support train.routing_replay (set it to none)")
+        if self.tools.enabled and self.tools.max_total_tokens <= self.data.max_prompt_length:
+            raise ValueError(
+                f"tools.max_total_tokens={self.tools.max_total_tokens} must exceed data.max_prompt_length="
+                f"{self.data.max_prompt_length} (it is the budget of the prompt and every turn)"
+            )
+        policy_cap = self.rollout.max_new_tokens * (self.tools.max_turns if self.tools.enabled else 1)
+        if self.reward.overlong_penalty and self.reward.max_response_length != policy_cap:
+            if self.tools.enabled:
+                raise ValueError(
+                    f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens "
+                    f"x tools.max_turns = {policy_cap} (with tools the overlong penalty counts the policy's tokens "
+                    "over all its turns)"
+                )
             raise ValueError(
                 f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="
                 f"{self.rollout.max_new_tokens} (the overlong penalty is measured against the generation cap)"
@@ -287,9 +303,10 @@ class RunConfig:
 
 def _derived_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
     """Fill keys whose default follows another key: the overlong penalty's L_max is the
-    generation cap, and its buffer L_cache 1/5 of it up to 4,096 (the paper: 20,480 and 4,096);
-    overlapped rollouts turn the importance-sampling correction on unless it is set; colocated
-    placement offloads the reference between uses unless ``train.reference_offload`` is set."""
+    generation cap (with tools: per turn, times tools.max_turns), and its buffer L_cache 1/5 of it up
+    to 4,096 (the paper: 20,480 and 4,096); overlapped rollouts turn the importance-sampling correction
+    on unless it is set; colocated placement offloads the reference between uses unless
+    ``train.reference_offload`` is set."""
     rollout = data.get("rollout") or {}
     train = data.get("train")
     if isinstance(rollout, dict) and rollout.get("overlap") is True and (train is None or isinstance(train, dict)):
@@ -304,8 +321,11 @@ def _derived_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
         # the reference leaves the GPU between experience passes: the engine needs the room
         data.setdefault("train", {}).setdefault("reference_offload", True)
     reward = data.setdefault("reward", {}) if isinstance(data.get("reward", {}), dict) else data["reward"]
+    tools = data.get("tools") if isinstance(data.get("tools"), dict) else {}
+    turns = tools.get("max_turns", ToolsConfig.max_turns) if tools.get("enabled") else 1
     if isinstance(reward, dict):
-        cap = reward.setdefault("max_response_length", rollout.get("max_new_tokens", RolloutConfig.max_new_tokens))
+        cap = rollout.get("max_new_tokens", RolloutConfig.max_new_tokens)
+        cap = reward.setdefault("max_response_length", cap * turns if isinstance(turns, int) else cap)
         if isinstance(cap, int):
             reward.setdefault("overlong_buffer", min(4096, max(1, cap // 5)))
     return data

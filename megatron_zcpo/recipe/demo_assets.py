@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 BOS, EOS, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"  # tokens of the calculator task's tokenizer only
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -46,6 +47,9 @@ class DemoSpec:
     # Share of the warm-up's responses that work a chain sum out step by step before the boxed
     # answer (drawn per record); the rest give the answer alone. 0: every response is the answer.
     worked_fraction: float = 0.0
+    # Share of the warm-up's responses that call the calculator tool (a plain-format call, the tool's
+    # turn, then the boxed result); the rest answer at once. 0: no tool tokens in the tokenizer.
+    tool_fraction: float = 0.0
     max_response_tokens: int = 12  # the warm-up checks' generation cap (the RL config has its own)
     seed: int = 11
     size: int = 8000  # records drawn (of 8,100 distinct problems; repeats are merged)
@@ -74,7 +78,10 @@ class DemoSpec:
         return {key: value for key, value in self.task_options}
 
     def digest(self) -> str:
-        payload = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        fields = dataclasses.asdict(self)
+        if not fields["tool_fraction"]:  # added later: the tool-free tasks keep their cache entries
+            del fields["tool_fraction"]
+        payload = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -110,6 +117,24 @@ def response_text(answer: str, steps: Sequence[str] = ()) -> str:
     return "".join(f"{step}\n" for step in steps) + f"\\boxed{{{answer}}}{EOS}"
 
 
+def tool_turn_text(result: str) -> str:
+    """The calculator's turn between two policy turns, as the demo's chat template renders a ``tool``
+    message after an assistant turn that stopped at its call's end (what the rollout appends)."""
+    return f"{EOS}\n{BOS}tool\n{result}{EOS}\n{BOS}assistant\n"
+
+
+def warmup_turns(spec: DemoSpec, record) -> List[Tuple[str, bool]]:
+    """``record``'s supervised response as (text, trained) pieces: a call of the calculator on the
+    record's expression, the tool's turn (not trained) and the boxed answer for a
+    ``spec.tool_fraction`` share of the records (drawn per record); else :func:`warmup_response`."""
+    import random
+
+    if spec.tool_fraction and random.Random(f"tool:{spec.seed}:{record.uid}").random() < spec.tool_fraction:
+        call = f"{CALL_START}calculator {record.extra_info['expression']}{CALL_END}"
+        return [(call, True), (tool_turn_text(record.answer), False), (response_text(record.answer), True)]
+    return [(warmup_response(spec, record), True)]
+
+
 def warmup_response(spec: DemoSpec, record) -> str:
     """``record``'s supervised response: worked out step by step
     (:func:`megatron_zcpo.data.procedural.worked_steps` of its expression) for a
@@ -139,13 +164,14 @@ def train_tokenizer(spec: DemoSpec, records):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=spec.vocab_size,
-        special_tokens=[PAD, BOS, EOS],
+        special_tokens=[PAD, BOS, EOS] + ([CALL_START, CALL_END] if spec.tool_fraction else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     corpus = []
     for record in records:
-        corpus.append(f"user\n{record.messages[0]['content']}\nassistant\n{warmup_response(spec, record)}")
+        response = "".join(text for text, _ in warmup_turns(spec, record))
+        corpus.append(f"user\n{record.messages[0]['content']}\nassistant\n{response}")
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=None, eos_token=EOS, pad_token=PAD)
     fast.chat_template = CHAT_TEMPLATE
@@ -173,14 +199,18 @@ def _hf_config(spec: DemoSpec, tokenizer):
     )
 
 
-def _encode_examples(spec: DemoSpec, tokenizer, records) -> List[Tuple[List[int], int]]:
-    """(prompt + response token ids, prompt length) per record."""
+def _encode_examples(spec: DemoSpec, tokenizer, records) -> List[Tuple[List[int], List[bool]]]:
+    """(prompt + response token ids, which of them are trained) per record; each turn is tokenised on
+    its own and laid end to end, as a multi-turn rollout lays them (a tool's turn is not trained)."""
     examples = []
     for record in records:
         prompt = tokenizer.apply_chat_template(record.messages, tokenize=False, add_generation_prompt=True)
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(warmup_response(spec, record), add_special_tokens=False)["input_ids"]
-        examples.append((prompt_ids + response_ids, len(prompt_ids)))
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        trained = [False] * len(ids)
+        for text, train in warmup_turns(spec, record):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, trained = ids + piece, trained + [train] * len(piece)
+        examples.append((ids, trained))
     return examples
 
 
@@ -230,9 +260,9 @@ def supervised_warmup(spec: DemoSpec, tokenizer, records, eval_records, log: Cal
         width = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), width), tokenizer.pad_token_id)
         labels = torch.full((len(batch), width), -100)
-        for row, (sequence, prompt_len) in enumerate(batch):
+        for row, (sequence, trained) in enumerate(batch):
             ids[row, : len(sequence)] = torch.tensor(sequence)
-            labels[row, prompt_len : len(sequence)] = torch.tensor(sequence[prompt_len:])
+            labels[row, : len(sequence)] = torch.where(torch.tensor(trained), torch.tensor(sequence), -100)
         loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()

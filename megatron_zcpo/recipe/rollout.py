@@ -16,6 +16,9 @@ from megatron_zcpo.recipe.config import RunConfig
 from megatron_zcpo.training.batch import RolloutSample
 from megatron_zcpo.utils.devices import compute_device
 
+# What a multi-turn trajectory's Completion.info says about it, kept in the trainer sample's info.
+TRAJECTORY_KEYS = ("turns", "tool_calls", "tool_errors", "stop_reason")
+
 
 def samples_from_groups(result, group_offset: int) -> List[RolloutSample]:
     """Flatten dynamic sampling's kept groups into trainer samples (group ids unique per step)."""
@@ -36,17 +39,30 @@ def samples_from_groups(result, group_offset: int) -> List[RolloutSample]:
                         "truncated": bool(rewards.truncated[group, member]),
                         "uid": record.uid,
                         "weight_version": completion.weight_version,
+                        **{key: completion.info[key] for key in TRAJECTORY_KEYS if key in completion.info},
                     },
                     routed_experts=completion.routed_experts,
+                    response_mask=None if completion.output_mask is None else list(completion.output_mask),
                 )
             )
     return samples
 
 
 def rollout_metrics(samples: Sequence[RolloutSample]) -> Dict[str, float]:
-    """Reward, accuracy and length statistics of the trained rollout."""
+    """Reward, accuracy and length statistics of the trained rollout (lengths count the policy's
+    tokens), and with multi-turn rollouts the turns and tool calls per trajectory."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([s.policy_length for s in samples], dtype=torch.float64)
+    tools = {}
+    if all("tool_calls" in s.info for s in samples):
+        calls = torch.tensor([s.info["tool_calls"] for s in samples], dtype=torch.float64)
+        tools = {
+            "rollout/tool_call_fraction": float((calls > 0).double().mean()),
+            "rollout/tool_calls_mean": float(calls.mean()),
+            "rollout/tool_errors_mean": sum(s.info["tool_errors"] for s in samples) / len(samples),
+            "rollout/turns_mean": sum(s.info["turns"] for s in samples) / len(samples),
+            "rollout/tool_tokens_mean": sum(len(s.response_ids) - s.policy_length for s in samples) / len(samples),
+        }
     return {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()) if len(samples) > 1 else 0.0,
@@ -56,6 +72,7 @@ def rollout_metrics(samples: Sequence[RolloutSample]) -> Dict[str, float]:
         "rollout/clip_ratio": sum(bool(s.info.get("truncated")) for s in samples) / len(samples),
         "rollout/samples": float(len(samples)),
         "rollout/groups": float(len({s.group_id for s in samples})),
+        **tools,
     }
 
 
@@ -70,7 +87,7 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
     int32 per rank instead of ~6 GB of Python ints), identical float32 values on every rank.
     Mixture-of-experts routing (``routed_experts``, when the engine returned it) travels as a third
     flat tensor, uint8 when every expert id fits (up to 256 experts, Qwen3-MoE's 128) else int32,
-    each sample's a [sequence, layers * top-k] view of it.
+    each sample's a [sequence, layers * top-k] view of it; multi-turn response masks as a fourth (uint8).
     """
     import torch.distributed as dist
 
@@ -91,6 +108,7 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
                     s.rollout_logprobs is not None,
                     s.info,
                     None if s.routed_experts is None else tuple(s.routed_experts.shape),
+                    s.response_mask is not None,
                 )
                 for s in samples
             ],
@@ -104,19 +122,23 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
             device
         )
         routing = _flat([r.reshape(-1) for r in routed], routing_dtype).to(device)
+        masks = _flat([s.response_mask for s in samples if s.response_mask is not None], torch.uint8).to(device)
     else:
         tokens = torch.empty(sum(p + r for p, r, *_ in header), dtype=torch.int32, device=device)
         logprobs = torch.empty(sum(r for _, r, _, _, _, has, *_ in header if has), dtype=torch.float32, device=device)
         routing = torch.empty(
-            sum(shape[0] * shape[1] for *_, shape in header if shape), dtype=routing_dtype, device=device
+            sum(shape[0] * shape[1] for *_, shape, _ in header if shape), dtype=routing_dtype, device=device
         )
+        masks = torch.empty(sum(r for _, r, *_, masked in header if masked), dtype=torch.uint8, device=device)
     dist.broadcast(tokens, src=src)
     dist.broadcast(logprobs, src=src)
     if routing.numel():
         dist.broadcast(routing, src=src)
-    tokens, logprobs, routing = tokens.cpu(), logprobs.cpu(), routing.cpu()
-    token_offset, logprob_offset, routing_offset, out = 0, 0, 0, []
-    for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info, routing_shape in header:
+    if masks.numel():
+        dist.broadcast(masks, src=src)
+    tokens, logprobs, routing, masks = tokens.cpu(), logprobs.cpu(), routing.cpu(), masks.cpu()
+    token_offset, logprob_offset, routing_offset, mask_offset, out = 0, 0, 0, 0, []
+    for prompt_len, response_len, group_id, reward, trainable, has_logprobs, info, routing_shape, masked in header:
         prompt = tokens[token_offset : token_offset + prompt_len]
         response = tokens[token_offset + prompt_len : token_offset + prompt_len + response_len]
         token_offset += prompt_len + response_len
@@ -128,7 +150,15 @@ def broadcast_samples(samples: Optional[List[RolloutSample]], src: int = 0) -> L
             size = routing_shape[0] * routing_shape[1]
             routed_experts = routing[routing_offset : routing_offset + size].view(routing_shape)
             routing_offset += size
-        out.append(RolloutSample(prompt, response, group_id, reward, trainable, rollout_logprobs, info, routed_experts))
+        response_mask = None
+        if masked:
+            response_mask = masks[mask_offset : mask_offset + response_len]
+            mask_offset += response_len
+        out.append(
+            RolloutSample(
+                prompt, response, group_id, reward, trainable, rollout_logprobs, info, routed_experts, response_mask
+            )
+        )
     return out
 
 
@@ -148,6 +178,27 @@ def stop_token_ids(config: RunConfig, tokenizer) -> tuple:
 
 
 def make_engine(config: RunConfig, model_config, tokenizer):
+    """The configured rollout engine, driven turn by turn with the run's tools when ``tools.enabled``
+    (:class:`~megatron_zcpo.rollout.multi_turn.MultiTurnEngine`)."""
+    engine = make_single_turn_engine(config, model_config, tokenizer)
+    if not config.tools.enabled:
+        return engine
+    from megatron_zcpo.rollout.multi_turn import MultiTurnEngine
+    from megatron_zcpo.tools.registry import ToolRegistry
+
+    try:
+        context = model_config.max_position_embeddings
+        if config.rollout.engine == "embedded" and config.tools.max_total_tokens > context:
+            raise ValueError(
+                f"tools.max_total_tokens={config.tools.max_total_tokens} exceeds the model's context ({context})"
+            )
+        return MultiTurnEngine(engine, ToolRegistry.from_config(config.tools), tokenizer, config.tools)
+    except BaseException:
+        engine.shutdown()
+        raise
+
+
+def make_single_turn_engine(config: RunConfig, model_config, tokenizer):
     """The configured rollout engine: embedded (this process) or SGLang (launched or attached).
 
     SGLang servers are checked once healthy (:func:`megatron_zcpo.recipe.timeouts.check_sglang_servers`:

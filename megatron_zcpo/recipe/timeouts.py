@@ -110,8 +110,13 @@ def client_config(config) -> SGLangEngineConfig:
 
 
 def longest_new_tokens(config) -> int:
-    """The most tokens a request of the run asks for (training or evaluation)."""
-    return max(config.rollout.max_new_tokens, config.eval.max_new_tokens or 0)
+    """The most tokens a request of the run asks for (training or evaluation); with multi-turn
+    tools, what a trajectory's budget leaves after the longest prompt (a late turn's request holds
+    the earlier turns in its prompt, up to ``tools.max_total_tokens`` in all)."""
+    longest = max(config.rollout.max_new_tokens, config.eval.max_new_tokens or 0)
+    if config.tools.enabled:
+        return max(longest, config.tools.max_total_tokens - config.data.max_prompt_length)
+    return longest
 
 
 def call_samples(config) -> Dict[str, int]:

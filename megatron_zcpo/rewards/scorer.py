@@ -238,16 +238,19 @@ class RewardScorer:
 
         Records need ``answer``, ``uid``, ``data_source`` and ``extra_info`` (:class:`PromptRecord`);
         responses are decoded with ``tokenizer.batch_decode(skip_special_tokens=True)``; finish reason
-        "length" marks truncation and "abort" makes a response unscorable (not valid).
+        "length" marks truncation and "abort" makes a response unscorable (not valid). Multi-turn
+        completions are judged and measured by the policy's own tokens (``Completion.policy_ids``):
+        a tool's result is not the policy's answer.
         """
         if len(records) != len(completions):
             raise ValueError(f"{len(records)} records but {len(completions)} completion groups")
         group_size = len(completions[0]) if completions else 0
         flat = [c for group in completions for c in group]
-        texts = tokenizer.batch_decode([list(c.output_ids) for c in flat], skip_special_tokens=True)
+        policy_ids = [c.policy_ids for c in flat]
+        texts = tokenizer.batch_decode(policy_ids, skip_special_tokens=True)
         responses = [texts[p * group_size : (p + 1) * group_size] for p in range(len(records))]
         shape = (len(records), group_size)
-        lengths = torch.tensor([len(c.output_ids) for c in flat], dtype=torch.int64).reshape(shape)
+        lengths = torch.tensor([len(ids) for ids in policy_ids], dtype=torch.int64).reshape(shape)
         truncated = torch.tensor([c.finish_reason == "length" for c in flat], dtype=torch.bool).reshape(shape)
         scorable = torch.tensor([c.finish_reason != "abort" for c in flat], dtype=torch.bool).reshape(shape)
         metadata = [{"uid": r.uid, "data_source": r.data_source, "extra_info": r.extra_info} for r in records]

@@ -267,8 +267,11 @@ class EmbeddedEngine(RolloutEngine):
     # -- sampling ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> List[List[Completion]]:
-        """Sample ``n`` responses per prompt; see :meth:`RolloutEngine.generate` and :class:`Completion`.
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1, affinity=None
+    ) -> List[List[Completion]]:
+        """Sample ``n`` responses per prompt; see :meth:`RolloutEngine.generate` and :class:`Completion`
+        (``affinity`` changes nothing: one model in this process).
 
         With ``params.seed`` set, the result depends only on the seed, the prompts, ``n``, the
         weights and ``max_batch_size``.

@@ -70,6 +70,9 @@ class Completion:
     every input token to (the prompt and the output but its last token), int32
     [len(prompt_ids) + len(output_ids) - 1, num_layers * top_k] as SGLang returns them (zeros in
     the slots of dense layers), else None.
+    ``output_mask`` (multi-turn rollouts, :mod:`megatron_zcpo.rollout.multi_turn`): per output token
+    1 where the policy produced it (trained) and 0 where a tool's turn was appended (its
+    ``output_logprobs`` are placeholders 0.0); None: every output token is the policy's.
     """
 
     prompt_ids: List[int]
@@ -79,6 +82,7 @@ class Completion:
     weight_version: Optional[int] = None
     info: dict = field(default_factory=dict)
     routed_experts: Optional[torch.Tensor] = None
+    output_mask: Optional[List[int]] = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -87,6 +91,17 @@ class Completion:
             raise ValueError(
                 f"Completion has {len(self.output_ids)} output_ids but {len(self.output_logprobs)} output_logprobs"
             )
+        if self.output_mask is not None and len(self.output_mask) != len(self.output_ids):
+            raise ValueError(
+                f"Completion has {len(self.output_ids)} output_ids but {len(self.output_mask)} output_mask"
+            )
+
+    @property
+    def policy_ids(self) -> List[int]:
+        """The output tokens the policy produced (all of them without ``output_mask``)."""
+        if self.output_mask is None:
+            return list(self.output_ids)
+        return [t for t, keep in zip(self.output_ids, self.output_mask) if keep]
 
     @property
     def truncated(self) -> bool:
@@ -106,10 +121,14 @@ class RolloutEngine(abc.ABC):
     """
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> List[List[Completion]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1, affinity=None
+    ) -> List[List[Completion]]:
         """Sample ``n`` responses for each prompt (token ids); result[i][j] is prompt i's j-th sample.
 
         Synchronous for the caller; engines batch or run requests concurrently inside.
+        ``affinity`` (optional, one int per prompt): requests with the same key should go to the same
+        server where the engine has several (a multi-turn trajectory's turns share their prefix).
         """
 
     @abc.abstractmethod

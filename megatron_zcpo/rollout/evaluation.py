@@ -76,7 +76,8 @@ def evaluate(
         output_path: when given, the result is also written there as JSON.
     Returns:
         {"avg@k", "pass@j"..., "num_problems", "num_samples", "mean_response_length",
-        "truncated_fraction", "failed_samples", "sampling", "by_source": {data_source: {avg@k, pass@j,
+        "truncated_fraction", "failed_samples", "sampling", with multi-turn rollouts
+        "tool_call_fraction" (samples that called a tool) and "tool_calls_mean", "by_source": {data_source: {avg@k, pass@j,
         num_problems}}, "problems": [{uid, data_source, num_correct, num_samples}]}.
     """
     if not records:
@@ -88,14 +89,15 @@ def evaluate(
     if k < 1 or any(not 1 <= j <= k for j in pass_ks):
         raise ValueError(f"need k >= 1 and every pass@j with 1 <= j <= k; got k={k}, pass_ks={pass_ks}")
 
-    correct_counts, lengths, truncated, failed = [], [], [], 0
+    correct_counts, lengths, truncated, failed, tool_calls = [], [], [], 0, []
     for start in range(0, len(records), batch_size):
         batch_records = records[start : start + batch_size]
         completions = engine.generate([r.prompt_ids for r in batch_records], sampling_params, n=k)
         rewards = score(batch_records, completions)
         correct = (rewards.score > 0) & rewards.valid & ~rewards.failed
         correct_counts.append(correct.sum(dim=1))
-        lengths.extend(len(c.output_ids) for group in completions for c in group)
+        lengths.extend(len(c.policy_ids) for group in completions for c in group)
+        tool_calls.extend(c.info["tool_calls"] for group in completions for c in group if "tool_calls" in c.info)
         truncated.append(rewards.truncated)
         failed += int(rewards.failed.sum())
     num_correct = torch.cat(correct_counts)
@@ -121,6 +123,9 @@ def evaluate(
             for r, c in zip(records, num_correct.tolist())
         ],
     }
+    if tool_calls:  # multi-turn rollouts: how often the policy called a tool
+        result["tool_call_fraction"] = sum(count > 0 for count in tool_calls) / len(tool_calls)
+        result["tool_calls_mean"] = sum(tool_calls) / len(tool_calls)
     if output_path:
         write_json_atomically(result, output_path)
     return result

@@ -27,6 +27,9 @@ class RolloutSample:
     are the engine's per-token log-probs of ``response_ids`` (for the mismatch correction).
     Token ids and log-probs are lists (from an engine) or 1-D tensors (views of the flat tensors
     a rollout is broadcast in, so no rank holds a Python int per token).
+    ``response_mask`` (multi-turn rollouts): per response token 1 where the policy produced it and 0
+    where a tool's turn was appended; masked-out tokens stay in the sequence (the model reads them)
+    but hold no response position, so no loss, statistic or length counts them. None: all are the policy's.
     """
 
     prompt_ids: Union[List[int], torch.Tensor]
@@ -39,6 +42,14 @@ class RolloutSample:
     # Mixture-of-experts models: the engine's experts of every input token (prompt and response but
     # the last), int [sequence_length, layers * top-k] as SGLang returns them (routing replay R3).
     routed_experts: Optional[torch.Tensor] = None
+    response_mask: Union[List[int], torch.Tensor, None] = None
+
+    @property
+    def policy_length(self) -> int:
+        """Response tokens the policy produced (the trained ones; T_i of the length normalisation)."""
+        if self.response_mask is None:
+            return len(self.response_ids)
+        return int(sum(int(m) for m in self.response_mask))
 
     @property
     def sequence_length(self) -> int:
@@ -194,6 +205,7 @@ class _FlatSamples:
     prompt: torch.Tensor  # [n] int64 prompt lengths
     response: torch.Tensor  # [n] int64 response lengths
     rollout: Optional[torch.Tensor]  # [sum of response lengths] float32, or None when a sample has none
+    policy: torch.Tensor  # [sum of response lengths] bool: the policy's tokens (False: a tool's turn)
 
 
 def _starts(lengths: torch.Tensor) -> torch.Tensor:
@@ -223,6 +235,8 @@ def _flatten(samples: Sequence[RolloutSample], indices: Sequence[int]) -> _FlatS
             raise ValueError(
                 f"sample {index}: {len(sample.rollout_logprobs)} rollout log-probs for {length} response tokens"
             )
+        if sample.response_mask is not None and len(sample.response_mask) != length:
+            raise ValueError(f"sample {index}: response_mask of {len(sample.response_mask)} for {length} tokens")
     total = torch.tensor([p + r for p, r in zip(prompt, response)], dtype=torch.long)
     has_rollout = all(s.rollout_logprobs is not None for s in chosen)
     return _FlatSamples(
@@ -232,6 +246,10 @@ def _flatten(samples: Sequence[RolloutSample], indices: Sequence[int]) -> _FlatS
         prompt=torch.tensor(prompt, dtype=torch.long),
         response=torch.tensor(response, dtype=torch.long),
         rollout=_concatenated([s.rollout_logprobs for s in chosen], torch.float32) if has_rollout else None,
+        policy=_concatenated(
+            [s.response_mask if s.response_mask is not None else [1] * n for s, n in zip(chosen, response)],
+            torch.long,
+        ).bool(),
     )
 
 
@@ -258,18 +276,20 @@ def collate(samples: Sequence[RolloutSample], indices: Sequence[int], pad_id: in
     width = -(-max(flat.inputs) // sp_size) * sp_size
     row = torch.arange(rows).unsqueeze(1).expand(rows, width)
     tokens, targets = _shifted_pair(flat, row, torch.arange(width).unsqueeze(0).expand(rows, width), pad_id)
-    # Response token k of row r is target position (prompt - 1 + k), flat index r * S + that.
+    # Response token k of row r is target position (prompt - 1 + k), flat index r * S + that; tool
+    # tokens (multi-turn) hold no response position.
     owner = torch.repeat_interleave(torch.arange(rows), flat.response)
     token_index = torch.arange(owner.numel()) - _starts(flat.response)[owner]
+    owner, token_index = owner[flat.policy], token_index[flat.policy]
     return MicroBatch(
         tokens=tokens,
         position_ids=torch.arange(width).unsqueeze(0).expand(rows, width).contiguous(),
         targets=targets,
         response_positions=owner * width + flat.prompt[owner] - 1 + token_index,
         response_token_index=token_index,
-        response_lengths=flat.response.tolist(),
+        response_lengths=torch.bincount(owner, minlength=rows).tolist(),
         sample_indices=list(indices),
-        rollout_logprobs=flat.rollout,
+        rollout_logprobs=None if flat.rollout is None else flat.rollout[flat.policy],
     )
 
 
@@ -321,6 +341,8 @@ def collate_packed(
     response_positions = torch.nonzero((held >= first) & (held < first + flat.response[sample])).reshape(-1)
     owner = sample[response_positions]
     token_index = held[response_positions] - first[response_positions]
+    policy = flat.policy[_starts(flat.response)[owner] + token_index]  # tool tokens hold no response position
+    response_positions, owner, token_index = response_positions[policy], owner[policy], token_index[policy]
     rollout = None
     if flat.rollout is not None:
         rollout = flat.rollout[_starts(flat.response)[owner] + token_index]

@@ -143,7 +143,7 @@ def calibrate(samples: Sequence[RolloutSample], experience: Dict[int, ResponseTo
     stats = ResponseStats(
         group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float64),
-        lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64),
+        lengths=torch.tensor([s.policy_length for s in samples], dtype=torch.float64),
         kl_sum=sums[:, 0],
         k1_sum=sums[:, 1],
     )
@@ -175,6 +175,15 @@ def selfcheck(experience: Dict[int, ResponseTokenStats], tolerance: float) -> Di
     return {"selfcheck/kl_max": kl_max, "selfcheck/logprob_gap_max": gap_max}
 
 
+def policy_turn_of_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """Which policy turn (0, 1, ...) each response token belongs to, [T] -> [T] int64, from a multi-turn
+    response mask [T] (1: the policy's token, 0: a tool's); a tool token counts with the turn before it."""
+    policy = mask.long() > 0
+    starts = policy.clone()
+    starts[1:] &= ~policy[:-1]
+    return (torch.cumsum(starts.long(), 0) - 1).clamp(min=0)
+
+
 def experience_metrics(
     samples: Sequence[RolloutSample], experience: Dict[int, ResponseTokenStats], metrics: MetricAccumulator
 ) -> None:
@@ -192,6 +201,14 @@ def experience_metrics(
         gap = (stats.old_logprob - stats.ref_logprob).abs()
         metrics.add("experience/logprob_ref_gap", gap.sum(), n)
         metrics.add_max("experience/logprob_ref_gap_max", gap.max())
+        mask = samples[index].response_mask
+        if mask is not None:  # multi-turn: the conditional KL and entropy of the policy's turns 1, 2, 3+
+            turn = policy_turn_of_tokens(torch.as_tensor(mask))[stats.token_index].clamp(max=2)
+            for k in range(int(turn.max()) + 1 if turn.numel() else 0):
+                chosen = turn == k
+                name = f"turn{k + 1}" if k < 2 else "turn3plus"
+                metrics.add(f"experience/kl_{name}", stats.kl[chosen].sum(), int(chosen.sum()))
+                metrics.add(f"experience/entropy_{name}", stats.entropy[chosen].sum(), int(chosen.sum()))
         rollout = samples[index].rollout_logprobs
         if rollout is not None and len(rollout) == len(samples[index].response_ids):
             rollout = torch.as_tensor(rollout, dtype=torch.float32)[stats.token_index]

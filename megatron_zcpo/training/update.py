@@ -103,10 +103,10 @@ def algorithm_loss(algorithm, inputs: LossInputs):
 def minibatch_normalizer(samples: Sequence[RolloutSample], indices, unit: str) -> float:
     """Global denominator of the loss aggregation over the mini-batch ``indices`` (all DP ranks).
 
-    ``unit``: the algorithm's ``normalizer_unit``, "tokens" (trainable response tokens) or
+    ``unit``: the algorithm's ``normalizer_unit``, "tokens" (trainable response tokens, the policy's own) or
     sequences (trainable responses with a token).
     """
-    counted = [len(samples[i].response_ids) for i in indices if samples[i].trainable]
+    counted = [samples[i].policy_length for i in indices if samples[i].trainable]
     if unit == "tokens":
         return float(sum(counted))
     return float(sum(1 for c in counted if c > 0))

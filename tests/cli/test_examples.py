@@ -90,6 +90,7 @@ MODELS = {
     "qwen2.5-32b-zcpo": QWEN25_32B,
     "qwen2.5-32b-colocated-zcpo": QWEN25_32B,
     "qwen2.5-7b-colocated-zcpo": preset_model_config("Qwen2.5-7B"),
+    "qwen2.5-32b-code-tool-zcpo": QWEN25_32B,  # the Instruct model's config.json has the same architecture
     "llama-3.3-70b-zcpo": LLAMA33_70B,
     "qwen2.5-72b-zcpo": QWEN25_72B,
     "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING,
@@ -102,6 +103,7 @@ QUOTED = {
     "qwen2.5-32b-zcpo": (32, 55.35),
     "qwen2.5-32b-colocated-zcpo": (16, 63.00),
     "qwen2.5-7b-colocated-zcpo": (8, 50.19),
+    "qwen2.5-32b-code-tool-zcpo": (32, 57.25),
     "llama-3.3-70b-zcpo": (64, 59.03),
     "qwen2.5-72b-zcpo": (64, 60.73),
     "qwen3-4b-long-context-zcpo": (32, 61.39),
@@ -172,7 +174,8 @@ def test_config_validates_with_the_sbatch_overrides(example, tmp_path):
         config.parallel.pipeline,
         config.parallel.context,
     )
-    assert config.reward.max_response_length == config.rollout.max_new_tokens
+    turns = config.tools.max_turns if config.tools.enabled else 1  # with tools: the policy's tokens over all turns
+    assert config.reward.max_response_length == config.rollout.max_new_tokens * turns
     assert settings["CONFIG"] == f"examples/{example}/config.yaml"
 
 

@@ -162,8 +162,15 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
 
     # -- generation ----------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> List[List[Completion]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1, affinity=None
+    ) -> List[List[Completion]]:
         """Sample ``n`` responses per prompt, one /generate request per sample, concurrently.
+
+        Without a router, request j of prompt i goes to the in-rotation server ``affinity[i]`` modulo
+        their count when ``affinity`` is given (every turn of a multi-turn trajectory on one server,
+        whose prefix cache holds its earlier turns), else round-robin; a router places requests
+        itself (sglang-router's cache-aware policy sends a request where its prefix is cached).
 
         With ``params.seed`` set and ``config.sampling_seeds`` on, sample j of prompt i gets
         ``sampling_seed = (seed + i*n + j) mod 2**31`` (:func:`request_seed`).
@@ -179,7 +186,7 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         self._check_open()
         params.validate()
         validate_prompts(prompts, n)
-        groups = self._http.run(self._generate_with_deadline(prompts, params, n))
+        groups = self._http.run(self._generate_with_deadline(prompts, params, n, affinity))
         rejected = rejected_messages(groups)
         self.rejected_samples += len(rejected)
         for message in rejected:
@@ -192,16 +199,20 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
             )
         return groups
 
-    async def _generate_with_deadline(self, prompts, params: SamplingParams, n: int) -> List[List[Completion]]:
+    async def _generate_with_deadline(
+        self, prompts, params: SamplingParams, n: int, affinity
+    ) -> List[List[Completion]]:
         try:
-            return await asyncio.wait_for(self._generate_all(prompts, params, n), self.config.rollout_timeout_s)
+            return await asyncio.wait_for(
+                self._generate_all(prompts, params, n, affinity), self.config.rollout_timeout_s
+            )
         except TimeoutError:
             raise RolloutError(
                 f"the rollout of {len(prompts) * n} samples did not finish within "
                 f"rollout.sglang.client.rollout_timeout_s = {self.config.rollout_timeout_s} s"
             ) from None
 
-    async def _generate_all(self, prompts, params: SamplingParams, n: int) -> List[List[Completion]]:
+    async def _generate_all(self, prompts, params: SamplingParams, n: int, affinity=None) -> List[List[Completion]]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
         given_up = asyncio.Event()  # set by the first request that fails: queued ones do not start
         tasks = []
@@ -212,7 +223,10 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
                     request_seed(params.seed, index) if params.seed is not None and self.config.sampling_seeds else None
                 )
                 sampling = sglang_sampling_params(params, seed)
-                tasks.append(asyncio.ensure_future(self._generate_one(index, prompt, sampling, limit, given_up)))
+                server_key = index if affinity is None else int(affinity[i])
+                tasks.append(
+                    asyncio.ensure_future(self._generate_one(index, prompt, sampling, limit, given_up, server_key))
+                )
         try:
             completions = await asyncio.gather(*tasks)
         except BaseException:
@@ -224,7 +238,13 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     async def _generate_one(
-        self, index: int, prompt, sampling: Dict[str, Any], limit: asyncio.Semaphore, given_up: asyncio.Event
+        self,
+        index: int,
+        prompt,
+        sampling: Dict[str, Any],
+        limit: asyncio.Semaphore,
+        given_up: asyncio.Event,
+        server_key: int,
     ) -> Completion:
         async with limit:
             if given_up.is_set():  # the call failed: this request never starts (and raises nothing that
@@ -245,7 +265,7 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
                 payload["rid"] = uuid.uuid4().hex
 
             try:
-                url, response = await self._request_on_a_server(index, payload, fresh_request_id)
+                url, response = await self._request_on_a_server(index, payload, fresh_request_id, server_key)
             except ServersLostError:
                 given_up.set()
                 await asyncio.shield(self._http.abort_quietly(payload["rid"]))
@@ -261,7 +281,7 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
             response = response[0]
         return completion_from_sglang(prompt, response, vocab_size=self.config.vocab_size, server=url)
 
-    async def _request_on_a_server(self, index: int, payload, before_retry) -> Tuple[str, Any]:
+    async def _request_on_a_server(self, index: int, payload, before_retry, server_key: int) -> Tuple[str, Any]:
         """(url, answer) of /generate request ``index``: moved to another server while servers are lost.
 
         Without a router, the server that failed the request's retries leaves the rotation and the
@@ -272,7 +292,7 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         """
         pool, last_error, router = self._http.pool, None, self.generation_router
         for _ in range(len(pool.urls) + 1):
-            url = router or pool.pick(index)
+            url = router or pool.pick(server_key)
             try:
                 return url, await self._http.request("POST", url + "/generate", payload, before_retry=before_retry)
             except SGLangHTTPError:

@@ -1,0 +1,1 @@
+"""Tools a multi-turn rollout can call: the registry, Python-function tools and the sandboxed code tool."""

@@ -1,0 +1,62 @@
+"""The tool registry of a run (``tools.registry``): tools by name, called concurrently, errors as results."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Dict, List, Optional, Sequence
+
+from megatron_zcpo.tools.base import Tool, ToolResult, call_tool
+from megatron_zcpo.tools.config import ToolsConfig
+from megatron_zcpo.tools.parser import ToolCall
+
+
+def build_tool(name: str, spec: Dict) -> Tool:
+    """The tool ``spec`` describes (a ``tools.registry`` entry; see :class:`ToolsConfig`)."""
+    from megatron_zcpo.tools.python_function import PythonFunctionTool, calculate, load_function
+
+    options = {k: v for k, v in spec.items() if k != "kind"}
+    if spec["kind"] == "calculator":
+        return PythonFunctionTool(name, calculate)
+    if spec["kind"] == "python":
+        return PythonFunctionTool(name, load_function(options["function"]))
+    from megatron_zcpo.tools.sandbox import CodeTool
+
+    unknown = set(options) - {"timeout_s", "memory_mb", "network"}
+    if unknown:
+        raise ValueError(f"tools.registry.{name}: unknown options {sorted(unknown)} for kind code")
+    return CodeTool(name, **options)
+
+
+class ToolRegistry:
+    """The run's tools by name; :meth:`call_all` runs a turn's calls and never raises for a tool's failure."""
+
+    def __init__(self, tools: Sequence[Tool], timeout_s: float = 10.0, max_result_chars: int = 2000, max_workers=4):
+        self.tools: Dict[str, Tool] = {tool.name: tool for tool in tools}
+        self.timeout_s = timeout_s
+        self.max_result_chars = max_result_chars
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="zcpo-tool")
+
+    @classmethod
+    def from_config(cls, config: ToolsConfig) -> ToolRegistry:
+        tools = [build_tool(name, spec) for name, spec in config.registry.items()]
+        return cls(tools, config.timeout_s, config.max_result_chars, config.max_workers)
+
+    def call_all(self, calls: Sequence[Optional[ToolCall]]) -> List[Optional[ToolResult]]:
+        """Each call's result (None for None), run concurrently: an unknown tool, an unparsable call, a
+        tool that raises, hangs past ``timeout_s`` or returns garbage each give an error result."""
+        futures = [None if call is None else self._pool.submit(self.call, call) for call in calls]
+        return [None if future is None else future.result() for future in futures]
+
+    def call(self, call: ToolCall) -> ToolResult:
+        """One call's result (see :meth:`call_all`)."""
+        if call.error is not None:
+            return ToolResult(f"error: {call.error}", error=True)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(sorted(self.tools))
+            return ToolResult(f"error: unknown tool {call.name!r} (tools: {known})", error=True)
+        return call_tool(tool, call.arguments, self.timeout_s, self.max_result_chars)
+
+    def close(self) -> None:
+        """Stop taking calls (a hung in-process call's thread is left to finish on its own)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
