@@ -53,7 +53,7 @@ class CodeTool(Tool):
     """Runs the call's Python code (a string, or ``{"code": ...}``) with ``python -I`` in a fresh temporary
     directory and returns its stdout (and stderr on failure).
 
-    Limits: ``timeout_s`` wall clock (the process group is killed), the same in CPU seconds
+    Limits: ``timeout_s`` wall clock (the process group is killed), a second more in CPU seconds
     (RLIMIT_CPU), ``memory_mb`` of address space (RLIMIT_AS), 1 MiB of written files; no network
     where ``unshare -n`` works (:func:`network_isolation_prefix`), ``network=True`` keeps it.
     """
@@ -74,7 +74,10 @@ class CodeTool(Tool):
             raise ValueError(f"the code tool needs code as a string, got {code!r}")
         env = {k: v for k, v in os.environ.items() if not k.lower().startswith(_DROPPED_ENV_PREFIXES)}
         env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
-        limits = functools.partial(_limits, max(1, int(self.timeout_s + 0.999)), self.memory_mb * 2**20, 2**20)
+        # The CPU limit is a backstop one second past the wall-clock one: a busy loop uses CPU as fast as
+        # wall time, and the wall-clock kill must win that race so the turn says what happened.
+        cpu_limit_s = max(1, int(self.timeout_s + 0.999)) + 1
+        limits = functools.partial(_limits, cpu_limit_s, self.memory_mb * 2**20, 2**20)
         # Output goes to files under the same 1 MiB limit as any file (a pipe would let a printing loop
         # fill this process's memory until the timeout); past it a write fails ("File too large":
         # Python ignores SIGXFSZ).

@@ -60,15 +60,21 @@ BENCH_OUTPUT = """# NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0; roofline HBM 
   peer (bf16 layer + megatron CE)       36.400 ms  peak +    4752 MiB  HBM      -  bf16  67.0%  x peer   1.00
   ours (triton), logprob                29.000 ms  peak +    3000 MiB  HBM      -  bf16  84.0%  x peer   0.80
 
-# token-stats GPU bench: {failed} checks failed {names}, 0 Triton cases failed []; 180 s
+{summary}
 """
+# The harness's closing line (benchmarks/bench_gpu_harness.py: verdict) on success and on a failed check.
+PASSED_SUMMARY = "# token-stats GPU bench: PASS: 3/3 checks passed, targets met: stats, update; 180 s"
+FAILED_SUMMARY = (
+    "# token-stats GPU bench: FAIL (1): check 152064 backward failed\n# 2/3 checks passed, 2 targets met; 180 s"
+)
 
 
 @pytest.mark.parametrize(
     "verdict,failed,names,status", [("PASS", 0, "[]", "ok"), ("FAIL", 1, "['152064 backward']", "FAILED")]
 )
 def test_bench_row_reads_the_tables_and_the_checks(monkeypatch, tmp_path, verdict, failed, names, status):
-    output = BENCH_OUTPUT.format(verdict=verdict, failed=failed, names=names)
+    summary = PASSED_SUMMARY if verdict == "PASS" else FAILED_SUMMARY
+    output = BENCH_OUTPUT.format(verdict=verdict, summary=summary)
     completed = subprocess.CompletedProcess([], failed, output, "")
     monkeypatch.setattr(gpu_check.subprocess, "run", lambda *args, **kwargs: completed)
     row = gpu_check.GpuCheck(tmp_path, "tiny", on_gpu=True).bench()
