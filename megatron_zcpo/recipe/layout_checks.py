@@ -142,6 +142,8 @@ def layout_problems(
             f"parallel.pipeline={pp} must divide the model's num_layers={model.num_layers} "
             f"(parallel.pipeline may be {', '.join(map(str, _divisors_of_all(model.num_layers)[:8]))})"
         )
+    problems += _expert_problems(config, model)
+    problems += _sequence_problems(config, model)
     if tokenizer_size is not None and tokenizer_size > model.vocab_size:
         problems.append(
             f"model.tokenizer: the tokenizer has {tokenizer_size} tokens but the model's vocabulary is "
@@ -151,6 +153,41 @@ def layout_problems(
     if gpu_memory_gib is not None and not problems:
         problems += _memory_problems(config, model, world_size, gpu_memory_gib)
     return problems
+
+
+def _expert_problems(config: RunConfig, model: ModelConfig) -> List[str]:
+    """What the trainer (:func:`~megatron_zcpo.training.config.check_experts`) and megatron's MoE layer
+    refuse about ``parallel.expert`` / ``parallel.expert_tensor`` on ``model``."""
+    from megatron_zcpo.training.config import check_experts
+
+    parallel, problems = config.parallel, []
+    try:
+        check_experts(model, parallel, config.train, config.diagnostics.enabled)
+    except ValueError as error:
+        problems.append(str(error))
+    if model.is_moe and model.num_experts % parallel.expert:
+        problems.append(f"parallel.expert={parallel.expert} must divide the model's num_experts={model.num_experts}")
+    expert_tensor = parallel.expert_tensor or parallel.tensor
+    if model.is_moe and model.moe_intermediate_size % expert_tensor:
+        problems.append(
+            f"parallel.expert_tensor={expert_tensor} must divide the model's "
+            f"moe_intermediate_size={model.moe_intermediate_size}"
+        )
+    return problems
+
+
+def _sequence_problems(config: RunConfig, model: ModelConfig) -> List[str]:
+    """The longest sequence (prompt and response) must fit the model's positions."""
+    from megatron_zcpo.recipe.timeouts import longest_new_tokens
+
+    prompt, new_tokens = config.data.max_prompt_length, longest_new_tokens(config)
+    if prompt + new_tokens <= model.max_position_embeddings:
+        return []
+    return [
+        f"data.max_prompt_length={prompt} + rollout.max_new_tokens (or eval.max_new_tokens) {new_tokens} = "
+        f"{prompt + new_tokens} tokens is longer than the model's max_position_embeddings="
+        f"{model.max_position_embeddings}"
+    ]
 
 
 def _batch_problems(config: RunConfig, data_parallel: int) -> List[str]:

@@ -44,3 +44,36 @@ def test_reward_function_is_called_once_with_the_scorers_signature():
     with pytest.raises(TypeError, match="builtins:print returned None for the first training record"):
         check_reward_function("builtins:print", record)
     assert check_reward_function("megatron_zcpo.rewards.math:dapo_math_reward", record) in (-1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"data": {"train_files": ["/no/such/train.jsonl"]}}, "data.train_files: DataError: "),
+        (
+            {"reward": {"function": "megatron_zcpo.rewards.no_such_module:score"}},
+            "reward.function: RewardFunctionLoadError: cannot import module",
+        ),
+        ({"parallel": {"tensor": 1, "expert": 2}}, "parallel.expert=2, parallel.expert_tensor=None: the qwen2 model"),
+        (
+            {"rollout": {"max_new_tokens": 120}, "reward": {"max_response_length": 120}},
+            "data.max_prompt_length=64 + rollout.max_new_tokens (or eval.max_new_tokens) 120 = 184 tokens is "
+            "longer than the model's max_position_embeddings=128",
+        ),
+    ],
+    ids=["missing-data", "reward-import", "experts-on-dense", "too-long"],
+)
+def test_dry_run_refuses_what_the_start_refuses_and_neither_writes_anything(
+    changes,
+    message,
+    tmp_path,
+    tiny_model,  # noqa: F811
+    capsys,
+    monkeypatch,
+):
+    monkeypatch.delenv("ZCPO_STARTUP_CHECKED", raising=False)
+    path = write_config(tmp_path, tiny_model, **changes)
+    for dry_run in (["--dry-run"], []):
+        assert main(["train", str(path), *dry_run]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "run").exists()  # neither the run directory nor its checkpoints/
