@@ -155,6 +155,7 @@ def main():
     with open(log_path, "a") as log:
         record = {
             "step": step,
+            "job_id": os.environ["SLURM_JOB_ID"],
             "options": options,
             "command": command,
             "tasks": [{key: env.get(key) for key in STEP_VARIABLES} for env in environments],
