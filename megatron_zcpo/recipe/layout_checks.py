@@ -156,22 +156,29 @@ def layout_problems(
 
 
 def _expert_problems(config: RunConfig, model: ModelConfig) -> List[str]:
-    """What the trainer (:func:`~megatron_zcpo.training.config.check_experts`) and megatron's MoE layer
-    refuse about ``parallel.expert`` / ``parallel.expert_tensor`` on ``model``."""
-    from megatron_zcpo.training.config import check_experts
-
-    parallel, problems = config.parallel, []
-    try:
-        check_experts(model, parallel, config.train, config.diagnostics.enabled)
-    except ValueError as error:
-        problems.append(str(error))
-    if model.is_moe and model.num_experts % parallel.expert:
-        problems.append(f"parallel.expert={parallel.expert} must divide the model's num_experts={model.num_experts}")
+    """What megatron's MoE layer and the trainer refuse about ``parallel.expert`` / ``expert_tensor`` on
+    ``model`` (the routing settings are checked at start-up, :mod:`megatron_zcpo.recipe.preflight`)."""
+    parallel = config.parallel
     expert_tensor = parallel.expert_tensor or parallel.tensor
-    if model.is_moe and model.moe_intermediate_size % expert_tensor:
+    if not model.is_moe:
+        if parallel.expert != 1 or expert_tensor != parallel.tensor:
+            return [
+                f"parallel.expert={parallel.expert}, parallel.expert_tensor={parallel.expert_tensor}: "
+                f"the {model.family} model has no experts"
+            ]
+        return []
+    problems = []
+    if model.num_experts % parallel.expert:
+        problems.append(f"parallel.expert={parallel.expert} must divide the model's num_experts={model.num_experts}")
+    if model.moe_intermediate_size % expert_tensor:
         problems.append(
             f"parallel.expert_tensor={expert_tensor} must divide the model's "
             f"moe_intermediate_size={model.moe_intermediate_size}"
+        )
+    if parallel.tensor > 1 and not parallel.sequence_parallel:
+        problems.append(
+            f"parallel.tensor={parallel.tensor} with a mixture-of-experts model needs "
+            "parallel.sequence_parallel=true (megatron-core's MoE layer refuses TP without it)"
         )
     return problems
 

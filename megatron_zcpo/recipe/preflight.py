@@ -110,7 +110,7 @@ def startup_problems(config, *, world_size: Optional[int] = None, memory_check: 
     if records:
         _check(problems, "reward.function", lambda: check_reward_function(config.reward.function, records[0]))
     if model is not None:
-        problems += layout_problems(
+        layout = layout_problems(
             config,
             model,
             world_size,
@@ -118,6 +118,21 @@ def startup_problems(config, *, world_size: Optional[int] = None, memory_check: 
             tokenizer_size=len(tokenizer) if tokenizer is not None else None,
             gpu_memory_gib=gpu_memory_gib() if memory_check else None,
         )
+        problems += layout
+        if not any(problem.startswith(("parallel.expert", "parallel.tensor")) for problem in layout):
+            problems += _trainer_expert_problems(config, model)
     _check(problems, "logging.run_dir", lambda: check_checkpoint_dir(config.logging.run_dir))
     _check(problems, "checkpoint.dir", lambda: check_checkpoint_dir(config.checkpoint_dir))
     return problems
+
+
+def _trainer_expert_problems(config, model) -> List[str]:
+    """What the trainer refuses about routing replay, diagnostics and recompute on ``model``
+    (:func:`~megatron_zcpo.training.config.check_experts`)."""
+    from megatron_zcpo.training.config import check_experts
+
+    try:
+        check_experts(model, config.parallel, config.train, config.diagnostics.enabled)
+    except ValueError as error:
+        return [str(error)]
+    return []

@@ -393,3 +393,16 @@ def test_dockerfile_pins_its_base_image_and_installs_the_package_without_torch()
     assert "pip install" in text and "-e ." in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {"runs/", ".venv/"} <= set(ignored)
+
+
+def test_expert_parallelism_the_model_cannot_take_is_refused_before_any_rank_starts(tmp_path):
+    from megatron_zcpo.recipe.layout_checks import layout_problems
+
+    moe = run_config("qwen3-30b-a3b-zcpo", tmp_path, ["parallel.expert=3"])
+    assert "parallel.expert=3 must divide the model's num_experts=128" in layout_problems(
+        moe, MODELS["qwen3-30b-a3b-zcpo"], 48
+    )
+    dense = run_config("qwen2.5-32b-zcpo", tmp_path, ["parallel.expert=2"])
+    assert "parallel.expert=2, parallel.expert_tensor=None: the qwen2 model has no experts" in layout_problems(
+        dense, MODELS["qwen2.5-32b-zcpo"], 32
+    )
