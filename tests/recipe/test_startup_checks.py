@@ -77,3 +77,22 @@ def test_dry_run_refuses_what_the_start_refuses_and_neither_writes_anything(
         assert main(["train", str(path), *dry_run]) == 2
         assert message in capsys.readouterr().err
         assert not (tmp_path / "run").exists()  # neither the run directory nor its checkpoints/
+
+
+def test_dry_run_in_a_one_task_slurm_step_checks_the_world_nproc_names(tmp_path, tiny_model):  # noqa: F811
+    """A job's check step (srun --ntasks=1) has SLURM_NTASKS=1; --nproc names the training step's world."""
+    import os
+    import subprocess
+    import sys
+
+    path = write_config(tmp_path, tiny_model)  # TP2
+    step = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    command = [sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(path), "--dry-run"]
+    alone, named = (
+        subprocess.run(command + extra, env={**env, **step}, capture_output=True, text=True, timeout=300)
+        for extra in ([], ["--nproc", "4"])
+    )
+    assert alone.returncode == 2 and "TP*PP*CP = 2*1*1 = 2 must divide the 1 processes" in alone.stderr
+    assert named.returncode == 0, named.stderr
+    assert "valid on 4 processes: TP2 PP1 CP1 EP1 DP2" in named.stderr
