@@ -12,15 +12,15 @@ time is the slowest rank's wall time, peak memory the largest per-rank rise of t
 (VmHWM after the call minus VmRSS before it, the high-water mark reset first, with glibc made to
 map and unmap every allocation of 64 KiB or more), so the inputs and reused heap pages do not count. ``--comm`` times the two communication patterns the op could use.
 ``--update`` times the update pass from hidden states (fused op vs Megatron's output layer + cross
-entropy, forward and backward). ``--gpu`` (one CUDA device, TP=1, <= ~5 minutes): checks of the
-Triton kernels against the torch backend and float64 on the GPU, then times and peak memory against
-the HBM and bf16 rooflines beside the peer, a compiled functional version and the previous
-implementation (``bench_token_stats_gpu.py``).
+entropy, forward and backward). ``--gpu`` (one CUDA device, TP=1, <= 5 minutes): per-term checks of
+the Triton kernels against float64 and the torch backend on the GPU, then times and peak memory against
+the HBM and bf16 rooflines beside the peer and the previous implementation, then the targets asserted
+(exit 1 when one is missed, skipped or unchecked; ``bench_token_stats_gpu.py``).
 
     python benchmarks/bench_token_stats.py --sizes 1024x32768,4096x152064 --tp 1,2
     python benchmarks/bench_token_stats.py --comm
     python benchmarks/bench_token_stats.py --update --tp 1,2
-    python benchmarks/bench_token_stats.py --gpu [--budget 270]
+    python benchmarks/bench_token_stats.py --gpu [--budget 270] [--compiled]
 """
 
 from __future__ import annotations
@@ -326,13 +326,26 @@ def main(argv=None):
         action="store_true",
         help="with --gpu: every check and case once on the CPU at toy sizes (Triton's interpreter)",
     )
+    parser.add_argument(
+        "--target-scale", type=float, default=1.0, help="GPU section: a factor on the targets (0: all missed)"
+    )
+    parser.add_argument(
+        "--omit-check", action="append", default=[], help="GPU section: a check not to run (its cases: unchecked)"
+    )
+    parser.add_argument("--compiled", action="store_true", help="GPU section: also the torch.compile baselines")
     args = parser.parse_args(argv)
     if args.gpu:
         if args.dry_run:
             os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is loaded
         import bench_token_stats_gpu
 
-        return bench_token_stats_gpu.run(budget_s=args.budget, dry_run=args.dry_run)
+        return bench_token_stats_gpu.run(
+            budget_s=args.budget,
+            dry_run=args.dry_run,
+            target_scale_by=args.target_scale,
+            omit=args.omit_check,
+            compiled=args.compiled,
+        )
     elif args.comm:
         run_comm()
     elif args.update:

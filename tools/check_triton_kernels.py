@@ -2,7 +2,7 @@
 
     python tools/check_triton_kernels.py [--arch 90] [--quick]
 
-The op runs on small CPU tensors with each kernel shape the GPU autotune may pick forced in turn,
+The op runs on small CPU tensors with each kernel shape the GPU launcher may pick forced in turn,
 and every launch is compiled (Triton's front end, ptxas) for ``sm_<arch>`` instead of run: what
 Triton's interpreter accepts but the compiler rejects (types of loop-carried values, constexpr
 use, language features of another Triton release) fails here. Prints one line per variant with

@@ -280,7 +280,7 @@ class GpuCheck:
             "bench_token_stats --gpu",
             "ok" if bench_passed(result) else "FAILED",
             bench_summary(result.stdout),
-            "exit 0; every check PASS; see the tables above",
+            "exit 0: every check PASS, targets met (stats <= 1.5 ms, update <= 31 ms on an H200)",
         )
 
     def train_end_to_end(self) -> CheckRow:
@@ -334,12 +334,8 @@ class GpuCheck:
 
 
 def bench_passed(result: subprocess.CompletedProcess) -> bool:
-    """The benchmark exited 0 and printed its summary with no failed check or Triton case."""
-    return (
-        result.returncode == 0
-        and re.search(r"# token-stats GPU bench: 0 checks failed \[\], 0 Triton cases failed", result.stdout)
-        is not None
-    )
+    """The benchmark exited 0 and printed its PASS summary (every check passed, every target met)."""
+    return result.returncode == 0 and "# token-stats GPU bench: PASS" in result.stdout
 
 
 def bench_summary(stdout: str) -> str:
@@ -475,6 +471,8 @@ def render(rows: List[CheckRow]) -> str:
 def run_checks(out: Path, size: str, on_gpu: bool) -> List[CheckRow]:
     """Every check this machine can run, in order (later ones need the earlier ones' results)."""
     check = GpuCheck(out, size, on_gpu)
+    if on_gpu:  # first, on a GPU no other check has warmed or fragmented: its targets are asserted
+        check.run("bench_token_stats --gpu", check.bench)
     if check.run("convert HF -> Megatron", check.convert).status != "ok":
         return check.rows
     if check.run("log-probs + 2 steps", check.train).status == "ok" or hasattr(check, "trained"):
@@ -483,9 +481,7 @@ def run_checks(out: Path, size: str, on_gpu: bool) -> List[CheckRow]:
         check.run("planner peak memory", check.memory)
     check.run("--verify", check.verify)
     check.run("zcpo train + resume", check.train_end_to_end)
-    if on_gpu:
-        check.run("bench_token_stats --gpu", check.bench)
-    else:
+    if not on_gpu:
         for name in GPU_ONLY:
             check.skip(name, "no GPU")
     return check.rows

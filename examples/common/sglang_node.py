@@ -12,7 +12,8 @@ the scripts pass to ``zcpo train`` as ``rollout.sglang.server_urls=[...]`` and
 the client (megatron_zcpo.rollout.sglang.server.server_config_for_run): ``--context-length`` that
 serves ``data.max_prompt_length + max_new_tokens`` in full, the router's
 ``--request-timeout-secs`` from ``rollout.sglang.client.router_timeout_s``, deterministic inference
-when ``rollout.sglang.client.sampling_seeds``. Servers and router take requests only with the
+when ``rollout.sglang.client.sampling_seeds``, ``--enable-memory-saver`` (and no expandable segments)
+when ``rollout.placement`` is colocated. Servers and router take requests only with the
 job's key, ``--api-key`` from the environment variable ``ZCPO_SGLANG_API_KEY`` (train.sbatch
 generates one per job; the training tasks send it), and bind to their node's address.
 
@@ -108,6 +109,7 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
         run = yaml.safe_load(handle)
     client = SGLangEngineConfig(server_urls=["unset"], **(run["rollout"]["sglang"].get("client") or {}))
     new_tokens = max(run["rollout"]["max_new_tokens"], (run.get("eval") or {}).get("max_new_tokens") or 0)
+    launch["enable_memory_saver"] = run["rollout"].get("placement") == "colocated"
     return server_config_for_run(launch, client, run["data"]["max_prompt_length"], new_tokens)
 
 

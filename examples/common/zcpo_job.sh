@@ -1,5 +1,9 @@
 # The body of the examples' train.sbatch scripts (sourced, not run): one Slurm allocation split into
-# training nodes (the first TRAIN_NODES) and rollout nodes (the rest).
+# training nodes (the first TRAIN_NODES) and rollout nodes (the rest), or, with PLACEMENT=colocated
+# (the config's rollout.placement), every node trains and serves: the servers start with
+# --enable-memory-saver on all GPUs (sglang_node.py reads it from the resolved config), the training
+# step shares the GPUs with them (srun --overlap), and rank 0 has the servers release their memory
+# before the models are built (megatron_zcpo/rollout/placement.py).
 #
 #   1. convert HF_MODEL to a Megatron checkpoint at MEGATRON_CKPT if it is not there (one task; the
 #      checkpoint does not depend on the layout);
@@ -19,9 +23,10 @@
 #      resumes from that checkpoint (checkpoint.resume=auto).
 #
 # The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
-# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, ROLLOUT_TP. The training layout
-# is CONFIG's parallel.* alone (change it there or with ZCPO_OVERRIDES=parallel.tensor=N ...); the
-# job trains on TRAIN_NODES x the GPUs per node, DP = that / (TP*PP*CP). Runtime, also from the environment:
+# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, ROLLOUT_TP, PLACEMENT (disaggregated
+# | colocated, default disaggregated). The training layout is CONFIG's parallel.* alone (change it there
+# or with ZCPO_OVERRIDES=parallel.tensor=N ...); the job trains on TRAIN_NODES x the GPUs per node,
+# DP = that / (TP*PP*CP). Runtime, also from the environment:
 #   CONTAINER_IMAGE   enroot/pyxis image (e.g. a .sqsh of the repository's Dockerfile); empty: use VENV
 #   CONTAINER_MOUNTS  extra pyxis mounts (the file systems holding models, data and RUN_DIR)
 #   VENV              virtual environment with this package installed (default: $REPO_DIR/.venv)
@@ -60,15 +65,19 @@ zcpo_job_main() {
 
     # ------------------------------------------------------------------ placement
     local nodes train_hosts rollout_hosts train_list rollout_list
-    local attach="${SGLANG_SERVER_URLS:+yes}"
+    local attach="${SGLANG_SERVER_URLS:+yes}" colocated=""
+    [[ "${PLACEMENT:-disaggregated}" == colocated ]] && colocated=yes
     mapfile -t nodes < <(scontrol show hostnames "${SLURM_JOB_NODELIST}")
-    if [[ -n "${attach}" ]]; then
+    if [[ -n "${colocated}" ]]; then
+        (( ${#nodes[@]} == TRAIN_NODES )) || die "${#nodes[@]} nodes: PLACEMENT=colocated trains and serves on all TRAIN_NODES=${TRAIN_NODES}"
+    elif [[ -n "${attach}" ]]; then
         (( ${#nodes[@]} >= TRAIN_NODES )) || die "${#nodes[@]} nodes: TRAIN_NODES=${TRAIN_NODES} needs more"
     else
         (( ${#nodes[@]} > TRAIN_NODES )) || die "${#nodes[@]} nodes: need more than TRAIN_NODES=${TRAIN_NODES} (the rest serve rollouts)"
     fi
     train_hosts=("${nodes[@]:0:TRAIN_NODES}")
     rollout_hosts=("${nodes[@]:TRAIN_NODES}")
+    [[ -z "${colocated}" ]] || rollout_hosts=("${train_hosts[@]}")  # the same GPUs, in turns
     train_list=$(IFS=,; echo "${train_hosts[*]}")
     rollout_list=$(IFS=,; echo "${rollout_hosts[*]}")
     local train_gpus=$(( TRAIN_NODES * gpus_per_node ))
@@ -144,6 +153,7 @@ zcpo_job_main() {
         "rollout.sglang.server_urls=${server_urls}"
         "rollout.sglang.router_url=${router_url}"
         "logging.run_dir=${RUN_DIR}"
+        "rollout.placement=${PLACEMENT:-disaggregated}"
     )
     local extra=()
     read -r -a extra <<< "${ZCPO_OVERRIDES:-}"
@@ -160,7 +170,7 @@ zcpo_job_main() {
         # tasks inherit it from this environment and send it (rollout.sglang.client.api_key).
         ZCPO_SGLANG_API_KEY=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
         export ZCPO_SGLANG_API_KEY
-        srun "${sglang_runtime[@]}" --nodes="${#rollout_hosts[@]}" --ntasks-per-node=1 --nodelist="${rollout_list}" \
+        srun "${sglang_runtime[@]}" ${colocated:+--overlap} --nodes="${#rollout_hosts[@]}" --ntasks-per-node=1 --nodelist="${rollout_list}" \
             --gpus-per-node="${gpus_per_node}" --cpus-per-task="${cpus_per_node}" \
             "${node_python}" examples/common/sglang_node.py "${sglang_args[@]}" \
             --run-config "${RUN_DIR}/config.resolved.yaml" > "${RUN_DIR}/sglang_step.log" 2>&1 &
@@ -173,10 +183,14 @@ zcpo_job_main() {
     export MASTER_ADDR="${train_hosts[0]}"
     export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
     export CUDA_DEVICE_MAX_CONNECTIONS=1          # megatron-core: TP/SP communication ordering
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # sequence lengths vary step to step
+    if [[ -n "${colocated}" ]]; then
+        unset PYTORCH_CUDA_ALLOC_CONF  # expandable segments break the CUDA IPC handles of the weight push
+    else
+        export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # sequence lengths vary step to step
+    fi
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
     log "training: zcpo train ${CONFIG} (MASTER_ADDR=${MASTER_ADDR} MASTER_PORT=${MASTER_PORT})"
-    srun "${runtime[@]}" --nodes="${TRAIN_NODES}" --ntasks-per-node="${gpus_per_node}" --nodelist="${train_list}" \
+    srun "${runtime[@]}" ${colocated:+--overlap} --nodes="${TRAIN_NODES}" --ntasks-per-node="${gpus_per_node}" --nodelist="${train_list}" \
         --gpus-per-node="${gpus_per_node}" --cpus-per-task=$(( cpus_per_node / gpus_per_node )) \
         --kill-on-bad-exit=1 \
         zcpo train "${CONFIG}" "${overrides[@]}" &

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from megatron_zcpo.algorithms.advantages import REWARD_NORMS
 from megatron_zcpo.algorithms.kl import KL_ESTIMATORS
@@ -18,7 +18,7 @@ F1_CONTROLS = ("none", "mask_clipped", "match_masked_norm")
 RPG_REFERENCES = ("old", "ref")
 
 # Switches whose default depends on the algorithm (None in the dataclass = "the preset's value").
-PRESETS = {
+PRESETS: Dict[str, Dict[str, Any]] = {
     "zcpo": {"reward_norm": "max_abs", "kl_loss": "none", "clip_c": None},
     "dapo": {"reward_norm": "std", "kl_loss": "none", "clip_c": None},
     "grpo": {"reward_norm": "std", "kl_loss": "k3", "clip_c": None},

@@ -27,6 +27,13 @@ from megatron_zcpo.algorithms.surrogates import (
 from megatron_zcpo.algorithms.zcpo import drift_metrics, response_drift, zcpo_coefficients
 
 
+def _preset_filled(value: Optional[str], key: str) -> str:
+    """A preset-dependent switch of a resolved config (AlgorithmConfig.resolved() fills every None)."""
+    if value is None:
+        raise ValueError(f"algorithm.{key} is unset: build the algorithm from AlgorithmConfig.resolved()")
+    return value
+
+
 @dataclass
 class AlgorithmLoss:
     """One micro-batch's loss (scalar, differentiable), detached 0-dim metrics and the clip gate [N, T].
@@ -54,13 +61,31 @@ class Algorithm:
     group inside one micro-batch), ``supports_token_weight`` (an importance weight per token).
     """
 
-    needs_current_kl = False
     needs_whole_groups = False
     supports_token_weight = True
-    token_separable = False  # see ClippedSurrogateAlgorithm.token_separable
 
     def __init__(self, config: AlgorithmConfig):
         self.config = config.resolved()
+
+    @property
+    def needs_current_kl(self) -> bool:
+        """Whether loss() needs the differentiable conditional KL [N, T]."""
+        return False
+
+    @property
+    def token_separable(self) -> bool:
+        """See ClippedSurrogateAlgorithm.token_separable."""
+        return False
+
+    @property
+    def reward_norm(self) -> str:
+        """``config.reward_norm`` with the algorithm's preset filled in."""
+        return _preset_filled(self.config.reward_norm, "reward_norm")
+
+    @property
+    def kl_loss(self) -> str:
+        """``config.kl_loss`` with the algorithm's preset filled in."""
+        return _preset_filled(self.config.kl_loss, "kl_loss")
 
     @property
     def name(self) -> str:
@@ -115,7 +140,7 @@ class Algorithm:
 
     def _coefficients(self, stats: ResponseStats) -> Tensor:
         """Group advantages (reward_norm) of non-empty responses; ZCPO and the KL-in-reward baselines override."""
-        return group_advantages(stats.rewards, stats.group_ids, norm=self.config.reward_norm, eps=self.config.eps)
+        return group_advantages(stats.rewards, stats.group_ids, norm=self.reward_norm, eps=self.config.eps)
 
     def loss(
         self,
@@ -233,13 +258,13 @@ class ClippedSurrogateAlgorithm(Algorithm):
             token_kl = current_kl
         else:
             check_token_tensors(mask, ref_logprob=ref_logprob)
-            token_kl = kl_penalty(logprob, ref_logprob, config.kl_loss)
+            token_kl = kl_penalty(logprob, ref_logprob, self.kl_loss)
         weights = aggregation_weights(mask, config.agg, token_kl.dtype)
         if config.f1_control == "mask_clipped":
             weights = weights * clip_gate.to(weights.dtype)
         scale = torch.as_tensor(config.kl_coef, dtype=token_kl.dtype, device=token_kl.device)
         if config.f1_control == "match_masked_norm":
-            alpha = masked_gradient_norm_ratio(logprob, ref_logprob, config.kl_loss, weights, clip_gate)
+            alpha = masked_gradient_norm_ratio(logprob, ref_logprob, self.kl_loss, weights, clip_gate)
             metrics["kl_alpha"] = alpha
             scale = scale * alpha.to(token_kl.dtype)
         kl_term = scale * weighted_sum(token_kl, weights, normalizer)
@@ -268,7 +293,7 @@ class ZCPO(ClippedSurrogateAlgorithm):
             drift,
             stats.group_ids,
             config.beta,
-            reward_norm=config.reward_norm,
+            reward_norm=self.reward_norm,
             center=config.center,
             gate=config.gate,
             eps=config.eps,
@@ -295,8 +320,9 @@ class GroupAdvantageAlgorithm(ClippedSurrogateAlgorithm):
     def _coefficients(self, stats: ResponseStats) -> Tensor:
         rewards = stats.rewards.to(float_dtype(stats.rewards))
         if self.config.kl_in_reward_coef > 0:
+            assert stats.k1_sum is not None  # in required_stats: coefficients() validated it
             rewards = rewards - self.config.kl_in_reward_coef * stats.k1_sum.to(rewards.dtype)
-        return group_advantages(rewards, stats.group_ids, norm=self.config.reward_norm, eps=self.config.eps)
+        return group_advantages(rewards, stats.group_ids, norm=self.reward_norm, eps=self.config.eps)
 
 
 class RPG(Algorithm):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +49,6 @@ class ResponseStats:
 
     def rows(self, keep: Tensor) -> ResponseStats:
         """The responses where ``keep`` [N] bool is True."""
-        return ResponseStats(
-            **{name: (value[keep] if value is not None else None) for name, value in vars(self).items()}
+        return dataclasses.replace(
+            self, **{name: value[keep] for name, value in vars(self).items() if value is not None}
         )

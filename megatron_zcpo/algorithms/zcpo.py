@@ -44,7 +44,10 @@ def sequence_drift(token_values: Tensor, mask: Tensor, length_normalize: bool = 
 def response_drift(stats: ResponseStats, drift: str = "conditional_kl", length_normalize: bool = True) -> Tensor:
     """ZCPO's per-response drift [N] from rollout stats: D_i = kl_sum (or k1_sum for drift='k1'),
     divided by the length T_i when ``length_normalize`` (0 for empty responses)."""
-    drift_sum = stats.kl_sum if drift == "conditional_kl" else stats.k1_sum
+    name = "kl_sum" if drift == "conditional_kl" else "k1_sum"
+    drift_sum = getattr(stats, name)
+    if drift_sum is None:
+        raise ValueError(f"ResponseStats.{name} is needed for drift={drift!r}")
     values = drift_sum.to(float_dtype(stats.rewards))
     if not length_normalize:
         return values

@@ -5,6 +5,7 @@ works before any weight or data is downloaded."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Optional
 
@@ -53,6 +54,7 @@ def step_load_of(config: RunConfig, response_fraction: float, prompt_fraction: f
         trained_sequences=trained,
         prompt_tokens=prompt_fraction * config.data.max_prompt_length,
         response_tokens=response_fraction * rollout.max_new_tokens,
+        max_response_tokens=rollout.max_new_tokens,
     )
 
 
@@ -76,7 +78,8 @@ def add_parser(subparsers) -> None:
     source.add_argument(
         "--preset",
         default=None,
-        help="a named architecture, e.g. Qwen2.5-32B, Llama-3.3-70B, Qwen3-30B-A3B, Qwen3-235B-A22B",
+        help="a named architecture, e.g. Qwen2.5-32B, Qwen3-32B, Llama-3.1-8B, Llama-3.3-70B, Qwen3-30B-A3B, "
+        "Qwen3-235B-A22B (megatron_zcpo/convert/presets.py)",
     )
     timing = parser.add_argument_group("step time (see megatron_zcpo/planning/step_time.py)")
     timing.add_argument("--rollout-gpus", type=int, default=None, help="GPUs of the SGLang servers (default: --gpus)")
@@ -96,7 +99,16 @@ def add_parser(subparsers) -> None:
         "rollout.sglang.launch.tp_size when the config launches the servers, else 4 "
         "up to 40B parameters and 8 above)",
     )
-    timing.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of training")
+    timing.add_argument(
+        "--mfu", type=float, default=None, help="model FLOPs utilisation of training (default: the calibrated 0.35)"
+    )
+    parser.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=None,
+        help="the busiest expert-parallel rank's routed tokens over the mean (default 1.3, see "
+        "megatron_zcpo/planning/moe_costs.py)",
+    )
     timing.add_argument(
         "--response-fraction",
         type=float,
@@ -149,14 +161,29 @@ def decode_rate_of(args, config: RunConfig, model, load, hardware):
     )
 
 
-def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
-    from megatron_zcpo.planning.step_time import Cluster, predict_step_time
+def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
+    """(StepTime, decode tokens/s per GPU, its source) of the config's placement and mode; a
+    colocated GPU offloads its parameters, gradients, optimizer state and reference."""
+    from megatron_zcpo.planning.step_time import TRAINING_MFU, Cluster, predict_step_time
+    from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 
+    layout = plan.layout
     load = step_load_of(config, args.response_fraction, prompt_fraction=0.5)
     rate, source = decode_rate_of(args, config, model, load, hardware)
+    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
+    colocated = config.rollout.placement == "colocated"
     cluster = Cluster(
-        train_gpus=gpus, rollout_gpus=args.rollout_gpus or gpus, decode_tokens_per_s_per_gpu=rate, mfu=args.mfu
+        train_gpus=gpus,
+        rollout_gpus=args.rollout_gpus or gpus,
+        decode_tokens_per_s_per_gpu=args.decode_tokens_per_s,
+        mfu=args.mfu or TRAINING_MFU,
+        placement=config.rollout.placement,
+        rollout_tp=rollout_tp,
+        mem_fraction=mem_fraction,
+        gpu_memory_bytes=hardware.gpu_memory_gib * 2**30,
+        max_in_flight=config.rollout.sglang.client.get("max_concurrency", SGLangEngineConfig.max_concurrency),
     )
+    offloaded = ("parameters", "gradients", "optimizer_states", "reference_model")
     timing = predict_step_time(
         model,
         load,
@@ -164,8 +191,23 @@ def _step_time(args, config: RunConfig, model, layout, gpus: int, hardware):
         pipeline_parallel=layout.pipeline_parallel,
         recompute=layout.recompute,
         expert_parallel=layout.expert_parallel,
+        overlap=config.rollout.overlap and not colocated,
+        expert_imbalance=plan.workload.expert_imbalance,
+        offloaded_bytes_per_gpu=sum(plan.components[key] for key in offloaded) if colocated else 0.0,
     )
     return timing, rate, source
+
+
+def colocated_memory_of(args, config: RunConfig, model, plan):
+    """The colocated GPU's two phases (:mod:`megatron_zcpo.planning.colocated`), None when disaggregated."""
+    if config.rollout.placement != "colocated":
+        return None
+    from megatron_zcpo.planning.colocated import ColocatedMemory
+    from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
+
+    _, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
+    bucket = config.rollout.sglang.client.get("bucket_bytes", SGLangEngineConfig.bucket_bytes)
+    return ColocatedMemory(plan=plan, mem_fraction=mem_fraction, bucket_bytes=bucket)
 
 
 def timeout_checks_of(args, config: RunConfig, model, gpus: int, decode_rate: float):
@@ -198,7 +240,15 @@ def smallest_world(config: RunConfig) -> int:
     return parallel.tensor * parallel.pipeline * parallel.context * (experts // math.gcd(experts, stage))
 
 
-def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
+def plan_inputs_of(config: RunConfig, gpus: int, expert_imbalance: Optional[float] = None):
+    """:func:`plan_inputs` with ``--expert-imbalance`` applied when given."""
+    layout, workload = plan_inputs(config, gpus)
+    if expert_imbalance is not None:
+        workload = dataclasses.replace(workload, expert_imbalance=expert_imbalance)
+    return layout, workload
+
+
+def fewest_gpus(config: RunConfig, model, hardware, expert_imbalance: Optional[float] = None) -> tuple:
     """(GPUs, data-parallel size) of the fewest replicas of the config's layout that fit; the smallest
     world (:func:`smallest_world`) when none up to :data:`MAX_SEARCHED_DATA_PARALLEL` does (the
     distributed optimizer is what shards with DP)."""
@@ -209,7 +259,7 @@ def fewest_gpus(config: RunConfig, model, hardware) -> tuple:
     step = smallest_world(config) // replica
     largest = MAX_SEARCHED_DATA_PARALLEL if parallel.distributed_optimizer else step
     for data_parallel in range(step, largest + 1, step):
-        if plan_memory(model, *plan_inputs(config, replica * data_parallel), hardware).fits:
+        if plan_memory(model, *plan_inputs_of(config, replica * data_parallel, expert_imbalance), hardware).fits:
             return replica * data_parallel, data_parallel
     return replica * step, step
 
@@ -226,10 +276,12 @@ def run(args: argparse.Namespace) -> int:
         problems = layout_problems(config, model, args.gpus or smallest_world(config), world_source="GPUs (--gpus)")
         if problems:
             raise ValueError("the layout would be refused:\n  " + "\n  ".join(problems))
-        gpus, data_parallel = (args.gpus, None) if args.gpus else fewest_gpus(config, model, hardware)
-        layout, workload = plan_inputs(config, gpus)
+        imbalance = args.expert_imbalance
+        gpus, data_parallel = (args.gpus, None) if args.gpus else fewest_gpus(config, model, hardware, imbalance)
+        layout, workload = plan_inputs_of(config, gpus, imbalance)
         plan = plan_memory(model, layout, workload, hardware)
-        timing, decode_rate, decode_source = _step_time(args, config, model, layout, gpus, hardware)
+        timing, decode_rate, decode_source = _step_time(args, config, model, plan, gpus, hardware)
+        colocated = colocated_memory_of(args, config, model, plan)
         timeouts = timeout_checks_of(args, config, model, gpus, decode_rate)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise SystemExit(f"zcpo plan: {error}") from None
@@ -239,24 +291,28 @@ def run(args: argparse.Namespace) -> int:
     # guess (the fewest GPUs that fit), so a short timeout is reported but does not fail the plan.
     cluster_given = bool(args.gpus or args.rollout_gpus)
     timeouts_ok = all(check.ok for check in timeouts) or not cluster_given
+    memory_ok = plan.verdict != "does not fit" and (colocated is None or colocated.verdict != "does not fit")
     if args.json:
         print(
             json.dumps(
                 {
                     "plan": plan.to_dict(),
                     "suggested": best.to_dict() if best else None,
-                    "rollout_mode": "overlapped" if overlap else "sequential",
+                    "rollout_mode": timing.mode,
+                    "placement": config.rollout.placement,
+                    "tokens_per_s_per_gpu": timing.tokens_per_s_per_gpu,
                     "step_time": timing.to_dict(),
                     "decode_tokens_per_s_per_gpu": decode_rate,
                     "decode_source": decode_source,
                     "timeouts": [{**vars(check), "ok": check.ok} for check in timeouts],
                     "timeouts_checked_for_rollout_gpus": args.rollout_gpus or gpus,
                     "cluster_given": cluster_given,
+                    "colocated_memory": colocated.to_dict() if colocated else None,
                 },
                 indent=2,
             )
         )
-        return 0 if plan.fits and timeouts_ok else 1
+        return 0 if memory_ok and timeouts_ok else 1
     active = (
         f" ({count(model.num_active_parameters)} active: {model.num_experts} experts, "
         f"{model.num_experts_per_tok} per token)"
@@ -270,6 +326,14 @@ def run(args: argparse.Namespace) -> int:
     if data_parallel and data_parallel > 1:
         print(f"(no --gpus: planned on {gpus} GPUs, the fewest on which this layout fits: DP{data_parallel})")
     print(render_plan(plan))
+    if colocated is not None:
+        print(
+            f"colocated (rollout.placement=colocated): training {colocated.training_bytes / 2**30:.2f} GiB beside the "
+            f"released engine, generation {colocated.generation_bytes / 2**30:.2f} GiB (engine pool "
+            f"mem_fraction_static {colocated.mem_fraction}); {colocated.verdict}"
+        )
+        for problem in colocated.problems():
+            print(f"  {problem}")
     if args.gpus:
         print(
             "smallest fitting layout on",
@@ -277,20 +341,32 @@ def run(args: argparse.Namespace) -> int:
             "GPUs:",
             best.layout.describe() + f" ({best.total_bytes / 2**30:.1f} GiB)" if best else "none fits",
         )
-    mode = (
-        f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})"
-        if overlap
-        else "sequential, on-policy (rollout.overlap=false)"
-    )
-    other = "overlapped" if not overlap else "sequential"
     from megatron_zcpo.planning.step_time import format_seconds as duration
 
-    print(
-        f"rollout mode: {mode}; predicted step {duration(timing.step_s(overlap))} "
-        f"(rollout {duration(timing.rollout_s)}, training {duration(timing.train_s)}, weight push "
-        f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "
-        f"{other}: {duration(timing.step_s(not overlap))}"
-    )
+    if timing.mode == "colocated":
+        ignored = " (rollout.overlap ignored: the same GPUs generate and train)" if overlap else ""
+        print(
+            f"rollout mode: colocated (rollout.placement=colocated){ignored}; predicted step "
+            f"{duration(timing.predicted_s)} (generation on all {gpus} GPUs {duration(timing.rollout_s)}, of which "
+            f"the longest response {duration(timing.tail_s)}; training {duration(timing.train_s)}; offload/onload "
+            f"{duration(timing.offload_s)}; IPC weight push {duration(timing.ipc_push_s)}); disaggregated on "
+            f"{gpus} + {args.rollout_gpus or gpus} GPUs: sequential {duration(timing.sequential_s)}, overlapped "
+            f"{duration(timing.overlapped_s)}"
+        )
+    else:
+        mode = (
+            f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})"
+            if overlap
+            else "sequential, on-policy (rollout.overlap=false)"
+        )
+        other = "overlapped" if not overlap else "sequential"
+        print(
+            f"rollout mode: {mode}; predicted step {duration(timing.predicted_s)} "
+            f"(rollout {duration(timing.rollout_s)}, of which the longest response {duration(timing.tail_s)}; "
+            f"training {duration(timing.train_s)}; weight push {duration(timing.push_per_stage_s)} per stage vs "
+            f"{duration(timing.push_funnel_s)} through rank 0); {other}: {duration(timing.step_s(not overlap))}"
+        )
+    print(f"throughput: {timing.tokens_per_s_per_gpu:,.0f} trained tokens/s per GPU ({timing.mode})")
     if model.is_moe:
         print(f"expert all-to-all: {duration(timing.all_to_all_s)} of the training time at EP{layout.expert_parallel}")
     print(f"decode rate: {decode_rate:,.0f} generated tokens/s per rollout GPU, {decode_source}")
@@ -302,4 +378,4 @@ def run(args: argparse.Namespace) -> int:
             f"(timeouts checked for {gpus} rollout GPUs, a guess: give --gpus N and --rollout-gpus N of your cluster "
             "to check them for it; only then does a short timeout fail the plan)"
         )
-    return 0 if plan.fits and timeouts_ok else 1
+    return 0 if memory_ok and timeouts_ok else 1

@@ -47,7 +47,7 @@ PANELS = (
 
 def matching_keys(runs: Sequence, pattern: str) -> List[str]:
     """The metric names of any of ``runs`` that match the glob ``pattern``, sorted."""
-    return sorted({key for r in runs for key in r if fnmatch.fnmatchcase(key, pattern)})
+    return sorted({key for r in runs for key in r.keys() if fnmatch.fnmatchcase(key, pattern)})  # noqa: SIM118 -- RunData, not a dict
 
 
 Curve = Tuple[str, List[float], List[float], Optional[List[float]]]  # label, x, y, standard error

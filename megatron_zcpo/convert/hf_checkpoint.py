@@ -91,8 +91,7 @@ class SafetensorsCheckpoint:
             with open(index) as handle:
                 self.weight_map: Dict[str, str] = dict(json.load(handle)["weight_map"])
         elif (self.directory / SINGLE_SAFETENSORS).is_file():
-            # a safetensors handle is not iterable (safetensors 0.8): its names are keys()
-            self.weight_map = {name: SINGLE_SAFETENSORS for name in self._file(SINGLE_SAFETENSORS).keys()}  # noqa: SIM118
+            self.weight_map = {name: SINGLE_SAFETENSORS for name in self._file(SINGLE_SAFETENSORS).keys()}  # noqa: SIM118 (safetensors 0.8: no __iter__)
         else:
             others = sorted(p.name for p in self.directory.glob("*.bin"))
             raise FileNotFoundError(

@@ -62,7 +62,39 @@ _QWEN3_MOE = {
 }
 
 # The architecture fields of each model's config.json on the Hugging Face hub (weights-free).
+_LLAMA31 = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_act": "silu",
+    "vocab_size": 128256,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+
 HF_CONFIGS: Dict[str, dict] = {
+    "Qwen2.5-7B": dict(
+        _QWEN25,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+    ),
     "Qwen2.5-32B": dict(
         _QWEN25,
         hidden_size=5120,
@@ -82,6 +114,12 @@ HF_CONFIGS: Dict[str, dict] = {
         num_key_value_heads=8,
         max_position_embeddings=131072,
         rms_norm_eps=1e-5,
+    ),
+    "Llama-3.1-8B": dict(
+        _LLAMA31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32
+    ),
+    "Llama-3.1-70B": dict(
+        _LLAMA31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64
     ),
     "Llama-3.3-70B": {
         "model_type": "llama",
@@ -108,6 +146,30 @@ HF_CONFIGS: Dict[str, dict] = {
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
     },
+    # The calibration anchors of the step-time model (benchmarks/RESULTS.md): NeMo-RL's and verl's
+    # published runs. Llama 3.1 70B is Llama 3.3 70B's architecture.
+    "Qwen3-32B": dict(
+        _QWEN3,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+    ),
+    "Qwen3-8B": dict(
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+    ),
     "Qwen3-4B": dict(_QWEN3, max_position_embeddings=40960, rope_theta=1000000.0),
     # the long-context example's model (examples/qwen3-4b-long-context-zcpo): the same layers, longer RoPE
     "Qwen3-4B-Thinking-2507": dict(_QWEN3, max_position_embeddings=262144, rope_theta=5000000.0),

@@ -122,7 +122,7 @@ class PromptDataset:
         """The next ``size`` records; a batch that reaches the end of an epoch continues into the next."""
         if size < 0:
             raise ValueError(f"batch size must be >= 0, got {size}")
-        batch = []
+        batch: List[PromptRecord] = []
         while len(batch) < size:
             if self.position == len(self.records):
                 self.epoch += 1

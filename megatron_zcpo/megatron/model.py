@@ -92,6 +92,11 @@ class ModelConfig:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
 
+    @property
+    def kv_channels(self) -> int:
+        """The width of one attention head (``head_dim``, resolved from hidden / heads when unset)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // max(self.num_attention_heads, 1)
+
     def validate(self, prefix: str = "model") -> None:
         """Raise ``ValueError`` naming the offending key when the architecture is inconsistent."""
         if self.family not in SUPPORTED_FAMILIES:

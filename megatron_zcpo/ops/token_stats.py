@@ -14,7 +14,7 @@ backend's first use per kind of call is checked against the torch one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,10 @@ from megatron_zcpo.ops.token_stats_kernels import (
     MASKED_LOGIT,
     TileResults,
     Tiling,
+    finish_statistics,
     resolve_tiling,
     save_results,
+    shard_statistics,
     tiled_backward,
     tiled_forward,
 )
@@ -58,8 +60,10 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _as_compute(grads, tiling: Tiling):
-    return tuple(None if g is None else g.to(tiling.dtype) for g in grads)
+def _as_compute(grads, tiling: Tiling) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The upstream (logprob, entropy, kl) gradients in the tiles' compute dtype."""
+    grad_logprob, grad_entropy, grad_kl = (None if g is None else g.to(tiling.dtype) for g in grads)
+    return grad_logprob, grad_entropy, grad_kl
 
 
 def _shaped(results, shape, dtype) -> TokenStats:
@@ -73,20 +77,15 @@ def _shaped(results, shape, dtype) -> TokenStats:
     return TokenStats(*(shaped(x) for x in results))
 
 
-def _run(function, forward: Callable, needs_grad: bool, inputs: tuple, shape, dtype) -> TokenStats:
-    """Through the autograd ``function`` when a gradient is wanted, else plain ``forward`` (nothing saved)."""
-    return _shaped(function.apply(*inputs) if needs_grad else forward(*inputs), shape, dtype)
-
-
 def _backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """ "torch" or "triton" (utils.devices.kernel_backend); float64 stays on torch (the kernels are float32),
-    and so does everything after a failed first-use check (token_stats_check)."""
+    """ "torch" or "triton" (utils.devices.kernel_backend); float64 stays on torch (the kernels are float32).
+    The same on every rank: a fallback (token_stats_check.torch_instead) is applied by the caller."""
     backend = kernel_backend(device, requested)
     if backend == "triton" and dtype == torch.float64:
         if requested == "triton":
             raise ValueError("backend='triton' computes in float32: float64 inputs need backend='torch' or 'auto'")
         return "torch"
-    return "torch" if first_use.torch_instead() else backend
+    return backend
 
 
 def _triton_backend():
@@ -95,25 +94,82 @@ def _triton_backend():
     return token_stats_triton
 
 
-def _probe_gradients(rows: int, tiling: Tiling, device) -> tuple:
-    """Upstream gradients (logprob, entropy, kl) [rows] of the first-use check: every term, different per row."""
+def _or_torch(triton_fn: Callable, torch_fn: Callable, where: str) -> Callable:
+    """``triton_fn``, or ``torch_fn`` on the same arguments when it raises (token_stats_check.raised): the
+    Triton paths raise before their collective, so the torch recomputation joins the other ranks'."""
+
+    def run(*args):
+        try:
+            return triton_fn(*args)
+        except Exception as error:  # a compile failure, an OOM: correct results first
+            first_use.raised(error, where)
+            return torch_fn(*args)
+
+    return run
+
+
+def _term_probes(rows: int, with_kl: bool, device) -> dict:
+    """{term: upstream gradients (logprob, entropy, kl) [rows] with only that term's, different per row}."""
     ramp = torch.linspace(0.5, 1.5, rows, dtype=torch.float32, device=device)
-    return ramp, -0.5 * ramp.flip(0), (0.25 * ramp if tiling.with_ref else None)
+    terms = first_use.TERMS if with_kl else first_use.TERMS[:2]
+    return {term: tuple(ramp if t == term else None for t in first_use.TERMS) for term in terms}
 
 
-def _fields_at(results, rows=None) -> dict:
-    """{field: values [r]} of a TokenStats (at ``rows`` of its flattened fields) or TileResults."""
+def _check_rows(n_rows: int, kl: Optional[torch.Tensor], device) -> Tuple[torch.Tensor, bool]:
+    """The rows [r] the first-use check compares, on ``device``, and whether their KL is large enough to
+    compare the KL gradient (token_stats_check.KL_CHECK_MIN; True without a reference)."""
+    rows = first_use.check_rows(n_rows, kl)
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    return index, kl is None or first_use.kl_seen(kl.reshape(-1)[index])
+
+
+def _shard_fields(stats: torch.Tensor, tiling: Tiling) -> dict:
+    """{field: [r]} of a shard's statistics [K, r] as if the shard were the vocabulary (no collective), and
+    its log ratio c (the constant of the KL gradient)."""
+    results = finish_statistics(stats, tiling)
     fields = ("logprob", "entropy", "ref_logprob", "kl")
     values = {f: getattr(results, f) for f in fields if getattr(results, f) is not None}
-    return {f: v.reshape(-1)[rows] if rows is not None else v for f, v in values.items()}
+    if tiling.with_ref and results.saved is not None:
+        values["log ratio"] = results.saved[5]
+    return values
 
 
-def _described(kind: str, key: tuple, tiling: Tiling, rows: int) -> str:
+def _compare_rows(
+    results: TileResults, rows, z, zr, targets, tiling: Tiling, with_kl: bool, gradient=None, cached=False
+) -> list:
+    """Problems of the Triton ``results`` of a call at ``rows`` against the torch backend over the same float32
+    logits ``z``, ``zr`` [r, valid_columns]: this shard's values, and with ``gradient(saved, probe)`` (the
+    Triton logit gradient of those rows, ``cached``: from the fused caches) each term's, both backward
+    passes from the call's own saved numbers. Local: the ranks meet only in token_stats_check.conclude."""
+    assert results.shard is not None and results.saved is not None  # set by merge_shards
+    expected = shard_statistics(_logits_loader(z, zr), targets, tiling, z.device)
+    problems = first_use.value_problems(_shard_fields(results.shard[:, rows], tiling), _shard_fields(expected, tiling))
+    if gradient is not None:
+        saved = results.saved[:, rows]
+        for term, probe in _term_probes(len(rows), tiling.with_ref and with_kl, z.device).items():
+            want = _logits_backward(z, zr, targets, saved, probe, tiling)
+            problem = first_use.gradient_problem(term, gradient(saved, probe), want, cached)
+            problems += [problem] if problem else []
+    return problems
+
+
+def _described(kind: str, key: tuple, tiling: Tiling, rows: int, with_kl: bool) -> str:
     dtypes = "/".join(str(d).replace("torch.", "") for d in key[1] if d is not None)
     return (
         f"{kind}, {dtypes}, {key[2]} columns per shard, {'with' if tiling.with_ref else 'without'} reference, "
-        f"{'with' if key[3] else 'without'} gradient; {rows} rows compared"
+        f"{'with' if key[3] else 'without'} gradient; {rows} rows of the call compared"
+        + ("" if with_kl or not tiling.with_ref else ", their KL too small to compare its gradient yet")
     )
+
+
+def _comparing(check: Callable) -> List[str]:
+    """The problems ``check()`` finds, or the exception it raised as one (the check must reach its collective)."""
+    if first_use.torch_instead():  # this rank's Triton call raised: nothing to compare, conclude() says so
+        return []
+    try:
+        return check()
+    except Exception as error:
+        return [f"the check raised {type(error).__name__}: {str(error)[:300]}"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +188,7 @@ def _logits_loader(logits: torch.Tensor, ref_logits: Optional[torch.Tensor]) -> 
     def load(start, stop, first, last, z, zr):
         _copy_clamped(logits[start:stop, first:last], z)
         if zr is not None:
+            assert ref_logits is not None  # the tiles get a reference buffer only with reference logits
             _copy_clamped(ref_logits[start:stop, first:last], zr)
 
     return load
@@ -156,13 +213,13 @@ def _logits_backward(logits, ref_logits, targets, saved, grads, tiling) -> torch
 
 
 class _TokenStatsFromLogits(torch.autograd.Function):
-    """Autograd over a backend's ``forward(logits, ref_logits, targets, tiling) -> TileResults`` and
+    """Autograd over a backend's forward results (TileResults, computed before) and its
     ``backward(logits, ref_logits, targets, saved, grads, tiling) -> grad_logits``."""
 
     @staticmethod
-    def forward(ctx, logits, ref_logits, targets, tiling, forward, backward):
+    def forward(ctx, logits, ref_logits, targets, tiling, results, backward):
         ctx.backend_backward = backward
-        return save_results(ctx, (logits, ref_logits, targets), forward(logits, ref_logits, targets, tiling), tiling)
+        return save_results(ctx, (logits, ref_logits, targets), results, tiling)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, _grad_ref_logprob, grad_kl):
@@ -216,7 +273,7 @@ def vocab_parallel_token_stats(
     if ref_logits is not None and ref_logits.shape != logits.shape:
         raise ValueError(f"ref_logits {tuple(ref_logits.shape)} must have the shape of logits {tuple(logits.shape)}")
     dtype = _compute_dtype(logits, ref_logits)
-    chosen = _backend(backend, logits.device, dtype)
+    wanted = _backend(backend, logits.device, dtype)
     tiling = resolve_tiling(
         logits.shape[-1],
         targets,
@@ -237,7 +294,8 @@ def vocab_parallel_token_stats(
         tiling,
     )
     needs_grad = _needs_grad(logits)
-    stats = _from_logits(inputs, chosen, needs_grad, targets.shape, dtype)
+    chosen = "torch" if first_use.torch_instead() else wanted
+    stats, results = _from_logits(inputs, chosen, needs_grad, targets.shape, dtype)
     key = (
         "logits",
         (logits.dtype, None if ref_logits is None else ref_logits.dtype),
@@ -245,40 +303,41 @@ def vocab_parallel_token_stats(
         needs_grad,
         tiling.separate_kl_temperature,
     )
-    if chosen == "triton" and first_use.due(key, logits.device) and not _logits_agree(key, inputs, stats, needs_grad):
-        stats = _from_logits(inputs, "torch", needs_grad, targets.shape, dtype)
+    checked = wanted == "triton" and first_use.due(key, logits.device, stats.kl)
+    if checked and not _logits_agree(key, inputs, stats, results, needs_grad):
+        stats, _ = _from_logits(inputs, "torch", needs_grad, targets.shape, dtype)
     return stats
 
 
-def _from_logits(inputs: tuple, backend: str, needs_grad: bool, shape, dtype) -> TokenStats:
-    kernels = (_logits_forward, _logits_backward)
+def _from_logits(inputs: tuple, backend: str, needs_grad: bool, shape, dtype) -> Tuple[TokenStats, TileResults]:
+    """The call's TokenStats and the backend's TileResults (the first-use check reads its ``saved``)."""
+    forward, backward = _logits_forward, _logits_backward
     if backend == "triton":
-        kernels = (_triton_backend().logits_forward, _triton_backend().logits_backward)
-    if needs_grad:
-        return _shaped(_TokenStatsFromLogits.apply(*inputs, *kernels), shape, dtype)
-    return _shaped(kernels[0](*inputs), shape, dtype)
-
-
-def _logits_agree(key: tuple, inputs: tuple, stats: TokenStats, needs_grad: bool) -> bool:
-    """First-use check of a Triton call from logits: a few rows with the torch backend (token_stats_check)."""
-    logits, ref_logits, targets, tiling = inputs
-    rows = first_use.check_rows(targets.shape[0], logits.device)
-    if not len(rows):
-        return True
+        triton = _triton_backend()
+        forward = _or_torch(triton.logits_forward, _logits_forward, "logits forward")
+        backward = _or_torch(triton.logits_backward, _logits_backward, "logits backward")
     with torch.no_grad():
-        z, zr, rows_targets = logits[rows], None if ref_logits is None else ref_logits[rows], targets[rows]
-        expected = _logits_forward(z, zr, rows_targets, tiling)
-        problems = first_use.value_problems(_fields_at(stats, rows), _fields_at(expected))
-        if needs_grad:
-            probe = _probe_gradients(len(rows), tiling, logits.device)
-            triton = _triton_backend()
-            saved = triton.logits_forward(z, zr, rows_targets, tiling).saved
-            got = triton.logits_backward(z, zr, rows_targets, saved, probe, tiling)
-            want = _logits_backward(z, zr, rows_targets, expected.saved, probe, tiling)
-            problems += [p for p in [first_use.gradient_problem(got, want, cached=False)] if p]
-    return first_use.conclude(
-        key, _described("from logits", key, tiling, len(rows)), problems, tiling.group, logits.device
-    )
+        results = forward(*inputs)
+    if needs_grad:
+        return _shaped(_TokenStatsFromLogits.apply(*inputs, results, backward), shape, dtype), results
+    return _shaped(results, shape, dtype), results
+
+
+def _logits_agree(key: tuple, inputs: tuple, stats: TokenStats, results: TileResults, needs_grad: bool) -> bool:
+    """First-use check of a Triton call from logits: rows of the call against the torch backend (token_stats_check)."""
+    logits, ref_logits, targets, tiling = inputs
+    rows, with_kl = _check_rows(targets.shape[0], stats.kl, logits.device)
+    z, zr, rows_targets = logits[rows], None if ref_logits is None else ref_logits[rows], targets[rows]
+
+    def exact(saved, probe):
+        return _triton_backend().logits_backward(z, zr, rows_targets, saved, probe, tiling)
+
+    with torch.no_grad():
+        problems = _comparing(
+            lambda: _compare_rows(results, rows, z, zr, rows_targets, tiling, with_kl, exact if needs_grad else None)
+        )
+    described = _described("from logits", key, tiling, len(rows), with_kl)
+    return first_use.conclude(key, described, problems, with_kl, tiling.group, logits.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,6 +348,7 @@ def _hidden_loader(policy: OutputProjection, reference: Optional[OutputProjectio
     def load(start, stop, first, last, z, zr):
         policy.logits_into(start, stop, first, last, z)
         if zr is not None:
+            assert reference is not None  # the tiles get a reference buffer only with a reference projection
             reference.logits_into(start, stop, first, last, zr)
 
     return load
@@ -303,33 +363,43 @@ class _FusedTokenStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, _grad_ref_logprob, grad_kl):
         hidden, weight, ref_hidden, ref_weight, targets, saved = ctx.saved_tensors
-        tiling = ctx.tiling
-        policy = OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype)
-        reference = (
-            None if grad_kl is None else OutputProjection(ref_hidden, ref_weight, tiling.valid_columns, tiling.dtype)
+        grads = (grad_logprob, grad_entropy, grad_kl)
+        grad_hidden, grad_weight = _fused_shard_gradients(
+            hidden, weight, ref_hidden, ref_weight, targets, saved, grads, ctx.tiling
         )
-        grad_hidden = torch.zeros(hidden.shape, dtype=tiling.dtype, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=tiling.dtype, device=weight.device)
-
-        def store(start, stop, first, last, grad):
-            grad_hidden[start:stop] += policy.hidden_grad(grad, first, last)
-            grad_weight[first:last] += policy.weight_grad(grad, start, stop)
-
-        tiled_backward(
-            _hidden_loader(policy, reference),
-            store,
-            targets,
-            saved,
-            *_as_compute((grad_logprob, grad_entropy, grad_kl), tiling),
-            tiling,
-            hidden.device,
-        )
-        if tiling.world > 1:
+        if ctx.tiling.world > 1:
             # hidden is replicated across the tensor-parallel ranks and each rank saw only its
             # vocabulary shard: sum the partial gradients, as Megatron's ColumnParallelLinear does
             # in the backward of copy_to_tensor_model_parallel_region.
-            dist.all_reduce(grad_hidden, group=tiling.group)
+            dist.all_reduce(grad_hidden, group=ctx.tiling.group)
         return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _fused_shard_gradients(hidden, weight, ref_hidden, ref_weight, targets, saved, grads, tiling: Tiling) -> tuple:
+    """This shard's (hidden, weight) gradients in the compute dtype, tile by tile (no collective): the torch
+    backward of the fused op, and the Triton one's fallback."""
+    grad_logprob, grad_entropy, grad_kl = grads
+    policy = OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype)
+    reference = (
+        None if grad_kl is None else OutputProjection(ref_hidden, ref_weight, tiling.valid_columns, tiling.dtype)
+    )
+    grad_hidden = torch.zeros(hidden.shape, dtype=tiling.dtype, device=hidden.device)
+    grad_weight = torch.zeros(weight.shape, dtype=tiling.dtype, device=weight.device)
+
+    def store(start, stop, first, last, grad):
+        grad_hidden[start:stop] += policy.hidden_grad(grad, first, last)
+        grad_weight[first:last] += policy.weight_grad(grad, start, stop)
+
+    tiled_backward(
+        _hidden_loader(policy, reference),
+        store,
+        targets,
+        saved,
+        *_as_compute((grad_logprob, grad_entropy, grad_kl), tiling),
+        tiling,
+        hidden.device,
+    )
+    return grad_hidden, grad_weight
 
 
 def _fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling) -> TileResults:
@@ -383,7 +453,7 @@ def fused_token_stats(
         raise ValueError(f"weight {tuple(weight.shape)} must be [V_local, H={hidden.shape[-1]}]")
     if (ref_hidden is None) != (ref_weight is None):
         raise ValueError("ref_hidden and ref_weight must be given together")
-    if ref_hidden is not None:
+    if ref_hidden is not None and ref_weight is not None:
         if ref_hidden.shape != hidden.shape:
             raise ValueError(
                 f"ref_hidden {tuple(ref_hidden.shape)} must have the shape of hidden {tuple(hidden.shape)}"
@@ -393,7 +463,7 @@ def fused_token_stats(
                 f"ref_weight {tuple(ref_weight.shape)} must have the shape of weight {tuple(weight.shape)}"
             )
     dtype = _compute_dtype(hidden, weight, ref_hidden, ref_weight)
-    chosen = _backend(backend, hidden.device, dtype)
+    wanted = _backend(backend, hidden.device, dtype)
     tiling = resolve_tiling(
         weight.shape[0],
         targets,
@@ -416,7 +486,8 @@ def fused_token_stats(
         tiling,
     )
     needs_grad = _needs_grad(hidden, weight)
-    stats = _fused(inputs, chosen, needs_grad, targets.shape, dtype)
+    chosen = "torch" if first_use.torch_instead() else wanted
+    stats, results, cache = _fused(inputs, chosen, needs_grad, targets.shape, dtype)
     key = (
         "fused",
         (
@@ -429,49 +500,76 @@ def fused_token_stats(
         needs_grad,
         tiling.separate_kl_temperature,
     )
-    if chosen == "triton" and first_use.due(key, hidden.device) and not _fused_agrees(key, inputs, stats, needs_grad):
-        stats = _fused(inputs, "torch", needs_grad, targets.shape, dtype)
+    checked = wanted == "triton" and first_use.due(key, hidden.device, stats.kl)
+    if checked and not _fused_agrees(key, inputs, stats, results, cache):
+        stats = _fused(inputs, "torch", needs_grad, targets.shape, dtype)[0]
     return stats
 
 
-def _fused(inputs: tuple, backend: str, needs_grad: bool, shape, dtype) -> TokenStats:
+def _fused(inputs: tuple, backend: str, needs_grad: bool, shape, dtype) -> tuple:
+    """(TokenStats, and for the Triton backend its TileResults and float16 caches (None without a gradient),
+    which the first-use check reads; None, None for the torch backend)."""
     if backend == "triton":
         triton = _triton_backend()
+        try:
+            with torch.no_grad():
+                results, cache = triton.fused_forward(*inputs, keep_cache=needs_grad)
+        except Exception as error:  # raised before the forward's all-gather: the torch one joins the others'
+            first_use.raised(error, "fused forward")
+        else:
+            if not needs_grad:
+                return _shaped(results, shape, dtype), results, None
+            outputs = triton.TritonFusedTokenStats.apply(*inputs, results, cache, _fused_shard_gradients)
+            return _shaped(outputs, shape, dtype), results, cache
+    if needs_grad:
+        return _shaped(_FusedTokenStats.apply(*inputs), shape, dtype), None, None
+    return _shaped(_fused_forward(*inputs), shape, dtype), None, None
 
-        def forward_only(*args):
-            return triton.fused_forward(*args, keep_cache=False)[0]
 
-        return _run(triton.TritonFusedTokenStats, forward_only, needs_grad, inputs, shape, dtype)
-    return _run(_FusedTokenStats, _fused_forward, needs_grad, inputs, shape, dtype)
-
-
-def _fused_agrees(key: tuple, inputs: tuple, stats: TokenStats, needs_grad: bool) -> bool:
-    """First-use check of a fused Triton call: the torch backend over the float32 logits of a few rows of the
-    first chunk, recomputed by the very GEMM call the kernels read (so the two backends see the same
-    numbers); with a gradient, the logit gradient the Triton backward computes from its float16 caches."""
+def _fused_agrees(key: tuple, inputs: tuple, stats: TokenStats, results, cache) -> bool:
+    """First-use check of a fused Triton call: rows of the call against the torch backend over their float32
+    logits, recomputed by the GEMM of their chunk as the kernels read them (so the two backends see the
+    same numbers); with a gradient, each term's logit gradient of those rows from the call's float16 caches."""
     hidden, weight, ref_hidden, ref_weight, targets, tiling = inputs
-    first_chunk = min(tiling.chunk_rows, targets.shape[0])
-    rows = first_use.check_rows(first_chunk, hidden.device)
-    if not len(rows):
-        return True
+    rows, with_kl = _check_rows(targets.shape[0], stats.kl, hidden.device)
+
+    def check() -> List[str]:
+        z = _chunk_logits(hidden, weight, rows, tiling)
+        zr = None if ref_hidden is None else _chunk_logits(ref_hidden, ref_weight, rows, tiling)
+        if cache is None:  # no gradient, or a shard of padding only
+            return _compare_rows(results, rows, z, zr, targets[rows], tiling, with_kl)
+        sub_cache = cache.rows(rows)
+        gradient_dtype = OutputProjection(hidden[:1], weight[:1], 1, tiling.dtype).gradient_dtype
+
+        def from_cache(saved, probe):
+            return _triton_backend().cached_logit_gradient(
+                gradient_dtype, targets[rows], sub_cache, saved, probe, tiling
+            )
+
+        return _compare_rows(results, rows, z, zr, targets[rows], tiling, with_kl, from_cache, cached=True)
+
     with torch.no_grad():
-        h, rh, rows_targets = hidden[rows], None if ref_hidden is None else ref_hidden[rows], targets[rows]
-        z = _output_logits(hidden[:first_chunk], weight, tiling)[rows]
-        zr = None if rh is None else _output_logits(ref_hidden[:first_chunk], ref_weight, tiling)[rows]
-        expected = _logits_forward(z, zr, rows_targets, tiling)
-        problems = first_use.value_problems(_fields_at(stats, rows), _fields_at(expected))
-        if needs_grad:
-            probe = _probe_gradients(len(rows), tiling, hidden.device)
-            got = _triton_backend().fused_logit_gradient(h, weight, rh, ref_weight, rows_targets, tiling, probe)
-            if got is not None:  # None: this shard is all padding
-                want = _logits_backward(z, zr, rows_targets, expected.saved, probe, tiling)
-                problems += [p for p in [first_use.gradient_problem(got, want, cached=True)] if p]
-    return first_use.conclude(key, _described("fused", key, tiling, len(rows)), problems, tiling.group, hidden.device)
+        problems = _comparing(check)
+    described = _described("fused", key, tiling, len(rows), with_kl)
+    return first_use.conclude(key, described, problems, with_kl, tiling.group, hidden.device)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, tiling: Tiling) -> torch.Tensor:
+    """[r, valid_columns] float32 logits of ``rows`` as the Triton forward computed them: each by the GEMM
+    of its whole chunk (the same GEMM shape, hence the same rounding)."""
+    chunk = min(tiling.chunk_rows, hidden.shape[0])
+    out = torch.empty(len(rows), tiling.valid_columns, dtype=tiling.dtype, device=hidden.device)
+    starts = rows // chunk * chunk
+    for start in sorted(set(starts.tolist())):
+        picked = starts == start
+        out[picked] = _output_logits(hidden[start : start + chunk], weight, tiling)[rows[picked] - start]
+    return out
 
 
 def _output_logits(hidden: torch.Tensor, weight: torch.Tensor, tiling: Tiling) -> torch.Tensor:
-    """[n, valid_columns] float32 logits hidden @ weight.T as both backends compute them (OutputProjection)."""
-    out = torch.empty(hidden.shape[0], tiling.valid_columns, dtype=tiling.dtype, device=hidden.device)
+    """[n, valid_columns] float32 logits hidden @ weight.T as the Triton forward computes them (OutputProjection
+    into a buffer of its row alignment)."""
+    out = _triton_backend().aligned_rows(hidden.shape[0], tiling.valid_columns, tiling.dtype, hidden.device)
     OutputProjection(hidden, weight, tiling.valid_columns, tiling.dtype).logits_into(
         0, hidden.shape[0], 0, tiling.valid_columns, out
     )

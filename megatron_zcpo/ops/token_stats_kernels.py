@@ -296,13 +296,15 @@ def _combine(parts: torch.Tensor, tiling: Tiling) -> torch.Tensor:
 
 @dataclass
 class TileResults:
-    """Per-token results [N] and what backward needs (``saved``, [3 or 7, N] compute dtype)."""
+    """Per-token results [N], what backward needs (``saved``, [3 or 7, N] compute dtype) and this rank's
+    statistics before the merge over the group (``shard``, [K, N] float64; the first-use check's)."""
 
     logprob: torch.Tensor
     entropy: torch.Tensor
     ref_logprob: Optional[torch.Tensor]
     kl: Optional[torch.Tensor]
     saved: Optional[torch.Tensor]
+    shard: Optional[torch.Tensor] = None
 
 
 def save_results(ctx, inputs: tuple, results: TileResults, tiling: Tiling) -> tuple:
@@ -315,8 +317,9 @@ def save_results(ctx, inputs: tuple, results: TileResults, tiling: Tiling) -> tu
     return results.logprob, results.entropy, results.ref_logprob, results.kl
 
 
-def _finish(stats: torch.Tensor, tiling: Tiling) -> TileResults:
-    """Per-token results from the statistics [K, N] of the whole vocabulary."""
+def finish_statistics(stats: torch.Tensor, tiling: Tiling) -> TileResults:
+    """Per-token results from the statistics [K, N] of the whole vocabulary (of one shard: its results as if
+    it were the vocabulary, which the first-use check compares without a collective)."""
     inv_t = tiling.inv_temperature
     logprob = (stats[_TARGET_LOGIT] - stats[_SHIFT]) * inv_t - stats[_LOG_S]
     # backward: log p = (z - shift) / T - log S; log p - log q = (z - z_r - shift + ref_shift) / T_kl - c
@@ -331,6 +334,11 @@ def _finish(stats: torch.Tensor, tiling: Tiling) -> TileResults:
 
 def tiled_forward(load: Callable, targets: torch.Tensor, tiling: Tiling, device: torch.device) -> TileResults:
     """Walk the tiles, reduce and combine them, all-gather the per-token stats of the shards, merge."""
+    return merge_shards(shard_statistics(load, targets, tiling, device), tiling)
+
+
+def shard_statistics(load: Callable, targets: torch.Tensor, tiling: Tiling, device: torch.device) -> torch.Tensor:
+    """This rank's statistics [K, N] (float64) of its valid columns, tile by tile: no collective."""
     n_rows = targets.shape[0]
     tiles = tiling.tiles()
     if tiles and n_rows:
@@ -347,16 +355,19 @@ def tiled_forward(load: Callable, targets: torch.Tensor, tiling: Tiling, device:
             stats[:, start:stop] = _combine(parts, tiling)
     else:
         stats = empty_shard_stats(tiling, n_rows, device)
-    return merge_shards(stats, tiling)
+    return stats
 
 
 def merge_shards(stats: torch.Tensor, tiling: Tiling) -> TileResults:
     """Per-token results from this shard's statistics [K, N] (float64): one all-gather over the group, merged."""
+    shard = stats
     if tiling.world > 1:
         gathered = torch.empty(tiling.world * stats.shape[0], stats.shape[1], dtype=stats.dtype, device=stats.device)
         _ALL_GATHER(gathered, stats, group=tiling.group)
         stats = _combine(gathered.view(tiling.world, *stats.shape), tiling)
-    return _finish(stats, tiling)
+    results = finish_statistics(stats, tiling)
+    results.shard = shard
+    return results
 
 
 def tiled_backward(
@@ -438,7 +449,9 @@ def resolve_tiling(
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise TypeError(f"targets must hold integer token ids, got dtype {targets.dtype}")
     bad = (targets < 0) | (targets >= vocab_size)
-    if bool(bad.any()):
+    if targets.is_cuda:  # checked on the device: no host synchronisation per call
+        torch._assert_async(~bad.any(), f"token statistics: a target id is outside the vocabulary [0, {vocab_size})")
+    elif bool(bad.any()):
         position = int(bad.flatten().nonzero()[0])
         raise ValueError(
             f"targets[{position}] (flattened) = {int(targets.flatten()[position])} is outside the "

@@ -1,4 +1,4 @@
-"""The Triton backend of the token statistics: launches, a small autotune, the fused autograd Function.
+"""The Triton backend of the token statistics: launches (shapes fixed by the shard width), the fused Function.
 
 Forward: :func:`token_stats_forward_kernel` reduces each row's shard in one HBM pass to the shard
 statistics of the torch path; the float64 merge over tensor-parallel ranks (one all-gather per
@@ -12,8 +12,9 @@ V_local] each, together the size of float32 logits, half of it without a referen
 recomputes no GEMM: it writes the whole logit gradient [N, V_local] in the operands' dtype and runs
 the two gradient GEMMs on it, three output-layer GEMMs per update as for a plain output layer.
 
-Kernel shapes are chosen per (kernel, dtypes, shard width) by timing a few candidates on the first
-CUDA call; under Triton's interpreter (CPU tensors) fixed small shapes are used.
+Kernel shapes are fixed by the shard width (:func:`_choose`: the same on every rank and run); under
+Triton's interpreter (CPU tensors) small shapes are used. The buffers allocated here have row strides
+padded to a multiple of 16 elements (vector loads for every shard width).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import triton
 
+from megatron_zcpo.ops import token_stats_check
 from megatron_zcpo.ops.output_projection import OutputProjection
 from megatron_zcpo.ops.token_stats_kernels import (
     TileResults,
@@ -53,18 +55,18 @@ class KernelConfig:
         return self.block_v * self.sub
 
 
-# Forward: 8-16 elements per thread per load, 8-16 K columns per super-block (the exact merge costs
+# Forward: 8 elements per thread per load, 8-16 K columns per super-block (the exact merge costs
 # ~1000 instructions per row and super-block, ~8-16 per element; passes 2 and 3 re-read a super-block
-# of a few tens of KiB per program from L1/L2). Backward: a plain elementwise pass.
-FORWARD_CANDIDATES = (
-    KernelConfig(1, 1024, 16, 4),
-    KernelConfig(1, 2048, 8, 4),
-    KernelConfig(1, 2048, 8, 8),
-    KernelConfig(1, 1024, 8, 4),
-)
-BACKWARD_CANDIDATES = (KernelConfig(1, 2048, 1, 4), KernelConfig(1, 4096, 1, 8), KernelConfig(4, 1024, 1, 4))
-_TUNED: Dict[tuple, KernelConfig] = {}
+# of a few tens of KiB per program from L1/L2). Backward: a plain elementwise pass. The shape is a
+# function of the shard width alone (no timing-based autotune): every tensor-parallel rank and every
+# run launches the same kernels, so the results are bitwise reproducible.
+FORWARD_CANDIDATES = (KernelConfig(1, 2048, 8, 8), KernelConfig(1, 1024, 8, 4))
+BACKWARD_CANDIDATES = (KernelConfig(1, 2048, 1, 4), KernelConfig(1, 1024, 1, 4))
+# Row strides of the buffers this module allocates are multiples of this many elements, so that
+# Triton specialises them as divisible by 16 and emits vector loads whatever the shard width.
+ROW_ALIGNMENT = 16
 _FORCED: Dict[str, KernelConfig] = {}
+_CHOSEN: Dict[tuple, KernelConfig] = {}
 
 
 @contextlib.contextmanager
@@ -79,9 +81,9 @@ def forced_configs(forward: Optional[KernelConfig] = None, backward: Optional[Ke
         _FORCED.update(previous)
 
 
-def tuned_configs() -> Dict[tuple, KernelConfig]:
-    """The shapes chosen so far, by tuning key (for the benchmark's report)."""
-    return dict(_TUNED)
+def chosen_configs() -> Dict[tuple, KernelConfig]:
+    """The shapes launched so far, by (kernel, shard width) (for the benchmark's report)."""
+    return dict(_CHOSEN)
 
 
 def _interpreter_config(kind: str, n_rows: int, n_cols: int) -> KernelConfig:
@@ -92,35 +94,24 @@ def _interpreter_config(kind: str, n_rows: int, n_cols: int) -> KernelConfig:
     return KernelConfig(block_m, block_v, 2) if kind == "forward" else KernelConfig(block_m, block_v)
 
 
-def _choose(kind: str, key: tuple, n_rows: int, n_cols: int, candidates, launch, device) -> KernelConfig:
-    """The forced, tuned, or (first CUDA call per key and row-count octave) fastest of ``candidates``.
-
-    ``launch(config)`` runs the kernel once (its outputs are overwritten by every run).
-    """
+def _choose(kind: str, n_rows: int, n_cols: int, device) -> KernelConfig:
+    """The forced shape, else one fixed by the shard width: 16 K-column super-blocks from 16 K columns
+    on, 8 K below (a TP=8+ shard keeps a few super-blocks per row); the backward's block divides both."""
     if kind in _FORCED:
-        return _FORCED[kind]
-    if device.type != "cuda":
-        return _interpreter_config(kind, n_rows, n_cols)
-    key = key + (min(triton.next_power_of_2(n_rows), 4096), n_cols)
-    if key in _TUNED:
-        return _TUNED[key]
-    timings, errors = {}, []
-    for config in candidates:
-        try:
-            launch(config)  # compile and warm up
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(2):
-                launch(config)
-            stop.record()
-            stop.synchronize()
-            timings[config] = start.elapsed_time(stop)
-        except Exception as error:  # e.g. a shape the device has too few registers for
-            errors.append(f"{config}: {type(error).__name__}: {error}"[:300])
-    if not timings:
-        raise RuntimeError(f"no Triton {kind} kernel shape ran: " + "; ".join(errors))
-    _TUNED[key] = min(timings, key=timings.get)
-    return _TUNED[key]
+        config = _FORCED[kind]
+    elif device.type != "cuda":
+        config = _interpreter_config(kind, n_rows, n_cols)
+    else:
+        candidates = FORWARD_CANDIDATES if kind == "forward" else BACKWARD_CANDIDATES
+        config = candidates[0] if n_cols >= 16384 else candidates[1]
+    _CHOSEN[(kind, n_cols)] = config
+    return config
+
+
+def aligned_rows(rows: int, columns: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised [rows, columns] view whose row stride is a multiple of :data:`ROW_ALIGNMENT`."""
+    stride = triton.cdiv(max(columns, 1), ROW_ALIGNMENT) * ROW_ALIGNMENT
+    return torch.empty(rows, stride, dtype=dtype, device=device)[:, :columns]
 
 
 def launch_kernel(kernel, grid, *args, **kwargs) -> None:
@@ -140,22 +131,23 @@ class _Cache:
     y: Optional[torch.Tensor]  # [N, n_cols] float16: log p - log q less a per-super-block constant
     blocks: torch.Tensor  # [3, N, n_super] float32: policy maximum, reference maximum, c' per super-block
     at_kl: bool  # T_cache = T_kl (else the sampling temperature): the larger of the two
-    width: int = 0  # columns per super-block, set by the forward
+    width: int  # columns per super-block (the forward's)
 
     @classmethod
-    def allocate(cls, rows: int, n_cols: int, tiling: Tiling, device) -> _Cache:
-        shapes = FORWARD_CANDIDATES + (
-            _FORCED.get("forward", FORWARD_CANDIDATES[0]),
-            _interpreter_config("forward", rows, n_cols),
-        )
-        n_super = triton.cdiv(n_cols, min(c.width for c in shapes))
-        y = torch.empty(rows, n_cols, dtype=torch.float16, device=device) if tiling.with_ref else None
+    def allocate(cls, rows: int, n_cols: int, tiling: Tiling, width: int, device) -> _Cache:
+        y = aligned_rows(rows, n_cols, torch.float16, device) if tiling.with_ref else None
         return cls(
-            torch.empty(rows, n_cols, dtype=torch.float16, device=device),
+            aligned_rows(rows, n_cols, torch.float16, device),
             y,
-            torch.empty(3, rows, n_super, dtype=torch.float32, device=device),
+            torch.empty(3, rows, triton.cdiv(n_cols, width), dtype=torch.float32, device=device),
             tiling.with_ref and tiling.inv_kl_temperature < tiling.inv_temperature,
+            width,
         )
+
+    def rows(self, index: torch.Tensor) -> _Cache:
+        """A copy of the cache's rows ``index`` [r] (the first-use check's slice of a real call)."""
+        y = None if self.y is None else self.y[index]
+        return _Cache(self.e[index], y, self.blocks[:, index], self.at_kl, self.width)
 
 
 def _forward_launcher(z, zr, local_targets, stats, tiling: Tiling, cache: Optional[_Cache], first_row: int):
@@ -199,10 +191,6 @@ def _forward_launcher(z, zr, local_targets, stats, tiling: Tiling, cache: Option
     return launch
 
 
-def _forward_key(z, zr, tiling: Tiling, cache: Optional[_Cache]) -> tuple:
-    return ("forward", z.dtype, zr is not None, tiling.separate_kl_temperature, cache is not None)
-
-
 def _contiguous_rows(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
@@ -215,17 +203,7 @@ def logits_forward(logits, ref_logits, targets, tiling: Tiling) -> TileResults:
         return merge_shards(empty_shard_stats(tiling, n_rows, logits.device), tiling)
     stats = torch.empty(stat_rows(tiling), n_rows, dtype=torch.float32, device=logits.device)
     launch = _forward_launcher(logits, ref_logits, targets - tiling.vocab_start, stats, tiling, None, 0)
-    launch(
-        _choose(
-            "forward",
-            _forward_key(logits, ref_logits, tiling, None),
-            n_rows,
-            tiling.valid_columns,
-            FORWARD_CANDIDATES,
-            launch,
-            logits.device,
-        )
-    )
+    launch(_choose("forward", n_rows, tiling.valid_columns, logits.device))
     return merge_shards(stats.double(), tiling)
 
 
@@ -239,32 +217,21 @@ def fused_forward(
     policy = OutputProjection(hidden, weight, n_cols, torch.float32)
     reference = None if ref_hidden is None else OutputProjection(ref_hidden, ref_weight, n_cols, torch.float32)
     chunk = min(tiling.chunk_rows, n_rows)
-    z = torch.empty(chunk, n_cols, dtype=torch.float32, device=device)
-    zr = None if reference is None else torch.empty_like(z)
+    z = aligned_rows(chunk, n_cols, torch.float32, device)
+    zr = None if reference is None else aligned_rows(chunk, n_cols, torch.float32, device)
     stats = torch.empty(stat_rows(tiling), n_rows, dtype=torch.float32, device=device)
-    cache = _Cache.allocate(n_rows, n_cols, tiling, device) if keep_cache else None
+    # One shape for the whole call: the cache's super-blocks must not change between chunks.
+    config = _choose("forward", chunk, n_cols, device)
+    cache = _Cache.allocate(n_rows, n_cols, tiling, config.width, device) if keep_cache else None
     local_targets = targets - tiling.vocab_start
-    config = None
     for start in range(0, n_rows, chunk):
         stop = min(start + chunk, n_rows)
         z_rows, zr_rows = z[: stop - start], None if zr is None else zr[: stop - start]
         policy.logits_into(start, stop, 0, n_cols, z_rows)
         if reference is not None:
+            assert zr_rows is not None  # allocated with the reference
             reference.logits_into(start, stop, 0, n_cols, zr_rows)
-        launch = _forward_launcher(z_rows, zr_rows, local_targets[start:stop], stats, tiling, cache, start)
-        # One shape for the whole call: the cache's super-blocks must not change between chunks.
-        config = config or _choose(
-            "forward",
-            _forward_key(z_rows, zr_rows, tiling, cache),
-            stop - start,
-            n_cols,
-            FORWARD_CANDIDATES,
-            launch,
-            device,
-        )
-        launch(config)
-    if cache is not None:
-        cache.width = config.width
+        _forward_launcher(z_rows, zr_rows, local_targets[start:stop], stats, tiling, cache, start)(config)
     return merge_shards(stats.double(), tiling), cache
 
 
@@ -295,13 +262,11 @@ def _backward(
             cache.blocks.stride(1),
             cache.blocks.stride(0),
         )
-        candidates = [c for c in BACKWARD_CANDIDATES if cache.width % c.block_v == 0]
     else:
         inv_cache = tiling.inv_temperature
         z = _contiguous_rows(logits)
         zr = z if ref_logits is None else _contiguous_rows(ref_logits)
         cache_args = (out, out, 0, out, 0, 0)
-        candidates = list(BACKWARD_CANDIDATES)
 
     def launch(config: KernelConfig):
         grid = (triton.cdiv(n_rows, config.block_m), triton.cdiv(out.shape[1], config.block_v))
@@ -340,17 +305,7 @@ def _backward(
             num_warps=config.num_warps,
         )
 
-    key = (
-        "backward",
-        out.dtype,
-        z.dtype,
-        cache is not None,
-        grad_lp is not None,
-        grad_ent is not None,
-        grad_kl is not None,
-        separate,
-    )
-    config = _choose("backward", key, n_rows, out.shape[1], candidates, launch, out.device)
+    config = _choose("backward", n_rows, out.shape[1], out.device)
     if cache is not None and cache.width % config.block_v:
         raise ValueError(f"backward block_v {config.block_v} must divide the forward's super-block width {cache.width}")
     launch(config)
@@ -371,53 +326,48 @@ def logits_backward(logits, ref_logits, targets, saved, grads, tiling: Tiling) -
     return grad_logits
 
 
-def _cached_logit_gradient(policy: OutputProjection, targets, cache: _Cache, saved, grads, tiling: Tiling):
-    """d(loss)/d(logits) [N, valid_columns] in the gradient GEMMs' operand dtype, from the forward's caches."""
-    grad_logits = torch.empty(
-        targets.shape[0], tiling.valid_columns, dtype=policy.gradient_dtype, device=targets.device
-    )
+def cached_logit_gradient(gradient_dtype, targets, cache: _Cache, saved, grads, tiling: Tiling) -> torch.Tensor:
+    """d(loss)/d(logits) [N, valid_columns] in ``gradient_dtype`` (the gradient GEMMs' operand) from the
+    forward's caches, for the upstream ``grads`` (logprob, entropy, kl) [N] each (None: not wanted)."""
+    grad_logits = aligned_rows(targets.shape[0], tiling.valid_columns, gradient_dtype, targets.device)
     _backward(grad_logits, targets, saved, grads, tiling, cache=cache)
     return grad_logits
 
 
-def fused_logit_gradient(
-    hidden, weight, ref_hidden, ref_weight, targets, tiling: Tiling, grads
-) -> Optional[torch.Tensor]:
-    """The logit gradient [N, valid_columns] that :class:`TritonFusedTokenStats` feeds its gradient GEMMs, for
-    the upstream ``grads`` (logprob, entropy, kl) [N] each (the first-use check); None for a shard of padding."""
-    results, cache = fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling, keep_cache=True)
-    if cache is None:
-        return None
-    policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
-    return _cached_logit_gradient(policy, targets, cache, results.saved, grads, tiling)
-
-
 class TritonFusedTokenStats(torch.autograd.Function):
-    """Autograd of :func:`fused_forward`: backward from the caches, then the two gradient GEMMs."""
+    """Autograd of :func:`fused_forward` (its results and caches computed before): backward from the caches,
+    then the two gradient GEMMs; ``fallback`` (the torch backward's shard gradients, same arguments as
+    ``token_stats._fused_shard_gradients``) when that raises."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, tiling):
-        results, cache = fused_forward(hidden, weight, ref_hidden, ref_weight, targets, tiling, keep_cache=True)
-        ctx.cache_layout = None if cache is None else (cache.y is not None, cache.at_kl, cache.width)
+    def forward(ctx, hidden, weight, ref_hidden, ref_weight, targets, tiling, results, cache, fallback):
+        ctx.cache_layout = None if cache is None else (cache.at_kl, cache.width)
+        ctx.fallback = fallback
         kept = () if cache is None else (cache.e, cache.y, cache.blocks)
-        return save_results(ctx, (hidden, weight, targets) + kept, results, tiling)
+        return save_results(ctx, (hidden, weight, ref_hidden, ref_weight, targets) + kept, results, tiling)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy, _grad_ref_logprob, grad_kl):
-        hidden, weight, targets, *kept, saved = ctx.saved_tensors
+        hidden, weight, ref_hidden, ref_weight, targets, *kept, saved = ctx.saved_tensors
         tiling = ctx.tiling
         grads = (grad_logprob, grad_entropy, grad_kl)
+        nothing = (None,) * 9
         if ctx.cache_layout is None or all(g is None for g in grads):
-            return None, None, None, None, None, None
-        _, at_kl, width = ctx.cache_layout
-        cache = _Cache(kept[0], kept[1], kept[2], at_kl, width)
-        policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
-        grad_logits = _cached_logit_gradient(policy, targets, cache, saved, grads, tiling)
-        grad_weight = torch.empty_like(weight)
-        grad_weight[tiling.valid_columns :].zero_()
-        grad_hidden = policy.shard_gradients(grad_logits, grad_weight[: tiling.valid_columns])
+            return nothing
+        try:
+            cache = _Cache(kept[0], kept[1], kept[2], *ctx.cache_layout)
+            policy = OutputProjection(hidden, weight, tiling.valid_columns, torch.float32)
+            grad_logits = cached_logit_gradient(policy.gradient_dtype, targets, cache, saved, grads, tiling)
+            grad_weight = torch.empty_like(weight)
+            grad_weight[tiling.valid_columns :].zero_()
+            grad_hidden = policy.shard_gradients(grad_logits, grad_weight[: tiling.valid_columns])
+        except Exception as error:  # before the all-reduce below: the ranks still meet there
+            token_stats_check.raised(error, "fused backward")
+            grad_hidden, grad_weight = ctx.fallback(
+                hidden, weight, ref_hidden, ref_weight, targets, saved, grads, tiling
+            )
         if tiling.world > 1:
             # hidden is replicated across the tensor-parallel ranks, each of which saw its vocabulary
             # shard: sum the partial gradients (Megatron's copy_to_tensor_model_parallel_region backward).
             dist.all_reduce(grad_hidden, group=tiling.group)
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None
+        return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype)) + nothing[2:]

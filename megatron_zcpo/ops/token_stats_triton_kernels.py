@@ -475,7 +475,7 @@ def token_stats_backward_kernel(
 
     From the logits z, zr, or (FROM_CACHE) from the forward's e / y caches and per-super-block
     constants; ``cache_to_t`` = T_cache / T and ``cache_to_kl`` = T_cache / T_kl. saved: [7, n_rows]
-    float32 rows of token_stats_kernels._finish (shift, log S, entropy, ref shift, log S at T_kl,
+    float32 rows of token_stats_kernels.finish_statistics (shift, log S, entropy, ref shift, log S at T_kl,
     c, KL). BLOCK_V divides SUPER_WIDTH (the forward's super-block width), so a program's columns
     share their super-block constants.
     """

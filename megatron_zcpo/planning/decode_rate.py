@@ -13,7 +13,7 @@ sequence's KV cache, and running the batch's matmuls::
     step = max((W + B k c) / (t x HBM bytes/s), B x F(c) / (t x peak FLOP/s))
 
 (``F(c)``: forward FLOPs of one token attending to ``c`` tokens,
-:func:`~megatron_zcpo.planning.step_time.forward_flops_per_token`). Per step ``B / r`` sequences
+:func:`~megatron_zcpo.planning.flops.forward_flops_per_token`). Per step ``B / r`` sequences
 finish and as many new prompts are prefilled, ``p x F(p / 2)`` FLOPs each, on the same GPUs::
 
     prefill = (B / r) x p x F(p / 2) / (t x peak FLOP/s)
@@ -37,17 +37,22 @@ transferred from one regime to the other. SGLang's published online figures on t
 Little's law on the median latency) imply a bandwidth efficiency of 0.42 and 0.33 against the
 calibrated 0.29: the modelled rate is on the low side. SGLang v0.3.0 is older than the servers
 we run. The scheduler admits more requests than full-length reservations allow and retracts them
-when the pool fills; the request cap and the long tail of the longest response (the batch empties
-while it finishes) are not modelled. FP8 weights (``quantization``) are not modelled either.
+when the pool fills (not modelled). FP8 weights (``quantization``) are not modelled either.
+
+A step's generation (:func:`generation_time`) adds what throughput at mean lengths hides: the
+batch a server holds is bounded by the requests in flight on it (:func:`in_flight_batch`), and the
+step waits for its longest response, which decodes at a small batch at the 0.42 efficiency of
+the 4 requests/s TPOT above (:func:`small_batch_efficiency`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.planning.flops import H100_BF16_DENSE_FLOPS, forward_flops_per_token
 from megatron_zcpo.planning.memory_model import H100_80GB_GIB
-from megatron_zcpo.planning.step_time import H100_BF16_DENSE_FLOPS, forward_flops_per_token
 
 H100_HBM3_BYTES_S = 3.35e12  # NVIDIA H100 SXM datasheet, HBM3 bandwidth
 H100_80GB_BYTES = H100_80GB_GIB * 2**30
@@ -110,7 +115,7 @@ class DecodeRoofline:
 
 def kv_bytes_per_token(model: ModelConfig) -> float:
     """bf16 bytes of one token's K and V over all layers."""
-    return 2 * model.num_layers * model.num_key_value_heads * model.head_dim * BF16_BYTES
+    return 2 * model.num_layers * model.num_key_value_heads * model.kv_channels * BF16_BYTES
 
 
 def decode_step_s(
@@ -200,7 +205,7 @@ def decode_tokens_per_s_per_gpu(
     *,
     mem_fraction: float = 0.85,
     gpu_memory_bytes: float = H100_80GB_BYTES,
-    efficiency: float = None,
+    efficiency: Optional[float] = None,
 ) -> float:
     """Generated tokens/s per GPU of TP-``tensor_parallel`` servers decoding requests of these mean
     lengths (module docstring); ``efficiency`` None: :func:`calibrated_efficiency`."""
@@ -215,3 +220,94 @@ def decode_tokens_per_s_per_gpu(
         gpu_memory_bytes=gpu_memory_bytes,
     )
     return efficiency * roofline.tokens_per_s_per_gpu
+
+
+# SGLang's online figures on the same servers (benchmark/benchmark_vllm_060/README.md, Llama 3.1 70B
+# Instruct, 4x H100, ShareGPT at 4 requests/s): median TPOT 25.03 ms with about 12 requests in
+# flight (Little's law on the median latency). A small batch reads the weights at this efficiency,
+# higher than the offline throughput's: it is what the longest responses of a step decode at.
+SGLANG_V030_LLAMA31_70B_TPOT_S = 25.03e-3
+SGLANG_V030_LLAMA31_70B_TPOT_IN_FLIGHT = 12
+
+
+def small_batch_efficiency() -> float:
+    """The fraction of the roofline a few sequences decode at: the roofline's step for the TPOT
+    measurement's batch and mean context over its median TPOT (about 0.42)."""
+    m = SGLANG_V030_LLAMA31_70B_SHAREGPT
+    context = m.prompt_tokens + m.response_tokens / 2
+    roofline = decode_step_s(m.model, SGLANG_V030_LLAMA31_70B_TPOT_IN_FLIGHT, context, m.tensor_parallel)
+    return roofline / SGLANG_V030_LLAMA31_70B_TPOT_S
+
+
+@dataclass(frozen=True)
+class GenerationTime:
+    """One step's generation on ``servers`` servers: ``batch`` sequences each decodes together
+    (bounded by its KV pool and by the requests in flight on it), the ``bulk_s`` of all tokens at
+    that batch's throughput, the ``tail_s`` of the longest response at a small batch, and the
+    step's wait, ``seconds`` = max(bulk, tail); ``tokens_per_s_per_gpu``: generated tokens over it."""
+
+    batch: float
+    bulk_s: float
+    tail_s: float
+    seconds: float
+    tokens_per_s_per_gpu: float
+
+
+def in_flight_batch(kv_batch: float, sequences: float, servers: int, max_in_flight: Optional[float] = None) -> float:
+    """Sequences a server decodes together: its KV pool's ``kv_batch``, bounded by the requests it
+    holds: its share of the step's ``sequences``, or of the client's ``max_in_flight``
+    (``rollout.sglang.client.max_concurrency``) when that is lower."""
+    in_flight = sequences if max_in_flight is None else min(sequences, max_in_flight)
+    return max(1.0, min(kv_batch, in_flight / servers))
+
+
+def generation_time(
+    model: ModelConfig,
+    sequences: float,
+    prompt_tokens: float,
+    response_tokens: float,
+    max_response_tokens: float,
+    gpus: int,
+    tensor_parallel: int,
+    *,
+    mem_fraction: float = 0.85,
+    gpu_memory_bytes: float = H100_80GB_BYTES,
+    decode_tokens_per_s_per_gpu: Optional[float] = None,
+    max_in_flight: Optional[float] = None,
+) -> GenerationTime:
+    """Seconds one step waits for ``sequences`` responses of mean ``response_tokens`` (longest
+    ``max_response_tokens``) on ``gpus`` GPUs in TP-``tensor_parallel`` servers.
+
+    Bulk: the roofline of the module docstring at the in-flight batch (:func:`in_flight_batch`,
+    ``max_in_flight``: the client's cap on requests in flight over all servers), at
+    the calibrated efficiency, or the given ``decode_tokens_per_s_per_gpu``. Tail: the longest
+    response decodes ``max_response_tokens`` steps one after another; once the bulk is done its
+    server holds a few sequences, so a step costs the roofline of one sequence at its mean context
+    over :func:`small_batch_efficiency`. The step waits for the later of the two."""
+    servers = max(1, gpus // tensor_parallel)
+    roofline = decode_roofline(
+        model,
+        prompt_tokens,
+        response_tokens,
+        tensor_parallel,
+        mem_fraction=mem_fraction,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+    batch = in_flight_batch(roofline.batch, sequences, servers, max_in_flight)
+    if decode_tokens_per_s_per_gpu is None:
+        context = prompt_tokens + response_tokens / 2
+        step = decode_step_s(model, batch, context, tensor_parallel)
+        prefill = (batch / response_tokens) * prompt_tokens * forward_flops_per_token(model, prompt_tokens)
+        prefill /= tensor_parallel * H100_BF16_DENSE_FLOPS
+        decode_tokens_per_s_per_gpu = calibrated_efficiency() * batch / (tensor_parallel * (step + prefill))
+    bulk = sequences * response_tokens / (decode_tokens_per_s_per_gpu * servers * tensor_parallel)
+    tail_step = decode_step_s(model, 1, prompt_tokens + max_response_tokens / 2, tensor_parallel)
+    tail = max_response_tokens * tail_step / small_batch_efficiency()
+    seconds = max(bulk, tail)
+    return GenerationTime(
+        batch=batch,
+        bulk_s=bulk,
+        tail_s=tail,
+        seconds=seconds,
+        tokens_per_s_per_gpu=sequences * response_tokens / (seconds * servers * tensor_parallel),
+    )

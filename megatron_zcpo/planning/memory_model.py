@@ -29,8 +29,14 @@ What is modelled, for the most loaded pipeline stage (first and last stage are b
 * Mixture-of-experts models: each GPU holds its expert-parallel rank's experts (their optimizer
   state sharded over the experts' replicas) and keeps its share of the routed tokens' expert
   activations (:mod:`megatron_zcpo.planning.moe_costs`).
-* Overhead: a fraction of the GPU reserved for the CUDA context, NCCL buffers, allocator
-  fragmentation and the transient buckets of the weight push to the rollout servers.
+* Overhead: the named reserve for what is not modelled tensor by tensor, a fraction of the GPU
+  (``Hardware.headroom_fraction``, 10%): the CUDA context, NCCL buffers, the transient buckets of
+  the weight push to the rollout servers and allocator fragmentation. Headroom policy
+  (:attr:`~megatron_zcpo.planning.planner.MemoryPlan.verdict`): a plan "fits" when its total,
+  reserve included, leaves a further margin (``Hardware.margin_fraction``, 2% of the GPU, 1.6 GiB
+  on an H100) for the model's own error (checked against hand counts, not a measured peak) and
+  routing beyond the imbalance factor; it is "tight" when it does not, and "does not fit" only
+  when the modelled tensors alone, reserve aside, exceed the GPU.
 
 Two phases are evaluated per stage and the larger one is reported: ``train`` (forward and backward
 of a mini-batch) and ``experience`` (no-grad forward of policy and reference to get log-probs and
@@ -44,6 +50,7 @@ from typing import Dict, List, Optional
 
 from megatron_zcpo.megatron.model import ModelConfig, padded_vocab_size
 from megatron_zcpo.planning.moe_costs import (
+    DEFAULT_EXPERT_IMBALANCE,
     expert_parameters_per_gpu,
     moe_layer_share,
     moe_mlp_activation_bytes_per_token,
@@ -210,7 +217,9 @@ class Workload:
     "offloaded" to CPU outside the experience pass, or "none". ``token_stats_backend``: the
     token statistics' kernels, "auto" (Triton on a GPU), "torch" or "triton";
     ``update_reference``: the update runs the reference beside the policy (a differentiable
-    conditional KL in the loss, ``algorithm.kl_loss=full``).
+    conditional KL in the loss, ``algorithm.kl_loss=full``). ``expert_imbalance``: the busiest
+    expert-parallel rank's routed tokens over the mean (mixture-of-experts models under EP > 1,
+    :data:`~megatron_zcpo.planning.moe_costs.DEFAULT_EXPERT_IMBALANCE`).
     """
 
     micro_batch_tokens: int
@@ -220,6 +229,7 @@ class Workload:
     reference: str = "resident"
     token_stats_backend: str = "auto"
     update_reference: bool = False
+    expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE
 
     @property
     def token_stats_kernels(self) -> str:
@@ -237,6 +247,11 @@ class Workload:
                 f"{prefix}.max_sequence_length={self.max_sequence_length} "
                 "(a micro-batch holds whole sequences)"
             )
+        if not self.expert_imbalance >= 1:
+            raise ValueError(
+                f"{prefix}.expert_imbalance must be at least 1 (the busiest rank over the mean), got "
+                f"{self.expert_imbalance}"
+            )
         if self.num_microbatches is not None and self.num_microbatches < 1:
             raise ValueError(f"{prefix}.num_microbatches must be positive, got {self.num_microbatches}")
         if self.reference not in REFERENCE_CHOICES:
@@ -249,11 +264,13 @@ class Workload:
 
 @dataclass(frozen=True)
 class Hardware:
-    """The GPUs: usable memory per GPU (GiB), the fraction kept free as headroom, GPUs per node."""
+    """The GPUs: usable memory per GPU (GiB), the reserve for what is not modelled (the
+    ``overhead`` row), the margin a fitting plan leaves besides (module docstring), GPUs per node."""
 
     gpu_memory_gib: float = H100_80GB_GIB
     headroom_fraction: float = 0.10
     gpus_per_node: int = 8
+    margin_fraction: float = 0.02
 
     def validate(self, prefix: str = "hardware") -> None:
         """Raise ``ValueError`` naming the offending key on a bad value."""
@@ -261,6 +278,10 @@ class Hardware:
             raise ValueError(f"{prefix}.gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
         if not 0.0 <= self.headroom_fraction < 1.0:
             raise ValueError(f"{prefix}.headroom_fraction must be in [0, 1), got {self.headroom_fraction}")
+        if not 0.0 <= self.margin_fraction < 1.0 - self.headroom_fraction:
+            raise ValueError(
+                f"{prefix}.margin_fraction must be in [0, 1 - headroom_fraction), got {self.margin_fraction}"
+            )
         if self.gpus_per_node < 1:
             raise ValueError(f"{prefix}.gpus_per_node must be at least 1, got {self.gpus_per_node}")
 
@@ -272,7 +293,7 @@ def bytes_per_parameter(distributed_optimizer: bool, optimizer_shards: int = 1) 
     parameter + two Adam moments), divided by ``optimizer_shards`` (= DP * CP) under the distributed
     optimizer: 18 in all without sharding, 6 + 12/d with it.
     """
-    optimizer = BYTES_FP32 * (1 + ADAM_MOMENTS)
+    optimizer: float = BYTES_FP32 * (1 + ADAM_MOMENTS)
     if distributed_optimizer:
         optimizer = optimizer / optimizer_shards
     return {"parameters": BYTES_BF16, "gradients": BYTES_FP32, "optimizer_states": optimizer}
@@ -289,12 +310,12 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
     :func:`~megatron_zcpo.planning.moe_costs.non_expert_mlp_parameters`.
     """
     h = model.hidden_size
-    q = model.num_attention_heads * model.head_dim
-    kv = 2 * model.num_key_value_heads * model.head_dim
+    q = model.num_attention_heads * model.kv_channels
+    kv = 2 * model.num_key_value_heads * model.kv_channels
     split = h * (q + kv) + q * h
     if model.qkv_bias:
         split += q + kv
-    replicated = 2 * h + (2 * model.head_dim if model.qk_layernorm else 0)
+    replicated = 2 * h + (2 * model.kv_channels if model.qk_layernorm else 0)
     if model.is_moe:
         return int(split // tensor_parallel + replicated + non_expert_mlp_parameters(model, tensor_parallel))
     return (split + 3 * h * model.intermediate_size) // tensor_parallel + replicated
@@ -386,7 +407,7 @@ def layer_activation_bytes(
         return tokens * BYTES_BF16 * hidden_size / hidden_divisor
     hidden_bytes = 4 * BYTES_BF16 * hidden_size + (2 * hidden_size if dropout else 0)
     mlp_bytes = (3 if gated_mlp else 2) * BYTES_BF16 * ffn_hidden_size
-    split_bytes = BYTES_BF16 * (2 * query_width + kv_width) + mlp_bytes
+    split_bytes: float = BYTES_BF16 * (2 * query_width + kv_width) + mlp_bytes
     if flash_attention:
         split_bytes += BYTES_FP32 * num_heads
     elif recompute == "none":
@@ -394,18 +415,21 @@ def layer_activation_bytes(
     return tokens * (hidden_bytes / hidden_divisor + split_bytes / tp)
 
 
-def model_layer_activation_bytes(model: ModelConfig, layout: Layout, tokens: float, recompute: str) -> float:
+def model_layer_activation_bytes(
+    model: ModelConfig, layout: Layout, tokens: float, recompute: str, expert_imbalance: float = 1.0
+) -> float:
     """:func:`layer_activation_bytes` for ``model`` (GQA, SwiGLU, no dropout, flash attention); for a
     mixture-of-experts model the layers' average, MoE layers with their experts' activations
     (:func:`~megatron_zcpo.planning.moe_costs.moe_mlp_activation_bytes_per_token`, over the TP ranks
-    whose tokens sequence parallelism splits)."""
+    whose tokens sequence parallelism splits) on the busiest expert-parallel rank, which receives
+    ``expert_imbalance`` times the mean (1 without expert parallelism: every rank holds every expert)."""
 
     def layer(ffn_hidden_size: int) -> float:
         return layer_activation_bytes(
             tokens,
             hidden_size=model.hidden_size,
-            query_width=model.num_attention_heads * model.head_dim,
-            kv_width=2 * model.num_key_value_heads * model.head_dim,
+            query_width=model.num_attention_heads * model.kv_channels,
+            kv_width=2 * model.num_key_value_heads * model.kv_channels,
             ffn_hidden_size=ffn_hidden_size,
             num_heads=model.num_attention_heads,
             tensor_parallel=layout.tensor_parallel,
@@ -418,7 +442,8 @@ def model_layer_activation_bytes(model: ModelConfig, layout: Layout, tokens: flo
     share = moe_layer_share(model)
     moe = layer(model.shared_expert_intermediate_size)
     if recompute != "full":
-        moe += tokens * moe_mlp_activation_bytes_per_token(model) / layout.tensor_parallel
+        imbalance = expert_imbalance if layout.expert_parallel > 1 else 1.0
+        moe += tokens * moe_mlp_activation_bytes_per_token(model, imbalance) / layout.tensor_parallel
     return (1 - share) * layer(model.intermediate_size) + share * moe
 
 
@@ -530,11 +555,12 @@ def stage_phase_components(
     tokens = workload.micro_batch_tokens / layout.context_parallel
     pp = layout.pipeline_parallel
     holds_output = stage == "last" or pp == 1
-    one_layer_working_set = model_layer_activation_bytes(model, layout, tokens, "none")
+    imbalance = workload.expert_imbalance
+    one_layer_working_set = model_layer_activation_bytes(model, layout, tokens, "none", imbalance)
     if phase == "train":
         rank = 0 if stage == "first" else pp - 1
         in_flight = layers_in_flight(model.num_layers, pp, rank, layout.virtual_pipeline, workload.num_microbatches)
-        activations = in_flight * model_layer_activation_bytes(model, layout, tokens, layout.recompute)
+        activations = in_flight * model_layer_activation_bytes(model, layout, tokens, layout.recompute, imbalance)
         # The backward of a layer briefly holds the gradients of its intermediates, about one
         # layer's activations; full recompute first rebuilds those activations too.
         activations += one_layer_working_set * (2 if layout.recompute == "full" else 1)

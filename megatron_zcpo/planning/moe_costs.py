@@ -3,9 +3,12 @@
 Pure arithmetic on a :class:`~megatron_zcpo.megatron.model.ModelConfig` (no GPU), used by
 :mod:`megatron_zcpo.planning.memory_model` and :mod:`megatron_zcpo.planning.step_time`. Layers are
 counted by their share: a pipeline stage holding ``L`` of the model's layers holds that share of
-its MoE layers (Qwen3-MoE: all of them). Routing is assumed balanced (every expert gets
-``tokens x top-k / experts`` tokens), as megatron-core's token dispatch without capacity factor
-does on average; a hot expert needs more.
+its MoE layers (Qwen3-MoE: all of them). Routing is not balanced: megatron-core's drop-less
+dispatch (no capacity factor) gives the busiest expert-parallel rank ``imbalance`` times the mean
+``tokens x top-k / EP`` routed tokens, and memory and time are those of that rank.
+:data:`DEFAULT_EXPERT_IMBALANCE` = 1.3 is the low end of the inter-rank imbalance measured on MoE
+models of 106B to 671B parameters without a balancer, 1.30 to 4.01 (UltraEP, arXiv:2606.04101,
+abstract); ``zcpo plan --expert-imbalance`` (``Workload.expert_imbalance``) sets another.
 
 * Parameters: each MoE layer has the router (experts x hidden, on every rank), the experts
   (``num_experts / EP`` of them on a rank, each ``3 x hidden x moe_intermediate / ETP``) and
@@ -25,6 +28,7 @@ from megatron_zcpo.megatron.model import ModelConfig
 
 BYTES_BF16 = 2
 BYTES_FP32 = 4
+DEFAULT_EXPERT_IMBALANCE = 1.3  # busiest EP rank's routed tokens / the mean (module docstring)
 
 
 def moe_layer_share(model: ModelConfig) -> float:
@@ -39,7 +43,7 @@ def non_expert_mlp_parameters(model: ModelConfig, tensor_parallel: int) -> float
     share = moe_layer_share(model)
     h = model.hidden_size
     dense = 3 * h * model.intermediate_size / tensor_parallel
-    routed = model.num_experts * h
+    routed: float = model.num_experts * h
     if model.shared_expert_intermediate_size:
         routed += 3 * h * model.shared_expert_intermediate_size / tensor_parallel + h
     return (1 - share) * dense + share * routed
@@ -55,14 +59,17 @@ def expert_parameters_per_gpu(
     return layers * moe_layer_share(model) * per_layer
 
 
-def moe_mlp_activation_bytes_per_token(model: ModelConfig) -> float:
-    """Bytes an MoE layer's MLP keeps per token for its backward (module docstring; balanced routing)."""
+def moe_mlp_activation_bytes_per_token(model: ModelConfig, imbalance: float = 1.0) -> float:
+    """Bytes an MoE layer's MLP keeps per token of the rank for its backward (module docstring): the
+    routed copies scale with ``imbalance`` (the busiest rank's tokens / the mean), the router logits not."""
     k, h = model.num_experts_per_tok, model.hidden_size
-    return k * BYTES_BF16 * (2 * h + 3 * model.moe_intermediate_size) + BYTES_FP32 * model.num_experts
+    return imbalance * k * BYTES_BF16 * (2 * h + 3 * model.moe_intermediate_size) + BYTES_FP32 * model.num_experts
 
 
-def all_to_all_bytes_per_token_layer(model: ModelConfig, expert_parallel: int) -> float:
-    """Bytes one rank sends per token and MoE layer in one pass (dispatch and combine)."""
+def all_to_all_bytes_per_token_layer(model: ModelConfig, expert_parallel: int, imbalance: float = 1.0) -> float:
+    """Bytes the busiest rank moves per token and MoE layer in one pass (dispatch and combine): it
+    receives ``imbalance`` times the mean share of the routed copies."""
     if not model.is_moe or expert_parallel == 1:
         return 0.0
-    return 2 * model.num_experts_per_tok * model.hidden_size * BYTES_BF16 * (expert_parallel - 1) / expert_parallel
+    per_copy = 2 * model.num_experts_per_tok * model.hidden_size * BYTES_BF16
+    return imbalance * per_copy * (expert_parallel - 1) / expert_parallel

@@ -55,9 +55,41 @@ class MemoryPlan:
         return self.hardware.gpu_memory_gib * GIB
 
     @property
+    def margin_bytes(self) -> float:
+        """The margin a fitting plan leaves besides its reserve (``Hardware.margin_fraction`` of the GPU)."""
+        return self.hardware.margin_fraction * self.capacity_bytes
+
+    @property
+    def verdict(self) -> str:
+        """Headroom policy (:mod:`~megatron_zcpo.planning.memory_model`): "fits" (the total, the
+        ``overhead`` reserve for the CUDA context, NCCL buffers, the push bucket and fragmentation
+        included, leaves the margin), "tight" (it does not: a run may go out of memory; warned,
+        not refused), "does not fit" (the modelled tensors alone exceed the GPU: refused)."""
+        if self.total_bytes + self.margin_bytes <= self.capacity_bytes:
+            return "fits"
+        return "tight" if self.total_bytes - self.components["overhead"] <= self.capacity_bytes else "does not fit"
+
+    @property
     def fits(self) -> bool:
-        """Whether the total, headroom included, is within one GPU's memory."""
-        return self.total_bytes <= self.capacity_bytes
+        """Whether the plan fits with its reserve and margin (:attr:`verdict` "fits")."""
+        return self.verdict == "fits"
+
+    def tight_reason(self) -> str:
+        """Why a tight plan is tight (empty unless :attr:`verdict` is "tight")."""
+        if self.verdict != "tight":
+            return ""
+        free = self.capacity_bytes - self.total_bytes
+        reserve = self.components["overhead"]
+        if free >= 0:
+            return (
+                f"{free / GIB:.2f} GiB left besides the {reserve / GIB:.2f} GiB reserve (CUDA context, NCCL "
+                f"buffers, push bucket, fragmentation), under the {self.margin_bytes / GIB:.2f} GiB margin "
+                "for the model's error and routing beyond the imbalance factor"
+            )
+        return (
+            f"the modelled tensors use {-free / GIB:.2f} GiB of the {reserve / GIB:.2f} GiB reserve for the CUDA "
+            "context, NCCL buffers, the push bucket and fragmentation"
+        )
 
     def to_dict(self) -> dict:
         """JSON-ready form: layout, workload, hardware, components and totals in GiB, verdict."""
@@ -75,6 +107,8 @@ class MemoryPlan:
             "capacity_gib": self.capacity_bytes / GIB,
             "totals_gib": {key: value / GIB for key, value in self.totals.items()},
             "fits": self.fits,
+            "verdict": self.verdict,
+            "tight_reason": self.tight_reason(),
         }
 
 
@@ -96,7 +130,7 @@ def plan_memory(model: ModelConfig, layout: Layout, workload: Workload, hardware
         for phase in ("train", "experience")
     }
     totals = {key: sum(value.values()) for key, value in evaluated.items()}
-    stage, phase = max(totals, key=totals.get)
+    stage, phase = max(totals, key=lambda key: totals[key])
     return MemoryPlan(
         model=model,
         layout=layout,
@@ -218,14 +252,15 @@ def render_plan(plan: MemoryPlan, width: int = 88) -> str:
     table.add_column("share", justify="right")
     for name in COMPONENTS:
         value = plan.components[name]
-        table.add_row(name, format_bytes(value), f"{value / plan.total_bytes:.0%}")
+        label = "overhead (reserve)" if name == "overhead" else name
+        table.add_row(label, format_bytes(value), f"{value / plan.total_bytes:.0%}")
     table.add_section()
     table.add_row(
         "total",
         format_bytes(plan.total_bytes),
         f"{plan.total_bytes / plan.capacity_bytes:.0%} of {plan.capacity_bytes / GIB:.1f}",
     )
-    verdict = "fits" if plan.fits else "does NOT fit"
+    verdict = {"fits": "fits", "tight": "TIGHT: " + plan.tight_reason(), "does not fit": "does NOT fit"}[plan.verdict]
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
     console.print(
@@ -233,7 +268,13 @@ def render_plan(plan: MemoryPlan, width: int = 88) -> str:
         soft_wrap=True,
     )
     console.print(table)
-    console.print(f"{format_count(plan.parameters_on_gpu)} parameters on the GPU; {verdict}.")
+    console.print(f"{format_count(plan.parameters_on_gpu)} parameters on the GPU; {verdict}.", soft_wrap=True)
+    if plan.model.is_moe and plan.layout.expert_parallel > 1:
+        console.print(
+            f"experts: the busiest expert-parallel rank, {plan.workload.expert_imbalance:.2f}x the mean routed tokens "
+            "(--expert-imbalance)",
+            soft_wrap=True,
+        )
     workload = plan.workload
     console.print(
         f"logits_kl: the token statistics' {workload.token_stats_kernels} backend "

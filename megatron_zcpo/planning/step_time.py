@@ -1,39 +1,56 @@
-"""Predicted time of one RL step on a disaggregated cluster: rollout, training and weight push,
-with and without overlapped rollouts, with the weight push funnelled through rank 0 or per stage.
+"""Predicted time of one RL step: generation, training and the transitions between them, for
+disaggregated servers (sequential or overlapped) and for colocated ones (training and SGLang on the
+same GPUs).
 
 Pure arithmetic on a :class:`~megatron_zcpo.megatron.model.ModelConfig` (no process group, no GPU),
-like :mod:`megatron_zcpo.planning.planner`. The model, term by term:
+like :mod:`megatron_zcpo.planning.planner`. One set of constants, each calibrated on a published
+measurement (benchmarks/RESULTS.md holds the calibration table, tests/planning/test_calibration.py
+holds the model to it). Term by term:
 
-* rollout: generated tokens / (decode tokens/s per rollout GPU x rollout GPUs). The per-GPU figure
-  is an input: measure it on your servers, or take the roofline of
-  :mod:`megatron_zcpo.planning.decode_rate`, calibrated on SGLang's published throughput. It hides
-  the long-tail effect of the longest response.
-* training: FLOPs / (training GPUs x peak FLOP/s x MFU). Per token a forward costs 2 x parameters
-  (embedding excluded, output layer included; a mixture-of-experts model's *active* parameters:
-  the ``top-k`` experts a token runs through) + causal attention 4 x layers x heads x head_dim x
-  (sequence / 2); the experience pass is two forwards (policy and reference), the update a forward
-  and a backward (3 forwards), full recompute one forward more. Under expert parallelism each MoE
-  layer adds its token all-to-alls (:mod:`megatron_zcpo.planning.moe_costs`): in the two experience
-  forwards, and forward and backward of the update (and the recomputed forward), over the
-  all-to-all bandwidth (NVLink within a node, InfiniBand when EP spans nodes), not overlapped.
-* weight push: bf16 bytes of the model / link bandwidth. Funnelled, every byte leaves through global
-  rank 0's link; per share, each pipeline stage's lead sends its stage's dense share and each
-  expert-parallel rank's lead its experts, concurrently, so the time is that of the largest share.
-* step: sequential = rollout + training + push. Overlapped (one step off-policy): the engine
-  generates step k+1 while the trainer trains on step k, so a step takes max(rollout, training)
-  and the push, between two generations, stalls both sides: max(rollout, training) + push.
+* generation (:func:`~megatron_zcpo.planning.decode_rate.generation_time`): decode and prefill on
+  the roofline of :mod:`~megatron_zcpo.planning.decode_rate` at the batch a server holds (its KV pool,
+  bounded by the requests in flight on it), at the efficiency calibrated on SGLang's published
+  offline throughput; the step waits for its longest response, ``max_response_tokens`` decode
+  steps at a small batch, at the efficiency of SGLang's published online TPOT. A given per-GPU
+  rate (``Cluster.decode_tokens_per_s_per_gpu``, measured on your servers) replaces the bulk.
+* training: FLOPs / (training GPUs x peak FLOP/s x :data:`TRAINING_MFU`). Per token a forward costs
+  2 x parameters (embedding excluded, output layer included; a mixture-of-experts model's *active*
+  parameters) + causal attention 4 x layers x heads x head_dim x (sequence / 2); the experience
+  pass (log-probs) is two forwards (policy and reference), the update a forward and a backward
+  (3 forwards), full recompute one forward more. ``TRAINING_MFU`` = 0.35 is not fitted: with it
+  NeMo-RL's dense rows (Qwen3-32B, Llama-3.1-8B, v0.4 and v0.5) come out within 0.85-1.10x of their
+  published steps and its mixture-of-experts rows fast (0.52-0.84x, RESULTS explains). Under
+  expert parallelism each MoE layer adds its token all-to-alls on the busiest rank
+  (:mod:`megatron_zcpo.planning.moe_costs`, ``expert_imbalance`` times the mean) in the two
+  experience forwards and the update's passes, over NVLink within a node, InfiniBand across nodes
+  (nominal bandwidths, not calibrated: no published all-to-all time of these shapes was found).
+* transitions (:mod:`megatron_zcpo.planning.transitions`): the NCCL push (per pipeline stage and
+  expert rank concurrently, or funnelled through rank 0), the colocated CUDA IPC push and the
+  colocated offload / onload of the training state.
+* step: disaggregated sequential = generation + training + push; overlapped (one step
+  off-policy) = max(generation, training) + push; colocated = generation on all GPUs + training +
+  offload / onload + IPC push (nothing overlaps: the same GPUs do both).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.planning.moe_costs import all_to_all_bytes_per_token_layer, expert_parameters_per_gpu
+from megatron_zcpo.planning.decode_rate import H100_80GB_BYTES, generation_time
+from megatron_zcpo.planning.flops import H100_BF16_DENSE_FLOPS, forward_flops_per_token
+from megatron_zcpo.planning.moe_costs import (
+    DEFAULT_EXPERT_IMBALANCE,
+    all_to_all_bytes_per_token_layer,
+    expert_parameters_per_gpu,
+)
+from megatron_zcpo.planning.transitions import ipc_push_s, nccl_push_s, offload_onload_s
 
-H100_BF16_DENSE_FLOPS = 989e12  # NVIDIA H100 SXM datasheet, dense BF16 tensor-core peak
 INFINIBAND_NDR_BYTES_S = 50e9  # one 400 Gb/s NDR port per GPU
 NVLINK4_BYTES_S = 450e9  # H100 SXM NVLink 4: 900 GB/s in both directions together
+TRAINING_MFU = 0.35  # held against NeMo-RL's published steps (module docstring)
+PLACEMENTS = ("disaggregated", "colocated")
 
 
 @dataclass(frozen=True)
@@ -41,51 +58,78 @@ class StepLoad:
     """What one RL step generates and trains on.
 
     ``generated_sequences``: responses generated (prompts x G x dynamic sampling's over-sampling);
-    ``trained_sequences``: those trained on; ``prompt_tokens`` / ``response_tokens``: mean lengths.
+    ``trained_sequences``: those trained on; ``prompt_tokens`` / ``response_tokens``: mean lengths;
+    ``max_response_tokens``: the longest response (``rollout.max_new_tokens``; None: the mean, no tail).
     """
 
     generated_sequences: float
     trained_sequences: float
     prompt_tokens: float
     response_tokens: float
+    max_response_tokens: Optional[float] = None
+
+    @property
+    def longest_response(self) -> float:
+        """The longest response's tokens (the mean when not given)."""
+        return self.max_response_tokens or self.response_tokens
 
     def validate(self, prefix: str = "load") -> None:
         """Raise ``ValueError`` naming the offending key on a non-positive value."""
         for key, value in asdict(self).items():
-            if not value > 0:
+            if value is not None and not value > 0:
                 raise ValueError(f"{prefix}.{key} must be positive, got {value}")
+        if self.longest_response < self.response_tokens:
+            raise ValueError(
+                f"{prefix}.max_response_tokens={self.max_response_tokens} is below the mean "
+                f"{prefix}.response_tokens={self.response_tokens}"
+            )
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """The hardware side: GPUs per job, decode speed, MFU, peak FLOP/s, the inter-node link per GPU
-    and the intra-node one (NVLink), GPUs per node."""
+    """The hardware side: GPUs of training and of the SGLang servers (``rollout_gpus`` is ignored
+    when ``placement`` is "colocated": the servers run on the training GPUs), GPUs per server and
+    their ``mem_fraction_static``, a measured decode rate per GPU (None: modelled), MFU, peak
+    FLOP/s, the inter-node link per GPU and NVLink, GPUs per node, memory per GPU (bytes), the
+    client's cap on requests in flight over all servers (None: every sample at once)."""
 
     train_gpus: int
     rollout_gpus: int
-    decode_tokens_per_s_per_gpu: float
-    mfu: float = 0.35
+    decode_tokens_per_s_per_gpu: Optional[float] = None
+    mfu: float = TRAINING_MFU
     peak_flops: float = H100_BF16_DENSE_FLOPS
     link_bytes_per_s: float = INFINIBAND_NDR_BYTES_S
     node_link_bytes_per_s: float = NVLINK4_BYTES_S
     gpus_per_node: int = 8
+    placement: str = "disaggregated"
+    rollout_tp: int = 4
+    mem_fraction: float = 0.85
+    gpu_memory_bytes: float = H100_80GB_BYTES
+    max_in_flight: Optional[int] = None
+
+    @property
+    def generation_gpus(self) -> int:
+        """GPUs that generate: the servers' own, or every training GPU when colocated."""
+        return self.train_gpus if self.placement == "colocated" else self.rollout_gpus
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs of the run."""
+        return self.train_gpus if self.placement == "colocated" else self.train_gpus + self.rollout_gpus
 
     def validate(self, prefix: str = "cluster") -> None:
         """Raise ``ValueError`` naming the offending key on a bad value."""
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"{prefix}.placement={self.placement!r}: choose one of {PLACEMENTS}")
         for key, value in asdict(self).items():
-            if not value > 0:
+            if key != "placement" and value is not None and not value > 0:
                 raise ValueError(f"{prefix}.{key} must be positive, got {value}")
         if self.mfu > 1:
             raise ValueError(f"{prefix}.mfu must be at most 1, got {self.mfu}")
-
-
-def forward_flops_per_token(model: ModelConfig, sequence_length: float) -> float:
-    """FLOPs of one forward pass per token of a causal sequence of ``sequence_length`` tokens."""
-    dense = model.num_active_parameters - model.vocab_size * model.hidden_size  # the embedding is a lookup
-    if model.tie_word_embeddings:
-        dense += model.vocab_size * model.hidden_size  # the tied weight still runs as output layer
-    attention = 4 * model.num_layers * model.num_attention_heads * model.head_dim * sequence_length / 2
-    return 2 * dense + attention
+        if self.generation_gpus < self.rollout_tp:
+            raise ValueError(
+                f"{prefix}: {self.generation_gpus} generating GPUs hold no server of rollout_tp={self.rollout_tp} GPUs"
+            )
 
 
 def push_bytes_per_stage(model: ModelConfig, pipeline_parallel: int, expert_parallel: int = 1) -> float:
@@ -102,9 +146,16 @@ def push_bytes_per_stage(model: ModelConfig, pipeline_parallel: int, expert_para
     return outer / pipeline_parallel + vocab_bytes + expert_share
 
 
-def all_to_all_s(model: ModelConfig, load: StepLoad, cluster: Cluster, expert_parallel: int, recompute: str) -> float:
-    """Seconds of a step's MoE token all-to-alls per training GPU (module docstring); 0 without EP."""
-    per_token_layer = all_to_all_bytes_per_token_layer(model, expert_parallel)
+def all_to_all_s(
+    model: ModelConfig,
+    load: StepLoad,
+    cluster: Cluster,
+    expert_parallel: int,
+    recompute: str,
+    imbalance: float = DEFAULT_EXPERT_IMBALANCE,
+) -> float:
+    """Seconds of a step's MoE token all-to-alls on the busiest training GPU (module docstring); 0 without EP."""
+    per_token_layer = all_to_all_bytes_per_token_layer(model, expert_parallel, imbalance)
     if per_token_layer == 0:
         return 0.0
     passes = 2 + 2 + (1 if recompute == "full" else 0)  # experience (policy, reference) + update fwd/bwd
@@ -115,20 +166,31 @@ def all_to_all_s(model: ModelConfig, load: StepLoad, cluster: Cluster, expert_pa
 
 @dataclass
 class StepTime:
-    """Seconds per term and per mode; ``idle_share_*``: fraction of all GPUs' time spent waiting."""
+    """Seconds per term and per mode; ``idle_share_*``: fraction of all GPUs' time spent waiting
+    (disaggregated modes). ``rollout_s`` is the generation (``tail_s``: its longest response);
+    ``push_per_stage_s`` / ``push_funnel_s`` the NCCL push; ``colocated_s`` the colocated step,
+    of which ``offload_s`` and ``ipc_push_s``; ``predicted_s`` the step of the chosen mode and
+    ``tokens_per_s_per_gpu`` the trained tokens per second per GPU of the run it implies."""
 
     rollout_s: float
+    tail_s: float
     train_s: float  # all-to-all included
     all_to_all_s: float
     push_funnel_s: float
     push_per_stage_s: float
     sequential_s: float
     overlapped_s: float
+    offload_s: float
+    ipc_push_s: float
+    colocated_s: float
     idle_share_sequential: float
     idle_share_overlapped: float
+    mode: str
+    predicted_s: float
+    tokens_per_s_per_gpu: float
 
     def step_s(self, overlap: bool) -> float:
-        """The predicted step time of the chosen mode (per-stage push)."""
+        """The predicted disaggregated step time with or without overlap (per-stage push)."""
         return self.overlapped_s if overlap else self.sequential_s
 
     def to_dict(self) -> dict:
@@ -149,32 +211,62 @@ def predict_step_time(
     pipeline_parallel: int = 1,
     recompute: str = "none",
     expert_parallel: int = 1,
+    overlap: bool = False,
+    expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE,
+    offloaded_bytes_per_gpu: float = 0.0,
 ) -> StepTime:
-    """Seconds of one step's rollout, training and push, sequential and overlapped (see module doc)."""
+    """Seconds of one step's terms and modes (module docstring). ``overlap``: the disaggregated
+    mode chosen (ignored when colocated); ``offloaded_bytes_per_gpu``: the training state a
+    colocated GPU moves to the host and back (parameters, gradients, optimizer, reference)."""
     load.validate()
     cluster.validate()
-    rollout = (
-        load.generated_sequences * load.response_tokens / (cluster.decode_tokens_per_s_per_gpu * cluster.rollout_gpus)
+    generation = generation_time(
+        model,
+        load.generated_sequences,
+        load.prompt_tokens,
+        load.response_tokens,
+        load.longest_response,
+        cluster.generation_gpus,
+        cluster.rollout_tp,
+        mem_fraction=cluster.mem_fraction,
+        gpu_memory_bytes=cluster.gpu_memory_bytes,
+        decode_tokens_per_s_per_gpu=cluster.decode_tokens_per_s_per_gpu,
+        max_in_flight=cluster.max_in_flight,
     )
+    rollout = generation.seconds
     sequence = load.prompt_tokens + load.response_tokens
     forwards = 2 + 3 + (1 if recompute == "full" else 0)
     flops = load.trained_sequences * sequence * forward_flops_per_token(model, sequence) * forwards
-    exchange = all_to_all_s(model, load, cluster, expert_parallel, recompute)
+    exchange = all_to_all_s(model, load, cluster, expert_parallel, recompute, expert_imbalance)
     train = flops / (cluster.train_gpus * cluster.peak_flops * cluster.mfu) + exchange
-    funnel = 2 * model.num_parameters / cluster.link_bytes_per_s
-    per_stage = push_bytes_per_stage(model, pipeline_parallel, expert_parallel) / cluster.link_bytes_per_s
+    funnel = nccl_push_s(2 * model.num_parameters)
+    per_stage = nccl_push_s(push_bytes_per_stage(model, pipeline_parallel, expert_parallel))
     sequential = rollout + train + per_stage
     overlapped = max(rollout, train) + per_stage
+    offload = offload_onload_s(offloaded_bytes_per_gpu)
+    ipc = ipc_push_s(2 * model.num_parameters)
+    colocated = rollout + train + offload + ipc
+    if cluster.placement == "colocated":
+        mode, predicted = "colocated", colocated
+    else:
+        mode, predicted = ("overlapped", overlapped) if overlap else ("sequential", sequential)
     return StepTime(
         rollout_s=rollout,
+        tail_s=generation.tail_s,
         train_s=train,
         all_to_all_s=exchange,
         push_funnel_s=funnel,
         push_per_stage_s=per_stage,
         sequential_s=sequential,
         overlapped_s=overlapped,
+        offload_s=offload,
+        ipc_push_s=ipc,
+        colocated_s=colocated,
         idle_share_sequential=_idle_share(sequential, rollout, train, cluster),
         idle_share_overlapped=_idle_share(overlapped, rollout, train, cluster),
+        mode=mode,
+        predicted_s=predicted,
+        tokens_per_s_per_gpu=load.trained_sequences * sequence / (predicted * cluster.total_gpus),
     )
 
 

@@ -109,6 +109,9 @@ class RolloutConfig:
     # trains (one step off-policy; train.importance_sampling defaults to on). Off: on-policy.
     overlap: bool = False
     max_staleness: int = 1  # weight versions a trained sample may lag behind the trainer
+    # disaggregated: the engine on GPUs of its own; colocated: on the training GPUs, the two taking
+    # turns (megatron_zcpo/rollout/placement.py; SGLang servers launched with --enable-memory-saver).
+    placement: str = "disaggregated"
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     sglang: SGLangSection = field(default_factory=SGLangSection)
 
@@ -135,6 +138,32 @@ class RolloutConfig:
             )
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        from megatron_zcpo.rollout.placement import PLACEMENTS
+
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"rollout.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.placement != "colocated":
+            return
+        if self.overlap:
+            raise ValueError(
+                "rollout.overlap=true generates the next rollout while the trainer trains; with "
+                "rollout.placement=colocated both would need the same GPUs' memory at once: "
+                "set rollout.overlap=false or rollout.placement=disaggregated"
+            )
+        if self.sglang.client.get("weight_sync") == "distributed":
+            raise ValueError(
+                "rollout.sglang.client.weight_sync=distributed broadcasts over NCCL between separate GPUs; "
+                "with rollout.placement=colocated the servers share the trainer's GPUs: use 'tensor' "
+                "(CUDA IPC, the default on GPUs) or 'disk' (the default without CUDA)"
+            )
+        if self.sglang.launch is not None and self.sglang.launch.get("enable_memory_saver") is False:
+            raise ValueError(
+                "rollout.sglang.launch.enable_memory_saver=false: rollout.placement=colocated needs it "
+                "(the servers release their memory while the trainer trains)"
+            )
 
 
 @dataclass
@@ -240,6 +269,11 @@ class RunConfig:
                     "rollout.sglang.client.return_routed_experts needs "
                     "rollout.sglang.launch.return_routed_experts=true (--enable-return-routed-experts)"
                 )
+        if self.rollout.placement == "colocated" and not self.train.reference_offload:
+            raise ValueError(
+                "train.reference_offload=false with rollout.placement=colocated keeps the reference on the GPU "
+                "while the engine generates there: leave train.reference_offload unset (true when colocated)"
+            )
         if self.reward.overlong_penalty and self.reward.max_response_length != self.rollout.max_new_tokens:
             raise ValueError(
                 f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="
@@ -254,13 +288,21 @@ class RunConfig:
 def _derived_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
     """Fill keys whose default follows another key: the overlong penalty's L_max is the
     generation cap, and its buffer L_cache 1/5 of it up to 4,096 (the paper: 20,480 and 4,096);
-    overlapped rollouts turn the importance-sampling correction on unless it is set."""
+    overlapped rollouts turn the importance-sampling correction on unless it is set; colocated
+    placement offloads the reference between uses unless ``train.reference_offload`` is set."""
     rollout = data.get("rollout") or {}
     train = data.get("train")
     if isinstance(rollout, dict) and rollout.get("overlap") is True and (train is None or isinstance(train, dict)):
         sampling = data.setdefault("train", {}).setdefault("importance_sampling", {})
         if isinstance(sampling, dict):
             sampling.setdefault("enabled", True)
+    if (
+        isinstance(rollout, dict)
+        and rollout.get("placement") == "colocated"
+        and isinstance(data.get("train", {}), dict)
+    ):
+        # the reference leaves the GPU between experience passes: the engine needs the room
+        data.setdefault("train", {}).setdefault("reference_offload", True)
     reward = data.setdefault("reward", {}) if isinstance(data.get("reward", {}), dict) else data["reward"]
     if isinstance(reward, dict):
         cap = reward.setdefault("max_response_length", rollout.get("max_new_tokens", RolloutConfig.max_new_tokens))

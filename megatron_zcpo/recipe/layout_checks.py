@@ -229,7 +229,19 @@ def _memory_problems(config: RunConfig, model: ModelConfig, world_size: int, gpu
 
     layout, workload = plan_inputs(config, world_size)
     plan = plan_memory(model, layout, workload, Hardware(gpu_memory_gib=gpu_memory_gib))
-    if plan.fits:
+    # The estimate refuses only where it is sure: a tight plan (its reserve or margin eaten) may still run.
+    if plan.verdict == "tight":
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "memory is tight at %s (%.1f of %.1f GiB): %s; `zcpo plan CONFIG --gpus %d` shows the breakdown",
+            layout.describe(),
+            plan.total_bytes / GIB,
+            plan.capacity_bytes / GIB,
+            plan.tight_reason(),
+            world_size,
+        )
+    if plan.verdict != "does not fit":
         return []
     return [
         f"memory: the planner puts {plan.total_bytes / GIB:.1f} GiB on the most loaded GPU ({plan.stage} stage, "

@@ -165,6 +165,7 @@ def make_engine(config: RunConfig, model_config, tokenizer):
             quantization=rollout.quantization,
             pad_token_id=pad,
             record_routed_experts=config.train.routing_replay != "none",
+            memory_saver=rollout.placement == "colocated",
         )
     from megatron_zcpo.recipe.timeouts import check_sglang_servers, longest_new_tokens
     from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
@@ -176,11 +177,15 @@ def make_engine(config: RunConfig, model_config, tokenizer):
         )
     # Token ids are checked against the trainer's vocabulary (rollout/output_checks.py).
     client = dict(rollout.sglang.client, quantization=rollout.quantization, vocab_size=model_config.vocab_size)
-    if rollout.sglang.launch is not None:
+    launch = rollout.sglang.launch
+    if rollout.placement == "colocated":
+        client = colocated_client(client, config.logging.run_dir)
+        launch = None if launch is None else {**launch, "enable_memory_saver": True}
+    if launch is not None:
         from megatron_zcpo.rollout.sglang.server import SGLangLauncher, launch_sglang, server_config_for_run
 
         servers = server_config_for_run(
-            rollout.sglang.launch,
+            launch,
             SGLangEngineConfig(server_urls=["unset"], **client),
             config.data.max_prompt_length,
             longest_new_tokens(config),
@@ -199,6 +204,22 @@ def make_engine(config: RunConfig, model_config, tokenizer):
         engine.shutdown()
         raise
     return engine
+
+
+def colocated_client(client: Dict, run_dir: str) -> Dict:
+    """The SGLang client settings of a colocated run: the weights go in place through CUDA IPC
+    ("tensor") on a one-node GPU job, else through the disk (no CUDA, or servers on other nodes, whose
+    IPC handles would not open), into ``<run_dir>/colocated_weights`` unless ``weight_dir`` is set."""
+    import os
+
+    from megatron_zcpo.utils.devices import has_cuda
+
+    client = dict(client)
+    one_node = int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) == 1
+    client.setdefault("weight_sync", "tensor" if has_cuda() and one_node else "disk")
+    if client["weight_sync"] == "disk":
+        client.setdefault("weight_dir", os.path.join(run_dir, "colocated_weights"))
+    return client
 
 
 class Rollout:

@@ -31,6 +31,7 @@ class RLRecipe:
         self.stages = None
         self.overlap = None
         self.waits = None  # the Rank0Wait group: where the other ranks wait for rank 0 alone
+        self.colocation = None  # rollout.placement=colocated: the phase machine (rollout/placement.py)
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -43,7 +44,7 @@ class RLRecipe:
         from megatron_zcpo.recipe.rank0_wait import Rank0Wait
         from megatron_zcpo.recipe.rollout import Rollout
         from megatron_zcpo.recipe.timeouts import rank0_wait_timeout_s
-        from megatron_zcpo.recipe.weight_push import push_weights, stage_weight_push
+        from megatron_zcpo.recipe.weight_push import stage_weight_push
 
         config = self.config
         setup_megatron(
@@ -61,9 +62,15 @@ class RLRecipe:
         self.world_size = dist.get_world_size()
         self.run_dir = Path(config.logging.run_dir)
         tokenizer = load_tokenizer(config)
+        colocated = config.rollout.placement == "colocated"
+        if colocated:  # the engine first, emptied before the trainer takes the same GPUs
+            self._start_engine_for_colocation(tokenizer)
         model_config = self._build_trainer(tokenizer)
-        self.rollout = Rollout(config, model_config, tokenizer) if self.rank == 0 else None
+        if not colocated:
+            self.rollout = Rollout(config, model_config, tokenizer) if self.rank == 0 else None
         self.waits.barrier()  # rank 0 started (and checked) the rollout side
+        if colocated:
+            self._start_colocation()
         checkpoint = self._resume()  # (creates the run directory, or refuses to mix with the run it holds)
         if self.rank == 0:
             (self.run_dir / "config.yaml").write_text(dump_run_config(config))
@@ -81,10 +88,53 @@ class RLRecipe:
             self.logger.print(f"resumed from {checkpoint} at step {self.start_step}{old}")
         self.held_out = eval_records(config, tokenizer) if self.rank == 0 else []
         self.stages = stage_weight_push(config, self.engine, self.waits, self.trainer.policy)
-        push_weights(self.trainer, self.engine, self.start_step, self.stages, self.waits)
+        self.push(self.start_step)
         self.overlap = overlapped_rollouts(
             config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state, self.waits
         )
+
+    def _start_engine_for_colocation(self, tokenizer) -> None:
+        """Colocated placement: rank 0 starts (or attaches to) the engine and has it release its memory,
+        before any rank builds its model on the same GPUs; every rank waits for it."""
+        from megatron_zcpo.convert.checkpoint import model_config_at
+        from megatron_zcpo.recipe.rollout import Rollout
+        from megatron_zcpo.rollout.placement import release_for_training
+
+        self.rollout = None
+        if self.rank == 0:
+            model = self.config.model
+            model_config = model_config_at(model.path) if model.path is not None else model.architecture
+            self.rollout = Rollout(self.config, model_config, tokenizer)
+            release_for_training(self.rollout.engine)
+        self.waits.barrier()
+
+    def _start_colocation(self) -> None:
+        """The phase machine, in its train phase (the trainer's state is on the device, the engine empty)."""
+        from megatron_zcpo.megatron.offload import TrainingStateOffload
+        from megatron_zcpo.rollout.placement import ColocatedPhases, device_memory_hooks
+        from megatron_zcpo.utils.devices import has_cuda
+
+        self.trainer.models.place_reference(on_device=False)  # off the GPU until the first experience pass
+        free_bytes, after_offload = device_memory_hooks()
+        timeout = float(self.config.rollout.sglang.client.get("update_timeout_s", 300.0))
+        self.colocation = ColocatedPhases(
+            TrainingStateOffload(self.trainer.policy, self.trainer.optimizer, pin=has_cuda()),
+            self.engine,
+            barrier=self.waits.barrier,
+            free_bytes=free_bytes,
+            after_offload=after_offload,
+            release_timeout_s=timeout,
+        )
+
+    def push(self, version: int) -> None:
+        """The weight push of ``version`` (collective); colocated, between the update and generate phases."""
+        from megatron_zcpo.recipe.weight_push import push_weights
+
+        if self.colocation is not None:
+            self.colocation.to_update()
+        push_weights(self.trainer, self.engine, version, self.stages, self.waits)
+        if self.colocation is not None:
+            self.colocation.to_generate()
 
     def _build_trainer(self, tokenizer):
         """``self.trainer`` on the configured model (random, HF or Megatron weights), checked against
@@ -209,7 +259,6 @@ class RLRecipe:
         """
         from megatron_zcpo.convert.verify import logprob_tolerance
         from megatron_zcpo.recipe.rollout import broadcast_samples
-        from megatron_zcpo.recipe.weight_push import push_weights
 
         started = time.perf_counter()
         overlap = self.overlap
@@ -224,14 +273,18 @@ class RLRecipe:
         if count == 0:
             raise RuntimeError(f"step {step}: dynamic sampling kept no group (see rollout.dynamic_sampling)")
         samples = broadcast_samples(samples)
+        if self.colocation is not None:
+            self.colocation.to_train()
         metrics = self.trainer.train_step(samples)
         started_push = time.perf_counter()
         if overlap is None:
-            push_weights(self.trainer, self.engine, self.trainer.step, self.stages, self.waits)
+            self.push(self.trainer.step)
         if self.rank != 0:
             return
         metrics.update(rollout_stats)
         push_s = time.perf_counter() - started_push if overlap is None else overlap.push_s
+        if self.colocation is not None:  # time to hand the GPUs over, per phase entered
+            metrics.update({f"time/colocate_{phase}": s for phase, s in self.colocation.seconds.items()})
         # time/world_size: the devices this step held, so `zcpo report --align-by gpu-hours` can sum GPU time
         metrics.update(
             {
@@ -281,8 +334,11 @@ class RLRecipe:
 
     # ----------------------------------------------------------------------------- save & cleanup
     def save(self, step: int) -> None:
-        """Checkpoint the trainer and the prompt stream at ``step`` (collective)."""
+        """Checkpoint the trainer and the prompt stream at ``step`` (collective). Colocated, the trainer's
+        state comes back for it (the engine releases its memory) and the weights are pushed again after."""
         self.waits.barrier()  # rank 0 may still be evaluating
+        if self.colocation is not None:
+            self.colocation.to_train()
         loop = {}
         if self.rank == 0:
             if self.overlap is not None:  # first: the rollout in flight advances the prompt stream
@@ -294,6 +350,8 @@ class RLRecipe:
             {"loop": loop, "run_id": self.run_id},
             keep_last=self.config.checkpoint.keep_last,
         )
+        if self.colocation is not None:  # the released weights are gone: the engine gets them again
+            self.push(self.trainer.step)
 
     def cleanup(self) -> None:
         """Stop the rollout side (engines, reward workers) and close the loggers."""

@@ -48,7 +48,7 @@ def share_name(model) -> str:
 def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeightPush]:
     """This rank's per-share weight push (``config``: the RunConfig; ``engine``: rank 0's, None
     elsewhere; ``waits``: the run's Rank0Wait; ``model``: this rank's policy stage), or None when
-    one sender does (no PP and no EP, or the embedded engine). Collective.
+    one sender does (no PP and no EP, the embedded engine, or colocated placement). Collective.
 
     Under pipeline or expert parallelism with SGLang every share's lead (:func:`share_name`) pushes
     it through a weight-update group of its own (``<group_name>-<share>``), one share after the
@@ -57,6 +57,8 @@ def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeight
     import torch.distributed as dist
 
     if config.rollout.engine != "sglang" or (config.parallel.pipeline == 1 and config.parallel.expert == 1):
+        return None
+    if config.rollout.placement == "colocated":  # the engine's transport takes the whole model from rank 0
         return None
     servers = waits.broadcast(
         (list(engine.config.server_urls), engine.config.api_key) if dist.get_rank() == 0 else None

@@ -208,7 +208,7 @@ class RewardScorer:
         self.tally.calls += len(positions)
         for (p, j), outcome in zip(positions, outcomes):
             where = self._describe(p, j, metadata[p])
-            if outcome.status == "ok" and not math.isnan(outcome.value):
+            if outcome.status == "ok" and outcome.value is not None and not math.isnan(outcome.value):
                 score[p, j] = outcome.value
             elif outcome.status == "ok":
                 raise RewardError(

@@ -15,6 +15,7 @@ from megatron_zcpo.rollout.engine import (
     SamplingParams,
     validate_prompts,
 )
+from megatron_zcpo.rollout.memory import KV_CACHE, WEIGHTS, EngineMemory
 
 
 def filter_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -112,7 +113,11 @@ class EmbeddedEngine(RolloutEngine):
     (prompts x samples) at a time; each prompt is prefilled once per batch and its cache copied
     to its samples (what SGLang's prefix cache does for a group). ``quantization="fp8"`` rounds every pushed linear weight to
     FP8 E4M3 with a per-tensor scale (what an FP8 SGLang server holds), to exercise quantised
-    rollouts and the trainer's importance-sampling correction on a CPU. ``record_routed_experts``
+    rollouts and the trainer's importance-sampling correction on a CPU. ``memory_saver``: the engine
+    releases and resumes its "weights" and "kv_cache" like an SGLang server launched with
+    ``--enable-memory-saver`` (released weights are freed and come back as NaN until pushed again;
+    generating or loading into released memory raises :class:`~megatron_zcpo.rollout.memory.MemoryPhaseError`),
+    so colocated placement runs its phases on a CPU. ``record_routed_experts``
     (mixture-of-experts models): each completion carries the experts every input token was routed
     to, as SGLang's ``return_routed_experts`` returns them (:attr:`Completion.routed_experts`).
     """
@@ -128,6 +133,7 @@ class EmbeddedEngine(RolloutEngine):
         quantization: Optional[str] = None,
         pad_token_id: int = 0,
         record_routed_experts: bool = False,
+        memory_saver: bool = False,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -151,6 +157,12 @@ class EmbeddedEngine(RolloutEngine):
         self._routing: Optional[Dict[int, torch.Tensor]] = None  # layer -> the last forward's experts [B*T, k]
         if record_routed_experts:
             self._record_routers()
+        self.memory: Optional[EngineMemory] = None
+        if memory_saver:
+            self._weight_sizes = [storage.nbytes() for storage in self._weight_storages()]
+            self.memory = EngineMemory(
+                "embedded", [0], {WEIGHTS: sum(self._weight_sizes), KV_CACHE: 0}, tags=(WEIGHTS, KV_CACHE)
+            )
 
     def _record_routers(self) -> None:
         """Hook every MoE router (transformers' ``model.layers.{i}.mlp.gate``: (logits, weights, experts))."""
@@ -162,6 +174,37 @@ class EmbeddedEngine(RolloutEngine):
             if len(parts) == 5 and parts[:2] == ["model", "layers"] and parts[3:] == ["mlp", "gate"]:
                 layer = int(parts[2])
                 module.register_forward_hook(lambda _m, _i, out, layer=layer: self._routing.__setitem__(layer, out[2]))
+
+    # -- memory saver (colocated placement) ----------------------------------------------------
+
+    def _weight_storages(self) -> List[torch.UntypedStorage]:
+        found: Dict[int, torch.UntypedStorage] = {}
+        for parameter in self.model.parameters():
+            storage = parameter.untyped_storage()
+            found.setdefault(storage._cdata, storage)
+        return list(found.values())
+
+    def memory_tags(self) -> Tuple[str, ...]:
+        return self.memory.tags if self.memory is not None else ()
+
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Release ``tags`` (see :class:`EmbeddedEngine`): the parameters' storages shrink to 0 bytes."""
+        if self.memory is None:
+            super().release_memory(tags)
+        if WEIGHTS in self.memory.release(tags):
+            for storage in self._weight_storages():
+                storage.resize_(0)
+            self._loaded = set()  # the content is gone: every tensor must be pushed again
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Resume ``tags``; resumed weights hold NaN until the next push."""
+        if self.memory is None:
+            super().resume_memory(tags)
+        if WEIGHTS in self.memory.resume(tags):
+            for storage, size in zip(self._weight_storages(), self._weight_sizes):
+                storage.resize_(size)
+            for parameter in self.model.parameters():
+                parameter.data.fill_(float("nan"))
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -176,6 +219,8 @@ class EmbeddedEngine(RolloutEngine):
             from megatron_zcpo.rollout.quantization import fake_quantize_fp8_hf_weights
 
             named_hf_tensors = fake_quantize_fp8_hf_weights(named_hf_tensors)
+        if self.memory is not None:
+            self.memory.require("update_weights")
         for name, tensor in named_hf_tensors:
             name, target = self._target_of(name)
             if target is None:
@@ -228,6 +273,8 @@ class EmbeddedEngine(RolloutEngine):
         With ``params.seed`` set, the result depends only on the seed, the prompts, ``n``, the
         weights and ``max_batch_size``.
         """
+        if self.memory is not None:
+            self.memory.require("generate")
         self._check_loaded()
         params.validate(self.model_config.vocab_size)
         validate_prompts(prompts, n, self.model_config.vocab_size)

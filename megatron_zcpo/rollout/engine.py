@@ -124,6 +124,29 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int:
         """The policy version the engine currently serves (-1 before the first update)."""
 
+    # Colocated placement (megatron_zcpo.rollout.placement): the engine hands its memory back between
+    # rollouts. Regions are the tags of megatron_zcpo.rollout.memory ("weights", "kv_cache", "cuda_graph").
+
+    def memory_tags(self) -> Tuple[str, ...]:
+        """The memory regions this engine can release (none: it cannot be colocated)."""
+        return ()
+
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Free the memory of ``tags`` (None: every region) once no request runs; its content is lost."""
+        raise RolloutError(f"{type(self).__name__} cannot release its memory (rollout.placement=colocated)")
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Allocate ``tags`` (None: every region) again; released weights must be pushed anew."""
+        raise RolloutError(f"{type(self).__name__} cannot resume its memory (rollout.placement=colocated)")
+
+    def pause_generation(self) -> None:
+        """Hold generation (around a weight update); a no-op where nothing can generate meanwhile."""
+        return None
+
+    def continue_generation(self) -> None:
+        """Undo :meth:`pause_generation`."""
+        return None
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release the engine's resources (processes, sessions, memory); idempotent."""

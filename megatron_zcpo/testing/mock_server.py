@@ -27,21 +27,23 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_zcpo.rollout.engine import RolloutEngine, SamplingParams
+from megatron_zcpo.rollout.memory import MemoryLedger
 from megatron_zcpo.rollout.sglang.api import PINNED_RELEASE, RELEASES, check_request, needs_api_key
 from megatron_zcpo.rollout.sglang.client import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer
+from megatron_zcpo.testing.mock_memory_saver import MEMORY_FAULTS, MemorySaverEndpoints
 
 CORRUPTIONS = ("bad_token", "nan_logprob", "positive_logprob", "mismatched_ids")
-FAULTS = ("drop", "503", "hang", *CORRUPTIONS)
+FAULTS = ("drop", "503", "hang", *CORRUPTIONS, *MEMORY_FAULTS)
 # Requests that join a weight-update group's collective: two groups' in flight at once can deadlock.
 COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
-class MockSGLangServer(BackgroundHTTPServer):
+class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
     ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
@@ -53,7 +55,10 @@ class MockSGLangServer(BackgroundHTTPServer):
     ``deterministic_inference`` (``--enable-deterministic-inference``: per-request seeds are
     used), ``api_key`` (``--api-key``). ``weight_updates`` logs ("start" | "end", path, group) of
     the weight updates in the order served; ``update_overlaps`` the (group, other group) of every
-    collective request that arrived while another group's was in flight here.
+    collective request that arrived while another group's was in flight here. Colocated placement
+    (:mod:`megatron_zcpo.testing.mock_memory_saver`): ``memory_saver`` (``--enable-memory-saver``),
+    the ``gpus`` it occupies, each memory tag's bytes per GPU (``memory_sizes``) booked in ``ledger``
+    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault.
     """
 
     thread_name = "mock-sglang"
@@ -75,6 +80,11 @@ class MockSGLangServer(BackgroundHTTPServer):
         deterministic_inference: bool = False,
         api_key: Optional[str] = None,
         generate_delay_s: float = 0.0,
+        memory_saver: bool = False,
+        gpus: Sequence[int] = (0,),
+        memory_sizes: Optional[Dict[str, int]] = None,
+        ledger: Optional[MemoryLedger] = None,
+        release_lag_s: float = 0.5,
     ):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
@@ -121,6 +131,7 @@ class MockSGLangServer(BackgroundHTTPServer):
             "/update_weights_from_distributed": self._update_from_distributed,
             "/destroy_weights_update_group": self._destroy_group,
         }
+        self._init_memory_saver(memory_saver, gpus, memory_sizes, ledger, release_lag_s)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -129,6 +140,9 @@ class MockSGLangServer(BackgroundHTTPServer):
         from aiohttp import web
 
         path = request.path
+        if self.dead:  # died mid-update: nothing answers any more
+            request.transport.close()
+            raise ConnectionResetError("mock server is dead")
         if (
             self.api_key is not None
             and needs_api_key(request.method, path)
@@ -161,8 +175,12 @@ class MockSGLangServer(BackgroundHTTPServer):
                 with open(self.fault_log, "a") as log:
                     log.write(f"{self.port} {action}\n")
         self.events.append((path, action or "ok"))
-        if action == "503":
-            return web.Response(status=503, text="Service Unavailable")
+        if action in ("503", "502"):
+            return web.Response(status=int(action), text="Service Unavailable" if action == "503" else "Bad Gateway")
+        if action == "die":
+            self.dead = True
+            request.transport.close()
+            raise ConnectionResetError("mock server died")
         if action == "hang":
             await asyncio.sleep(3600)
         if action == "drop":
@@ -170,6 +188,8 @@ class MockSGLangServer(BackgroundHTTPServer):
             raise ConnectionResetError("mock server dropped the connection")
         if action in CORRUPTIONS:
             request["corrupt"] = action
+        if action == "late_release":
+            request["fault"] = action
         return await self._handlers[path](request)
 
     async def _blocking(self, fn, *args):
@@ -192,6 +212,9 @@ class MockSGLangServer(BackgroundHTTPServer):
         from aiohttp import web
 
         body = await request.json()
+        refusal = self.memory_refusal("generate")
+        if refusal:
+            return self._refuse(refusal)
         input_ids = body.get("input_ids")
         if not input_ids or body.get("stream"):
             return web.json_response({"error": {"message": "mock server needs input_ids and stream=false"}}, status=400)
@@ -298,6 +321,7 @@ class MockSGLangServer(BackgroundHTTPServer):
                 "max_req_input_len": self.max_req_len - 5,
                 "enable_deterministic_inference": self.deterministic_inference,
                 "sampling_backend": "pytorch" if self.deterministic_inference else "flashinfer",
+                "enable_memory_saver": self.memory_saver,
             }
         )
 
@@ -346,6 +370,8 @@ class MockSGLangServer(BackgroundHTTPServer):
 
     async def _update_from_disk(self, request):
         body = await request.json()
+        if self.memory_refusal("update_weights"):
+            return self._result(False, self.memory_refusal("update_weights"))
         try:
             await self._one_at_a_time(
                 request.path, None, self._load_checkpoint, body["model_path"], body.get("weight_version")
@@ -375,6 +401,8 @@ class MockSGLangServer(BackgroundHTTPServer):
 
     async def _update_from_distributed(self, request):
         body = await request.json()
+        if self.memory_refusal("update_weights"):
+            return self._result(False, self.memory_refusal("update_weights"))
         group = self._groups.get(body.get("group_name"))
         if group is None:
             return self._result(False, f"no weight-update group named {body.get('group_name')!r}")
@@ -448,6 +476,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random /generate fault")
     parser.add_argument("--fault-log", default=None, help="append each random fault to this file")
     parser.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate answers no sooner")
@@ -472,6 +501,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         deterministic_inference=args.enable_deterministic_inference,
         api_key=args.api_key,
         generate_delay_s=args.generate_delay_s,
+        memory_saver=args.enable_memory_saver,
     )
     server.start()
     stopped = threading.Event()

@@ -42,7 +42,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if value not in args:
             raise ConfigError(f"{key}={value!r}: must be one of {list(args)}")
         return value
-    if dataclasses.is_dataclass(annotation):
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
         if isinstance(value, annotation):
             return value
         if not isinstance(value, Mapping):
@@ -82,7 +82,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
 def from_dict(cls: Type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """Instantiate dataclass ``cls`` from ``data``; unknown keys and bad types raise ConfigError."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]  # T: a dataclass (checked by the caller's annotation)
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else key

@@ -54,7 +54,9 @@ def parse_slurm_nodelist(nodelist: str) -> List[str]:
 
 def _split_top_level(nodelist: str) -> List[str]:
     """Split on commas and white space that are outside brackets; check the brackets balance."""
-    tokens, current, depth = [], [], 0
+    tokens: List[str] = []
+    current: List[str] = []
+    depth = 0
     for char in nodelist:
         if char == "[":
             if depth:
@@ -77,7 +79,7 @@ def _split_top_level(nodelist: str) -> List[str]:
 
 def _expand_group(group: str, nodelist: str) -> List[str]:
     """``"01-03,7"`` -> ``["01", "02", "03", "7"]`` (each range padded to the width of its low end)."""
-    numbers = []
+    numbers: List[str] = []
     for part in group.split(","):
         match = _RANGE.fullmatch(part)
         if match is None:

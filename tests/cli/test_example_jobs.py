@@ -126,17 +126,19 @@ REFUSED_AS_SHIPPED = {
 
 
 @pytest.mark.parametrize("example", sorted(MODELS))
-def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tmp_path, tiny_model):  # noqa: F811
-    """One rollout node (sbatch --nodes=TRAIN_NODES+1): its servers are what the job starts on each."""
+def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tmp_path, tiny_model):
+    """One rollout node (sbatch --nodes=TRAIN_NODES+1; colocated: the training nodes): its servers are what
+    the job starts on each."""
     settings = sbatch_settings(example)
     train_nodes = int(settings["TRAIN_NODES"])
+    colocated = settings.get("PLACEMENT") == "colocated"
     converted_checkpoint(tmp_path, example, tiny_model)
     extra = {"REWARD_FUNCTION": REWARD} if "long-context" in example else {}
     done, hosts, steps = run_job(
         example,
         tmp_path,
         tiny_model,
-        train_nodes + 1,
+        train_nodes if colocated else train_nodes + 1,
         ["train.steps=3"],
         FAKE_SRUN_TRAINING="record",
         ZCPO_OVERRIDES="train.seed=7",
@@ -157,7 +159,9 @@ def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tm
     # the one-task steps: Slurm's view of them is one task, the dry run checks the training world anyway
     for step in (probe, dry_run):
         assert [task["SLURM_NTASKS"] for task in step["tasks"]] == ["1"]
-        assert step["tasks"][0]["SLURM_JOB_NUM_NODES"] == str(train_nodes + 1)
+        assert step["tasks"][0]["SLURM_JOB_NUM_NODES"] == str(len(hosts))
+    rollout_hosts = hosts if colocated else hosts[train_nodes:]
+    servers_per_node = 8 // int(settings["ROLLOUT_TP"])
     assert dry_run["tasks"][0]["SLURMD_NODENAME"] == hosts[0]
     train_gpus = train_nodes * 8
     assert train["command"][:3] == ["zcpo", "train", f"examples/{example}/config.yaml"]
@@ -166,9 +170,10 @@ def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tm
     config = load_run_config(train["command"][2], train["command"][3:])
     assert config.model.path == str(tmp_path / "ckpt")
     assert config.rollout.sglang.server_urls == [
-        f"http://{hosts[-1]}:{30000 + 10 * server}" for server in range(8 // int(settings["ROLLOUT_TP"]))
+        f"http://{host}:{30000 + 10 * server}" for host in rollout_hosts for server in range(servers_per_node)
     ]
-    assert config.rollout.sglang.router_url == f"http://{hosts[-1]}:29000"
+    assert config.rollout.sglang.router_url == f"http://{rollout_hosts[0]}:29000"
+    assert config.rollout.placement == ("colocated" if colocated else "disaggregated")
     assert config.data.train_files == [str(tiny_model / "train.jsonl")]
     assert config.eval.data.train_files == [str(tiny_model / "eval.jsonl")] * 2
     assert (config.train.steps, config.train.seed) == (3, 7)  # the job's arguments, then ZCPO_OVERRIDES
@@ -180,9 +185,10 @@ def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tm
     resolved = load_run_config(str(tmp_path / "run" / "config.resolved.yaml"))
     assert resolved.rollout.sglang.server_urls == config.rollout.sglang.server_urls
     # the SGLang step: one task per rollout node, on it; every server and the router answered
-    assert [task["SLURMD_NODENAME"] for task in servers["tasks"]] == hosts[train_nodes:]
-    servers_per_node = 8 // int(settings["ROLLOUT_TP"])
-    assert f"SGLang: {servers_per_node + 1} endpoints healthy" in done.stdout
+    assert [task["SLURMD_NODENAME"] for task in servers["tasks"]] == rollout_hosts
+    assert f"SGLang: {len(rollout_hosts) * servers_per_node + 1} endpoints healthy" in done.stdout
+    # colocated: both steps share the GPUs (srun --overlap)
+    assert ("overlap" in servers["options"], "overlap" in train["options"]) == (colocated, colocated)
     key = servers["env"]["ZCPO_SGLANG_API_KEY"]  # one fresh key per job, for the servers and the trainer
     assert re.fullmatch(r"[0-9a-f]{64}", key) and train["env"]["ZCPO_SGLANG_API_KEY"] == key
     assert train["env"]["MASTER_PORT"] == str(20000 + int(train["job_id"]) % 20000)
@@ -197,7 +203,7 @@ def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tm
     assert [task["SLURMD_NODENAME"] for task in train["tasks"]] == [hosts[rank // 8] for rank in range(train_gpus)]
 
 
-def test_the_70b_job_attaches_to_running_servers_with_every_node_training(tmp_path, tiny_model):  # noqa: F811
+def test_the_70b_job_attaches_to_running_servers_with_every_node_training(tmp_path, tiny_model):
     from megatron_zcpo.testing.mock_server import MockSGLangServer
     from tests.rollout.sglang.test_sglang_client import ScriptedEngine
 
@@ -221,7 +227,7 @@ def test_the_70b_job_attaches_to_running_servers_with_every_node_training(tmp_pa
     assert train["env"]["ZCPO_SGLANG_API_KEY"] is None  # attached servers: the user's key, none generated
 
 
-def test_a_layout_variable_of_the_old_scripts_is_refused_naming_the_config(tmp_path, tiny_model):  # noqa: F811
+def test_a_layout_variable_of_the_old_scripts_is_refused_naming_the_config(tmp_path, tiny_model):
     done, _, steps = run_job("qwen2.5-32b-zcpo", tmp_path, tiny_model, 5, TRAIN_TP="4")
     assert done.returncode != 0 and not steps
     assert "TRAIN_TP is not read: the layout is parallel.* of examples/qwen2.5-32b-zcpo/config.yaml" in done.stderr
@@ -249,7 +255,7 @@ TINY_RUN = (
 )
 
 
-def test_the_qwen_job_converts_serves_and_trains_a_step(tmp_path, tiny_model):  # noqa: F811
+def test_the_qwen_job_converts_serves_and_trains_a_step(tmp_path, tiny_model):
     done, hosts, steps = run_job(
         "qwen2.5-32b-zcpo",
         tmp_path,

@@ -85,6 +85,8 @@ QWEN3_4B_THINKING = ModelConfig(
 )
 MODELS = {
     "qwen2.5-32b-zcpo": QWEN25_32B,
+    "qwen2.5-32b-colocated-zcpo": QWEN25_32B,
+    "qwen2.5-7b-colocated-zcpo": preset_model_config("Qwen2.5-7B"),
     "llama-3.3-70b-zcpo": LLAMA33_70B,
     "qwen2.5-72b-zcpo": QWEN25_72B,
     "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING,
@@ -95,14 +97,27 @@ MODELS = {
 # (training GPUs, GiB per GPU) quoted in the example's config.yaml and examples/README.md.
 QUOTED = {
     "qwen2.5-32b-zcpo": (32, 55.35),
+    "qwen2.5-32b-colocated-zcpo": (16, 63.00),
+    "qwen2.5-7b-colocated-zcpo": (8, 50.19),
     "llama-3.3-70b-zcpo": (64, 59.03),
     "qwen2.5-72b-zcpo": (64, 60.73),
     "qwen3-4b-long-context-zcpo": (32, 61.39),
-    "qwen3-30b-a3b-zcpo": (16, 78.85),
-    "qwen3-235b-a22b-zcpo": (128, 75.27),
+    "qwen3-30b-a3b-zcpo": (16, 65.93),
+    "qwen3-235b-a22b-zcpo": (128, 75.57),
 }
 # The configured layout is the planner's (memory-only) suggestion, except where the config says why not.
-SUGGESTED_INSTEAD = {"qwen3-4b-long-context-zcpo": ("TP2 PP1 CP2 DP8 distopt recompute=full", 77.93)}
+SUGGESTED_INSTEAD = {
+    "qwen3-4b-long-context-zcpo": ("TP2 PP1 CP2 DP8 distopt recompute=full", 77.93),
+    # colocated: full recompute keeps room for the servers' CUDA contexts and NCCL buffers
+    "qwen2.5-7b-colocated-zcpo": ("TP2 PP1 CP1 DP4 SP distopt recompute=none", 65.53),
+}
+
+
+def rollout_nodes(settings: dict) -> int:
+    """The nodes an example's SGLang servers run on: all of them colocated, else those past TRAIN_NODES."""
+    if settings.get("PLACEMENT") == "colocated":
+        return int(settings["nodes"])
+    return int(settings["nodes"]) - int(settings["TRAIN_NODES"])
 
 
 def test_every_cluster_example_is_covered():
@@ -191,6 +206,8 @@ def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sg
     router = router_command(["http://gpu05:30000"], launch, "gpu05")
     assert int(router[router.index("--request-timeout-secs") + 1]) == client.router_timeout_s > client.request_timeout_s
     assert ("--enable-deterministic-inference" in command) == client.sampling_seeds
+    assert ("--enable-memory-saver" in command) == (config.rollout.placement == "colocated")
+    assert config.rollout.placement == settings.get("PLACEMENT", "disaggregated")
     prompt, new_tokens = config.data.max_prompt_length, config.rollout.max_new_tokens
     with (
         MockSGLangServer(
@@ -205,7 +222,7 @@ def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sg
     # every node must start its servers with the job's one key: none in the environment, no servers
     monkeypatch.delenv("ZCPO_SGLANG_API_KEY")
     assert sglang_node.main(["--model-path", "/m", "--nodes", "gpu05", "--tp-size", "8"]) == 2
-    rollout_gpus = (int(settings["nodes"]) - int(settings["TRAIN_NODES"])) * int(settings["gpus-per-node"])
+    rollout_gpus = rollout_nodes(settings) * int(settings["gpus-per-node"])
     check_timeouts(
         config,
         MODELS[example],
@@ -229,8 +246,7 @@ def test_layout_fits_80gb_h100_and_is_the_planners_suggestion(example, tmp_path)
     else:
         assert suggested.layout == layout
     # Rollout nodes: the rest of the allocation, whole SGLang servers per node.
-    rollout_nodes = int(settings["nodes"]) - int(settings["TRAIN_NODES"])
-    assert rollout_nodes >= 1 and gpus_per_node % int(settings["ROLLOUT_TP"]) == 0
+    assert rollout_nodes(settings) >= 1 and gpus_per_node % int(settings["ROLLOUT_TP"]) == 0
 
 
 def test_70b_eight_node_variant_fits_with_the_reference_offloaded(tmp_path):

@@ -10,6 +10,7 @@ from megatron_zcpo.convert.presets import HF_CONFIGS, preset_model_config
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.planning.decode_rate import decode_tokens_per_s_per_gpu
 from megatron_zcpo.planning.step_time import Cluster, StepLoad, predict_step_time, push_bytes_per_stage
+from megatron_zcpo.planning.transitions import PUSH_BYTES_S, PUSH_FIXED_S
 from tests.cli.test_examples import EXAMPLES, LLAMA33_70B, QUOTED, QWEN3_4B_THINKING, QWEN25_32B, QWEN25_72B
 
 QWEN_EXAMPLE = str(EXAMPLES / "qwen2.5-32b-zcpo" / "config.yaml")
@@ -24,6 +25,11 @@ def test_presets_are_the_public_architectures():
     assert 72e9 < QWEN25_72B.num_parameters < 73e9
     with pytest.raises(ValueError, match="Qwen2.5-32B"):
         preset_model_config("Qwen2.5-7B")
+    # the calibration anchors (benchmarks/RESULTS.md): the published sizes of their model cards
+    sizes = {"Qwen3-32B": 32.8e9, "Qwen3-8B": 8.2e9, "Llama-3.1-8B": 8.03e9, "Llama-3.1-70B": 70.55e9}
+    for name, size in sizes.items():
+        assert preset_model_config(name).num_parameters == pytest.approx(size, rel=0.002), name
+    assert preset_model_config("Llama-3.1-70B-Instruct") == LLAMA33_70B
 
 
 def test_the_shipped_example_plans_with_nothing_downloaded(capsys):
@@ -72,18 +78,28 @@ def test_step_time_terms_by_hand():
     )
     load = StepLoad(generated_sequences=200, trained_sequences=100, prompt_tokens=100, response_tokens=300)
     cluster = Cluster(
-        train_gpus=4, rollout_gpus=2, decode_tokens_per_s_per_gpu=1000.0, mfu=0.5, peak_flops=1e9, link_bytes_per_s=1e6
+        train_gpus=4, rollout_gpus=2, decode_tokens_per_s_per_gpu=1000.0, mfu=0.5, peak_flops=1e9, rollout_tp=1
     )
     time = predict_step_time(model, load, cluster, pipeline_parallel=2, recompute="none")
     assert time.rollout_s == pytest.approx(200 * 300 / 2000)
     dense = model.num_parameters - 1000 * 64
     per_token = 2 * dense + 4 * 2 * 4 * 16 * 400 / 2
     assert time.train_s == pytest.approx(100 * 400 * per_token * 5 / (4 * 1e9 * 0.5))
-    assert time.push_funnel_s == pytest.approx(2 * model.num_parameters / 1e6)
+    assert time.push_funnel_s == pytest.approx(PUSH_FIXED_S + 2 * model.num_parameters / PUSH_BYTES_S)
     # PP2: the larger stage holds half the layers (+ final norm) and one vocabulary matrix
     assert push_bytes_per_stage(model, 2) == pytest.approx((2 * model.num_parameters - 4 * 64000) / 2 + 2 * 64000)
     assert time.overlapped_s == pytest.approx(max(time.rollout_s, time.train_s) + time.push_per_stage_s)
     assert time.overlapped_s < time.sequential_s and time.idle_share_overlapped < time.idle_share_sequential
+    assert time.predicted_s == time.sequential_s and time.mode == "sequential"
+    # colocated: generation on the 4 training GPUs, offload/onload and the IPC push instead of NCCL
+    colocated = predict_step_time(
+        model, load, Cluster(**{**vars(cluster), "placement": "colocated"}), offloaded_bytes_per_gpu=5e10
+    )
+    assert colocated.rollout_s == pytest.approx(200 * 300 / 4000) and colocated.offload_s == pytest.approx(2.0)
+    assert colocated.predicted_s == pytest.approx(
+        colocated.rollout_s + colocated.train_s + colocated.offload_s + colocated.ipc_push_s
+    )
+    assert colocated.tokens_per_s_per_gpu == pytest.approx(100 * 400 / (colocated.predicted_s * 4))
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ def snapshot(directory: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_model):  # noqa: F811
+def trained(tmp_path_factory, tiny_model):
     """A finished run of 2 steps with checkpoints step_00000001 and step_00000002."""
     root = tmp_path_factory.mktemp("trained")
     done = zcpo("train", write_config(root, tiny_model, **ONE_PROCESS))
@@ -86,7 +86,7 @@ def run_id(run_dir):
 )
 def test_a_damaged_checkpoint_is_named_kept_and_the_run_resumes_from_the_newest_intact_one(
     trained, tmp_path, tiny_model, damaged, manifests
-):  # noqa: F811
+):
     path = copy_of(trained, tmp_path, tiny_model)
     checkpoints = tmp_path / "run" / "checkpoints"
     if not manifests:  # checkpoints written before manifests existed still resume, with a note
@@ -107,7 +107,7 @@ def test_a_damaged_checkpoint_is_named_kept_and_the_run_resumes_from_the_newest_
     assert (snapshot(checkpoints / "step_00000002.damaged"), snapshot(checkpoints / "step_00000001")) == before
 
 
-def test_checkpoint_verify_names_what_is_damaged_without_training(trained, tmp_path, tiny_model):  # noqa: F811
+def test_checkpoint_verify_names_what_is_damaged_without_training(trained, tmp_path, tiny_model):
     copy_of(trained, tmp_path, tiny_model)
     checkpoints = tmp_path / "run" / "checkpoints"
     state = checkpoints / "step_00000002" / "trainer_state.pt"
@@ -128,7 +128,7 @@ def test_checkpoint_verify_names_what_is_damaged_without_training(trained, tmp_p
     assert snapshot(checkpoints) == before
 
 
-def test_resume_never_into_a_run_is_refused_and_overwrite_replaces_it(trained, tmp_path, tiny_model):  # noqa: F811
+def test_resume_never_into_a_run_is_refused_and_overwrite_replaces_it(trained, tmp_path, tiny_model):
     path = copy_of(trained, tmp_path, tiny_model)
     run_dir = tmp_path / "run"
     old_id, before = run_id(run_dir), snapshot(run_dir)
@@ -151,7 +151,7 @@ def test_resume_never_into_a_run_is_refused_and_overwrite_replaces_it(trained, t
     assert f'"run_id": "{new_id}"' in (run_dir / "checkpoints" / "step_00000001" / "manifest.json").read_text()
 
 
-def test_a_checkpoint_of_another_run_is_refused(trained, tmp_path, tiny_model):  # noqa: F811
+def test_a_checkpoint_of_another_run_is_refused(trained, tmp_path, tiny_model):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "run_id").write_text("another-run\n")
     path = write_config(tmp_path, tiny_model, **{**ONE_PROCESS, "checkpoint": {"dir": str(trained / "checkpoints")}})
@@ -165,7 +165,7 @@ def test_a_checkpoint_of_another_run_is_refused(trained, tmp_path, tiny_model): 
     assert snapshot(trained) == before
 
 
-def test_a_layout_a_rank_would_refuse_is_refused_by_dry_run_plan_and_train_alike(tmp_path, tiny_model):  # noqa: F811
+def test_a_layout_a_rank_would_refuse_is_refused_by_dry_run_plan_and_train_alike(tmp_path, tiny_model):
     path = write_config(tmp_path, tiny_model, eval=NO_EVAL)
     message = (
         "parallel.tensor=3 must divide the model's num_attention_heads=4 and num_key_value_heads=2 and "
@@ -195,7 +195,7 @@ def test_a_layout_a_rank_would_refuse_is_refused_by_dry_run_plan_and_train_alike
     )
 
 
-def test_a_reward_that_fails_on_most_answers_stops_the_run_and_the_launcher_says_so_once(tmp_path, tiny_model):  # noqa: F811
+def test_a_reward_that_fails_on_most_answers_stops_the_run_and_the_launcher_says_so_once(tmp_path, tiny_model):
     """Passes the start-up probe, then raises on every real answer: the run stops after the first
     rollout with the reward's own error, the count and an input; the launcher prints the failing
     rank's error last and once (not torchrun's table, not every rank's traceback)."""
@@ -219,7 +219,7 @@ def test_a_reward_that_fails_on_most_answers_stops_the_run_and_the_launcher_says
     assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))  # no checkpoint of made-up rewards
 
 
-def test_an_empty_data_file_a_yaml_error_and_a_missing_step_are_named(trained, tmp_path, tiny_model):  # noqa: F811
+def test_an_empty_data_file_a_yaml_error_and_a_missing_step_are_named(trained, tmp_path, tiny_model):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     (tmp_path / "a").mkdir()
@@ -249,7 +249,7 @@ def test_an_empty_data_file_a_yaml_error_and_a_missing_step_are_named(trained, t
     assert snapshot(trained) == before
 
 
-def test_plan_of_a_tiny_model_prints_real_numbers(trained, tiny_model, tmp_path):  # noqa: F811
+def test_plan_of_a_tiny_model_prints_real_numbers(trained, tiny_model, tmp_path):
     done = zcpo("plan", write_config(tmp_path, tiny_model))
     assert done.returncode == 0, done.stderr
     assert "0.000B" not in done.stdout and " 0 s" not in done.stdout

@@ -51,14 +51,17 @@ def _fused_inputs():
     )
 
 
-def _run(kind, backend):
-    """Values and gradients of one call with a gradient (logits: bf16 with the reference; fused: fp32 with it)."""
+def _run(kind, backend, same_reference=False):
+    """Values and gradients of one call with a gradient (logits: bf16 with the reference; fused: fp32 with it);
+    ``same_reference``: the reference equals the policy (step 0: KL exactly 0)."""
     if kind == "logits":
         z, targets, zr = _logits_inputs()
+        zr = z.detach().clone() if same_reference else zr
         stats = vocab_parallel_token_stats(z, targets, zr, vocab_size=VOCAB, temperature=0.7, backend=backend)
         leaves = (z,)
     else:
         hidden, weight, targets, ref_hidden, ref_weight = _fused_inputs()
+        ref_weight = weight.detach().clone() if same_reference else ref_weight
         stats = fused_token_stats(
             hidden, weight, targets, ref_hidden, ref_weight, vocab_size=VOCAB, chunk_size=8, backend=backend
         )
@@ -77,28 +80,30 @@ def _assert_same(first, second):
 def test_agreeing_kernels_are_checked_once_per_kind_of_call(recwarn):
     _run("logits", "triton")
     _run("logits", "triton")
-    assert token_stats_check.status() == {"checked": 1, "fallback": None}
+    assert token_stats_check.status() == {"checked": 1, "pending": 0, "fallback": None}
     with torch.no_grad():  # another kind: no gradient
         vocab_parallel_token_stats(*_logits_inputs(), vocab_size=VOCAB, backend="triton")
     _run("fused", "triton")
-    assert token_stats_check.status() == {"checked": 3, "fallback": None}
+    assert token_stats_check.status() == {"checked": 3, "pending": 0, "fallback": None}
     assert not [w for w in recwarn if issubclass(w.category, MISMATCH)]
 
 
-def _wrong_logprob(forward):
-    def wrapped(*args, **kwargs):
-        results = forward(*args, **kwargs)
-        results = results if isinstance(results, tuple) else (results,)
-        results[0].logprob = results[0].logprob + 1e-3
-        return results if len(results) > 1 else results[0]
+def _wrong_shard_statistics(row, scale, offset):
+    """token_stats_triton.merge_shards with the kernels' statistics row ``row`` of the last token changed
+    to ``value * scale + offset`` (a kernel bug in a row past the first chunk of a fused call)."""
+    merge = token_stats_triton.merge_shards
+
+    def wrapped(stats, tiling):
+        stats = stats.clone()
+        stats[row, -1] = stats[row, -1] * scale + offset
+        return merge(stats, tiling)
 
     return wrapped
 
 
 @pytest.mark.parametrize("kind", ["logits", "fused"])
 def test_wrong_values_warn_once_and_fall_back_to_torch(kind, monkeypatch):
-    name = "logits_forward" if kind == "logits" else "fused_forward"
-    monkeypatch.setattr(token_stats_triton, name, _wrong_logprob(getattr(token_stats_triton, name)))
+    monkeypatch.setattr(token_stats_triton, "merge_shards", _wrong_shard_statistics(3, 1.0, 1e-3))  # target logit
     with pytest.warns(MISMATCH, match=r"logprob: triton .* train\.token_stats_backend=torch"):
         checked = _run(kind, "triton")
     _assert_same(checked, _run(kind, "torch"))  # the failed call itself was recomputed
@@ -129,15 +134,69 @@ def test_a_wrong_gradient_is_caught(kind, monkeypatch):
     _assert_same(checked, _run(kind, "torch"))
 
 
-def _tp_worker(rank, world):
-    """Rank 1 alone computes wrong logit gradients: both ranks must fall back together."""
+@pytest.mark.parametrize("kind", ["logits", "fused"])
+def test_a_wrong_value_in_a_later_row_is_caught(kind, monkeypatch):
+    monkeypatch.setattr(token_stats_triton, "merge_shards", _wrong_shard_statistics(8, 1.01, 0.0))  # the KL
+    with pytest.warns(MISMATCH, match=r"kl: triton"):
+        checked = _run(kind, "triton")
+    _assert_same(checked, _run(kind, "torch"))
+
+
+@pytest.mark.parametrize("factor", [0.0, 3.0, -1.0], ids=["dropped", "tripled", "sign-flipped"])
+@pytest.mark.parametrize("kind", ["logits", "fused"])
+def test_a_wrong_kl_gradient_is_caught_once_the_kl_is_not_zero(kind, factor, monkeypatch, recwarn):
+    from tests.ops.test_token_stats_terms import _scaled_kl_gradient
+
+    monkeypatch.setattr(token_stats_triton, "_backward", _scaled_kl_gradient(factor))
+    _run(kind, "triton", same_reference=True)  # step 0: KL = 0, its gradient 0 whatever the factor
+    _run(kind, "triton", same_reference=True)
+    assert token_stats_check.status() == {"checked": 0, "pending": 1, "fallback": None}
+    assert not [w for w in recwarn if issubclass(w.category, MISMATCH)]
+    with pytest.warns(MISMATCH, match="kl logit gradient"):
+        checked = _run(kind, "triton")  # the first call whose KL reaches KL_CHECK_MIN
+    _assert_same(checked, _run(kind, "torch"))
+
+
+@pytest.mark.parametrize("kind", ["logits", "fused"])
+def test_an_exception_falls_back_to_torch(kind, monkeypatch):
+    def compile_failure(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")
+
+    name = "logits_forward" if kind == "logits" else "fused_forward"
+    monkeypatch.setattr(token_stats_triton, name, compile_failure)
+    with pytest.warns(MISMATCH, match="PassManager"):
+        checked = _run(kind, "triton")
+    _assert_same(checked, _run(kind, "torch"))
+    assert token_stats_check.status()["fallback"] is not None
+
+
+@pytest.mark.parametrize("kind", ["logits", "fused"])
+def test_an_exception_in_the_backward_falls_back_to_torch(kind, monkeypatch):
+    _run(kind, "triton")  # checked
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB")
+
+    name = "logits_backward" if kind == "logits" else "cached_logit_gradient"
+    monkeypatch.setattr(token_stats_triton, name, out_of_memory)
+    with pytest.warns(MISMATCH, match=f"{kind} backward"):
+        checked = _run(kind, "triton")
+    # the forward was Triton's, the backward the torch backend's over its saved numbers
+    for got, want in zip(checked[1], _run(kind, "torch")[1]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
+    assert token_stats_check.torch_instead()
+
+
+def _tp_worker(rank, world, failure):
+    """Rank 1 alone computes wrong logit gradients, or raises in its Triton forward: both ranks must fall back
+    together (and not hang in the forward's all-gather)."""
     import torch.distributed as dist
 
     from tests.ops.test_token_stats import _vocab_shard
 
     dist.init_process_group("gloo")
     token_stats_check.MODE = "always"
-    if rank == 1:
+    if rank == 1 and failure == "gradient":
         backward = token_stats_triton._backward
 
         def wrong(out, *args, **kwargs):
@@ -145,6 +204,12 @@ def _tp_worker(rank, world):
             out.mul_(1.5)
 
         token_stats_triton._backward = wrong
+    if rank == 1 and failure == "exception":
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB")
+
+        token_stats_triton.logits_forward = out_of_memory
     z, targets, zr = _logits_inputs()
     shard = _vocab_shard(z.detach(), rank, world, 1).requires_grad_()
     stats = vocab_parallel_token_stats(
@@ -169,6 +234,8 @@ def _tp_worker(rank, world):
 
 
 @pytest.mark.skipif(has_cuda(), reason="gloo ranks run the kernels in the interpreter, on CPU tensors")
-def test_tensor_parallel_ranks_fall_back_together():
-    for result in run_distributed(_tp_worker, 2):  # the ranks inherit TRITON_INTERPRET=1 (tests/conftest.py)
+@pytest.mark.parametrize("failure", ["gradient", "exception"])
+def test_tensor_parallel_ranks_fall_back_together(failure):
+    # the ranks inherit TRITON_INTERPRET=1 (tests/conftest.py)
+    for result in run_distributed(_tp_worker, 2, failure, timeout=300):
         assert result == {"fallback": True, "same_grad": True, "same_kl": True}

@@ -292,16 +292,60 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert "0 failed" in result.stdout.splitlines()[-1]
 
 
-@pytest.mark.skipif(has_cuda(), reason="the real benchmark runs on the GPU")
-def test_gpu_benchmark_dry_run_passes_every_check_and_times_every_case():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/bench_token_stats.py", "--gpu", "--dry-run"],
+def _gpu_bench_dry_run(*options):
+    return subprocess.run(
+        [sys.executable, "benchmarks/bench_token_stats.py", "--gpu", "--dry-run", *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.skipif(has_cuda(), reason="the real benchmark runs on the GPU")
+def test_gpu_benchmark_dry_run_passes_every_check_and_times_every_case():
+    result = _gpu_bench_dry_run()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ERROR" not in result.stdout and "FAIL" not in result.stdout, result.stdout
-    assert "0 checks failed [], 0 Triton cases failed []" in result.stdout
-    assert result.stdout.count(" ms  peak") == 14  # every case of the four tables but the compiled ones
+    assert "# token-stats GPU bench: PASS: 10/10 checks passed" in result.stdout
+    assert result.stdout.count(" ms  peak") == 14  # every case of the four tables
+    assert result.stdout.count("-> met") == 2 and result.stdout.count("DRAM read") == 2
+
+
+@pytest.mark.skipif(has_cuda(), reason="the real benchmark runs on the GPU")
+@pytest.mark.parametrize(
+    "options,reason",
+    [
+        (["--target-scale", "0"], "update 24 x 16 x 320: ours (triton), logprob missed its target"),
+        (["--budget", "0"], "stats 24 x 320: ours (triton) skipped (time budget)"),
+        (["--omit-check", "update each term"], "ours (triton), logprob unchecked (update each term omitted)"),
+    ],
+    ids=["missed", "skipped", "unchecked"],
+)
+def test_gpu_benchmark_fails_on_a_missed_skipped_or_unchecked_target(options, reason):
+    result = _gpu_bench_dry_run(*options)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "# token-stats GPU bench: FAIL" in result.stdout and reason in result.stdout, result.stdout[-3000:]
+
+
+def test_fused_buffers_have_aligned_rows_for_any_shard_width():
+    """Row strides that are multiples of 16 elements let Triton emit vector loads (shard width 250 here)."""
+    hidden, weight, ref_hidden, ref_weight, _ = _fused_inputs()
+    h, w, rh, rw = _on_device(hidden, weight[:VOCAB], ref_hidden, ref_weight[:VOCAB])
+    strides = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: strides.append((t.dtype, t.stride())) or t, lambda t: t):
+        fused_token_stats(h, w.requires_grad_(), spread_targets().to(DEVICE), rh, rw, backend="triton")
+    caches = [stride for dtype, stride in strides if dtype == torch.float16]
+    assert len(caches) == 2 and all(stride[0] % 16 == 0 for stride in caches), strides
+
+
+def test_cuda_kernel_shapes_are_fixed_by_the_shard_width():
+    """No timing-based choice: every rank and run launches the same kernels (bitwise reproducible)."""
+    from megatron_zcpo.ops import token_stats_triton
+
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    for n_cols in (1000, 18587, 19008, 152064):
+        forward = {token_stats_triton._choose("forward", rows, n_cols, cuda) for rows in (1, 300, 4096)}
+        backward = {token_stats_triton._choose("backward", rows, n_cols, cuda) for rows in (1, 300, 4096)}
+        assert len(forward) == len(backward) == 1
+        assert forward.pop().width % backward.pop().block_v == 0

@@ -14,7 +14,7 @@ from megatron_zcpo.planning.decode_rate import (
     decode_tokens_per_s_per_gpu,
     kv_bytes_per_token,
 )
-from megatron_zcpo.planning.step_time import forward_flops_per_token
+from megatron_zcpo.planning.flops import forward_flops_per_token
 
 QWEN25_32B = preset_model_config("Qwen2.5-32B")
 

@@ -158,7 +158,7 @@ def _logged(run_dir):
     return {r["step"]: r for r in records if "rollout/reward_mean" in r}, [r for r in records if "eval/avg@2" in r]
 
 
-def test_a_rollout_longer_than_every_timeout_trains_like_instant_servers(tmp_path, tiny_model):  # noqa: F811
+def test_a_rollout_longer_than_every_timeout_trains_like_instant_servers(tmp_path, tiny_model):
     instant, instant_router = _servers(tiny_model, 0.0)
     slow, slow_router = _servers(tiny_model, GENERATE_S)
     paths = [

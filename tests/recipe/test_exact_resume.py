@@ -54,7 +54,7 @@ def _step_metrics(run_dir):
     }
 
 
-def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):  # noqa: F811
+def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):
     straight = _config(tmp_path / "a", tiny_model, parallel={"tensor": 1}, eval=NO_EVAL)
     _train(straight)
     resumed = _config(tmp_path / "b", tiny_model, parallel={"tensor": 1}, eval=NO_EVAL)
@@ -86,7 +86,7 @@ def _reference_and_started_run(tmp_path, model, steps):
     return _step_metrics(tmp_path / "a" / "run"), path, process
 
 
-def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, tiny_model):  # noqa: F811
+def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, tiny_model):
     expected, path, process = _reference_and_started_run(tmp_path, tiny_model, 3)
     metrics = tmp_path / "b" / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 600
@@ -117,7 +117,7 @@ def _ranks_started(pid):
 
 
 @pytest.mark.parametrize("first_signal", ["launcher-start-up", "ranks-start-up"])
-def test_stop_signals_from_the_first_moment_never_kill_a_tp2_run(tmp_path, tiny_model, first_signal):  # noqa: F811
+def test_stop_signals_from_the_first_moment_never_kill_a_tp2_run(tmp_path, tiny_model, first_signal):
     # SIGUSR1 every 0.3 s from the launcher's first handled moment on (it stops before starting the
     # ranks), or from the moment its ranks exist (relayed through $ZCPO_STOP_FILE, never signalled to
     # them, so one still importing cannot die): the run exits with the requeue code, and the rerun

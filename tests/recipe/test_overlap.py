@@ -119,7 +119,7 @@ def _plain_sequential_loop(rank, world, path):
     return steps
 
 
-def test_overlap_off_is_the_sequential_loop_bit_for_bit(tmp_path, tiny_model):  # noqa: F811
+def test_overlap_off_is_the_sequential_loop_bit_for_bit(tmp_path, tiny_model):
     path = write_config(
         tmp_path, tiny_model, parallel={"tensor": 1}, eval={"at_start": False, "at_end": False}, checkpoint={"every": 0}
     )
@@ -151,7 +151,7 @@ def _overlapped_run(root, model_dir, steps, *overrides):
     return done.stdout
 
 
-def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tiny_model):  # noqa: F811
+def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tiny_model):
     whole = tmp_path / "whole"
     _overlapped_run(whole, tiny_model, 3)
     uninterrupted = _metrics_by_step(whole / "run")
@@ -170,7 +170,7 @@ def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tin
         assert interrupted[3][key] == uninterrupted[3][key] or uninterrupted[3][key] != uninterrupted[3][key], key
 
 
-def test_overlapped_sglang_run_pushes_per_stage_at_pp2(tmp_path, tiny_model):  # noqa: F811
+def test_overlapped_sglang_run_pushes_per_stage_at_pp2(tmp_path, tiny_model):
     """`zcpo train` at PP2 against a mock SGLang server, overlap on: each stage's lead joins its own
     weight-update group and pushes its share, and the rollouts are one version behind."""
     from megatron_zcpo.convert.hf_checkpoint import read_hf_config

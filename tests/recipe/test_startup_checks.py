@@ -10,7 +10,7 @@ from megatron_zcpo.recipe.preflight import check_reward_function
 from tests.cli.test_train import tiny_model, write_config  # noqa: F401 - the fixture is used by name
 
 
-def test_every_problem_is_named_before_any_process_starts(tmp_path, tiny_model, capsys, monkeypatch):  # noqa: F811
+def test_every_problem_is_named_before_any_process_starts(tmp_path, tiny_model, capsys, monkeypatch):
     monkeypatch.delenv("ZCPO_STARTUP_CHECKED", raising=False)
     blocked = tmp_path / "not_a_dir"
     blocked.write_text("")
@@ -67,7 +67,7 @@ def test_dry_run_refuses_what_the_start_refuses_and_neither_writes_anything(
     changes,
     message,
     tmp_path,
-    tiny_model,  # noqa: F811
+    tiny_model,
     capsys,
     monkeypatch,
 ):
@@ -79,7 +79,7 @@ def test_dry_run_refuses_what_the_start_refuses_and_neither_writes_anything(
         assert not (tmp_path / "run").exists()  # neither the run directory nor its checkpoints/
 
 
-def test_dry_run_in_a_one_task_slurm_step_checks_the_world_nproc_names(tmp_path, tiny_model):  # noqa: F811
+def test_dry_run_in_a_one_task_slurm_step_checks_the_world_nproc_names(tmp_path, tiny_model):
     """A job's check step (srun --ntasks=1) has SLURM_NTASKS=1; --nproc names the training step's world."""
     import os
     import subprocess

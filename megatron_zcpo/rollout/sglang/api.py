@@ -20,6 +20,10 @@ mock server (:mod:`mock_server`, which validates every request against this tabl
 | POST /init_weights_update_group | yes | yes | master_address, master_port, rank_offset, world_size, group_name, backend / {success, message} |
 | POST /update_weights_from_distributed | yes | yes (+ load_format "flattened_bucket") | names, dtypes, shapes, group_name, flush_cache, weight_version, load_format (with `flattened_buckets`) / {success, message} |
 | POST /destroy_weights_update_group | yes | yes | group_name / {success, message} |
+| POST /release_memory_occupation | yes | yes | tags (see :data:`MEMORY_TAGS_BY_RELEASE`) / 200 once released |
+| POST /resume_memory_occupation | yes | yes | tags / 200 once resumed |
+| POST /update_weights_from_tensor | yes | yes (+ selector, torch_empty_cache) | serialized_named_tensors (one per TP rank), load_format "flattened_bucket", flush_cache, weight_version / {success, message} |
+| POST /pause_generation, /continue_generation | yes (no body) | yes (mode; torch_empty_cache) | nothing / 200 |
 
 Launch (:mod:`sglang_server`): ``python -m sglang.launch_server`` with ``--model-path --host --port
 --tp-size --mem-fraction-static --dtype --random-seed`` and optionally ``--context-length``,
@@ -229,9 +233,67 @@ ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
 )
 
 
+# Colocated placement (``rollout.placement=colocated``; servers launched with --enable-memory-saver).
+# Memory tags (sglang/srt/constants.py): "weights" and "kv_cache" in 0.5.3.post3, "cuda_graph" too in
+# 0.5.23 (releases in between unchecked: treated as without it, so it is never left released). Both
+# releases: no tags = every tag the release has; a release runs only while the server is idle (0.5.23
+# asserts it; 0.5.3.post3 would free the KV pool of running requests); resuming a tag that is not
+# released fails (``offload_tags.remove``); both answer 200 with a null body once the scheduler is done.
+MEMORY_TAGS_BY_RELEASE = {
+    PINNED_RELEASE: ("weights", "kv_cache"),
+    NEWEST_CHECKED_RELEASE: ("weights", "kv_cache", "cuda_graph"),
+}
+CUDA_GRAPH_TAG_SINCE = NEWEST_CHECKED_RELEASE
+_TAGS = {"rid": _RID, "tags": _optional(_list_of(_STR))}
+# /update_weights_from_tensor: one MultiprocessingSerializer blob (base64 of a ForkingPickler dump:
+# CUDA IPC handles, not bytes) per TP rank of the server, indexed by its tp_rank; load_format
+# "flattened_bucket" takes {"flattened_tensor", "metadata": [objects with name, shape, dtype,
+# start_idx, end_idx, numel]} (0.5.3.post3 has it: model_runner._update_weights_from_flattened_bucket).
+# 0.5.23 (weight_updater.py) answers success false outside a begin_weight_update / end_weight_update
+# session, as for /update_weights_from_distributed (/update_weights_from_disk needs none).
+_TENSOR_UPDATE = {"rid": _RID, "load_format": _optional(_STR), **_WEIGHT_UPDATE}
+MEMORY_SAVER_ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
+    SGLangEndpoint("/release_memory_occupation", ("GET", "POST"), optional=_TAGS),
+    SGLangEndpoint("/resume_memory_occupation", ("GET", "POST"), optional=_TAGS),
+    SGLangEndpoint(
+        "/update_weights_from_tensor",
+        ("POST",),
+        required={"serialized_named_tensors": _list_of(_STR)},
+        optional=_TENSOR_UPDATE,
+        releases=(PINNED_RELEASE,),
+    ),
+    SGLangEndpoint(
+        "/update_weights_from_tensor",
+        ("POST",),
+        required={"serialized_named_tensors": _list_of(_STR)},
+        optional={**_TENSOR_UPDATE, "selector": _STR, "torch_empty_cache": _BOOL},
+        releases=(NEWEST_CHECKED_RELEASE,),
+    ),
+    # 0.5.3.post3: no body (abort and wait); 0.5.23: {mode: "abort" | "retract" | "in_place"}.
+    SGLangEndpoint("/pause_generation", ("POST",), releases=(PINNED_RELEASE,)),
+    SGLangEndpoint(
+        "/pause_generation", ("POST",), optional={"rid": _RID, "mode": _STR}, releases=(NEWEST_CHECKED_RELEASE,)
+    ),
+    SGLangEndpoint("/continue_generation", ("POST",), releases=(PINNED_RELEASE,)),
+    SGLangEndpoint(
+        "/continue_generation",
+        ("POST",),
+        optional={"rid": _RID, "torch_empty_cache": _BOOL},
+        releases=(NEWEST_CHECKED_RELEASE,),
+    ),
+)
+
+
+def memory_tags(version: str) -> Tuple[str, ...]:
+    """The memory-saver tags SGLang ``version`` (as ``/get_server_info`` reports it) knows."""
+    return MEMORY_TAGS_BY_RELEASE[
+        NEWEST_CHECKED_RELEASE if release_at_least(version, CUDA_GRAPH_TAG_SINCE) else PINNED_RELEASE
+    ]
+
+
 def endpoint(path: str, release: str = PINNED_RELEASE) -> Optional[SGLangEndpoint]:
     """The endpoint at ``path`` in ``release``, or None where that release has none (a 404)."""
-    for candidate in ENDPOINTS:
+    for candidate in ENDPOINTS + MEMORY_SAVER_ENDPOINTS:
         if candidate.path == path and release in candidate.releases:
             return candidate
     return None

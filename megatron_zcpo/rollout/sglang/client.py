@@ -42,6 +42,7 @@ from megatron_zcpo.rollout.output_checks import engine_output_problem, rejected_
 from megatron_zcpo.rollout.sglang.api import MODEL_INFO_PATHS
 from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 from megatron_zcpo.rollout.sglang.http import RETRYABLE, SGLangHTTP, SGLangHTTPError
+from megatron_zcpo.rollout.sglang.memory_saver import MemorySaverClient
 from megatron_zcpo.rollout.sglang.server_pool import ServersLostError
 from megatron_zcpo.rollout.sglang.update_weight import weight_update_for
 
@@ -135,7 +136,7 @@ def encode_routed_experts(routed: torch.Tensor) -> str:
     return base64.b64encode(routed.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(MemorySaverClient, RolloutEngine):
     """The trainer's handle on a set of SGLang servers (launched by :mod:`sglang_server`, or given).
 
     ``on_shutdown`` runs at :meth:`shutdown` (e.g. the launcher's termination of the servers).
@@ -149,6 +150,7 @@ class SGLangEngine(RolloutEngine):
         self._weights = weight_update_for(self._http, config)
         self._closed = False
         self.rejected_samples = 0  # answers rejected by the output checks, over the engine's life
+        self._memory_tags: Optional[Tuple[str, ...]] = None  # the servers' memory-saver tags, asked once
 
     # -- generation ----------------------------------------------------------------------------
 

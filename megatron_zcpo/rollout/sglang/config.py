@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from megatron_zcpo.rollout.sglang.api import ROUTER_DEFAULT_REQUEST_TIMEOUT_S
 
-WEIGHT_SYNC_METHODS = ("distributed", "disk")
+WEIGHT_SYNC_METHODS = ("distributed", "disk", "tensor")
 API_KEY_ENV = "ZCPO_SGLANG_API_KEY"  # where rollout.sglang.client.api_key comes from when unset
 
 
@@ -25,7 +25,8 @@ class SGLangEngineConfig:
     through a weight-update group named ``group_name``; the servers reach this host at
     ``master_address``, by default the local address of the route to the first server, see
     :func:`megatron_zcpo.utils.network.master_address_for`) or "disk" (safetensors under ``weight_dir``, a directory the servers
-    can read). ``quantization`` "fp8" pushes modelopt FP8 weights (servers launched with
+    can read) or "tensor" (colocated placement: flattened buckets of ``bucket_bytes`` handed over in
+    place as CUDA IPC handles through ``/update_weights_from_tensor``, to the servers of this node). ``quantization`` "fp8" pushes modelopt FP8 weights (servers launched with
     modelopt FP8 quantisation; turn the trainer's importance-sampling correction on).
     ``flattened_buckets``: broadcast each bucket as one flat byte buffer (SGLang's
     ``flattened_bucket`` load format, from SGLang 0.5.6; refused at start-up against older

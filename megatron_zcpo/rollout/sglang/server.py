@@ -53,6 +53,10 @@ class SGLangServerConfig:
     ``sampling_seeds``); SGLang then needs ``attention_backend`` among
     :data:`~megatron_zcpo.rollout.sglang.api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
     default for Qwen2/Llama/Qwen3 on H100).
+    ``enable_memory_saver`` (``rollout.placement=colocated`` sets it): ``--enable-memory-saver``, so
+    the server releases and resumes its weights, KV cache and CUDA graphs on request; its processes
+    then run without ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` (the memory saver's
+    virtual-memory mapping and CUDA IPC of its tensors break with it).
     """
 
     model_path: str
@@ -82,6 +86,7 @@ class SGLangServerConfig:
     router_request_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
     enable_deterministic_inference: bool = False
     attention_backend: Optional[str] = None
+    enable_memory_saver: bool = False
 
     def validate(self, prefix: str = "rollout.servers") -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -124,6 +129,20 @@ def server_config_for_run(
         "api_key": client.api_key,
     }
     return SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
+
+
+def without_expandable_segments(env: Mapping[str, str]) -> Dict[str, str]:
+    """``env`` with ``expandable_segments`` dropped from ``PYTORCH_CUDA_ALLOC_CONF`` (a memory-saver
+    server's allocations must stay plain cudaMalloc blocks: CUDA IPC handles and the saver's
+    pause/resume both need them), the allocator's other settings kept."""
+    env = dict(env)
+    settings = [s for s in env.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if s]
+    kept = [s for s in settings if s.split(":")[0].strip() != "expandable_segments"]
+    if kept:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
+    else:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    return env
 
 
 @dataclass(frozen=True)
@@ -215,6 +234,8 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
         command += ["--ep-size", str(config.ep_size)]
     if config.return_routed_experts:
         command += ["--enable-return-routed-experts"]
+    if config.enable_memory_saver:
+        command += ["--enable-memory-saver"]
     return command + list(config.extra_args)
 
 
@@ -292,6 +313,8 @@ class SGLangLauncher:
             if self._is_this_node(spec.node):
                 check_bind_address(spec.node)
                 env = dict(self.env, CUDA_VISIBLE_DEVICES=",".join(spec.gpu_ids))
+                if self.config.enable_memory_saver:
+                    env = without_expandable_segments(env)
                 self._spawn(f"server-{spec.node}-{spec.port}", server_command(spec, self.config, self.api_key), env)
         if self.config.router and self._is_this_node(self.specs[0].node):
             self._spawn(

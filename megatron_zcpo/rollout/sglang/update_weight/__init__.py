@@ -10,10 +10,13 @@ flushes and verifies the servers afterwards (see :func:`megatron_zcpo.recipe.wei
 
 from megatron_zcpo.rollout.sglang.update_weight.disk import DiskWeightUpdate
 from megatron_zcpo.rollout.sglang.update_weight.distributed import DistributedWeightUpdate
+from megatron_zcpo.rollout.sglang.update_weight.tensor_ipc import TensorIPCWeightUpdate
 
-__all__ = ["DiskWeightUpdate", "DistributedWeightUpdate", "weight_update_for"]
+__all__ = ["DiskWeightUpdate", "DistributedWeightUpdate", "TensorIPCWeightUpdate", "weight_update_for"]
 
 
 def weight_update_for(http, config):
-    """The transport ``config.weight_sync`` names ("distributed" or "disk") over ``http`` (SGLangHTTP)."""
+    """The transport ``config.weight_sync`` names ("distributed", "disk" or "tensor") over ``http`` (SGLangHTTP)."""
+    if config.weight_sync == "tensor":
+        return TensorIPCWeightUpdate(http, config)
     return DiskWeightUpdate(http, config) if config.weight_sync == "disk" else DistributedWeightUpdate(http, config)

@@ -1,0 +1,142 @@
+"""The mock SGLang server's memory saver (``--enable-memory-saver``): release/resume by tag, a per-GPU ledger,
+``/update_weights_from_tensor``, pause/continue, and the faults colocated runs meet.
+
+Mixed into :class:`megatron_zcpo.testing.mock_server.MockSGLangServer`. Behaviour follows SGLang
+0.5.3.post3 and 0.5.23 (see :mod:`megatron_zcpo.rollout.sglang.api`): tags per release (no tags:
+all of them), a resume of a tag that is not released fails, ``/update_weights_from_tensor`` reads
+blob ``tp_rank`` of ``serialized_named_tensors`` (flattened buckets or a list of (name, tensor)).
+Where SGLang would silently corrupt memory the mock fails the request with 400 and the reason
+(:class:`~megatron_zcpo.rollout.memory.MemoryPhaseError`): a generate or a weight update while
+the memory it needs is released or generation is paused, a release while requests run, a
+release or resume out of order. Without ``memory_saver`` SGLang's releases answer 200 and free
+nothing (its no-op adapter): so does the mock, and ``/get_server_info`` says
+``enable_memory_saver: false``. Faults (``faults[path]``): "late_release" (the release answers,
+the memory is freed ``release_lag_s`` later), "502" (answered before anything happens), "die"
+(the server stops answering anything from this request on: died mid-update).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Dict, Optional, Sequence
+
+from megatron_zcpo.rollout.memory import EngineMemory, MemoryLedger, MemoryPhaseError
+from megatron_zcpo.rollout.sglang.api import MEMORY_TAGS_BY_RELEASE
+
+MEMORY_FAULTS = ("late_release", "502", "die")
+
+
+class MemorySaverEndpoints:
+    """State and handlers of the memory saver; :meth:`_init_memory_saver` from the server's constructor."""
+
+    def _init_memory_saver(
+        self,
+        memory_saver: bool,
+        gpus: Sequence[int],
+        memory_sizes: Optional[Dict[str, int]],
+        ledger: Optional[MemoryLedger],
+        release_lag_s: float,
+    ) -> None:
+        self.memory_saver, self.release_lag_s, self.paused, self.dead = memory_saver, release_lag_s, False, False
+        tags = MEMORY_TAGS_BY_RELEASE[self.release]
+        self.memory = EngineMemory(
+            f"sglang:{self.port or id(self)}",
+            gpus,
+            memory_sizes or {tag: 1 for tag in tags},
+            ledger or MemoryLedger(max(gpus) + 1),
+            tags=tags,
+        )
+        self._handlers.update(
+            {
+                "/release_memory_occupation": self._release_memory,
+                "/resume_memory_occupation": self._resume_memory,
+                "/update_weights_from_tensor": self._update_from_tensor,
+                "/pause_generation": self._pause,
+                "/continue_generation": self._continue,
+            }
+        )
+
+    def memory_refusal(self, action: str) -> Optional[str]:
+        """Why ``action`` ("generate", "update_weights") must fail now, or None."""
+        if action == "generate" and self.paused:
+            return "generate while generation is paused (/continue_generation first)"
+        if not self.memory_saver:
+            return None
+        try:
+            self.memory.require(action)
+        except MemoryPhaseError as err:
+            return str(err)
+        return None
+
+    @staticmethod
+    def _refuse(message: str):
+        from aiohttp import web
+
+        return web.json_response({"error": {"message": message, "type": "Bad Request", "code": 400}}, status=400)
+
+    async def _release_memory(self, request):
+        from aiohttp import web
+
+        body = (await request.json() if request.body_exists else None) or {}
+        if self.running_rids:  # 0.5.23 asserts it; 0.5.3.post3 would free the KV pool under them
+            return self._refuse("release_memory_occupation should be called only when server is idle.")
+        if self.memory_saver:
+            try:
+                self.memory.release(body.get("tags"), late=request.get("fault") == "late_release")
+            except MemoryPhaseError as err:
+                return self._refuse(str(err))
+            if self.memory.pending:
+                threading.Timer(self.release_lag_s, self.memory.free_pending).start()
+        return web.json_response(None)
+
+    async def _resume_memory(self, request):
+        from aiohttp import web
+
+        body = (await request.json() if request.body_exists else None) or {}
+        if self.memory_saver:
+            try:
+                self.memory.resume(body.get("tags"))
+            except MemoryPhaseError as err:
+                return self._refuse(str(err))
+        return web.json_response(None)
+
+    async def _pause(self, request):
+        from aiohttp import web
+
+        self.paused = True
+        self.running_rids.clear()  # 0.5.3.post3 aborts what runs
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request):
+        from aiohttp import web
+
+        self.paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _update_from_tensor(self, request):
+        body = await request.json()
+        refusal = self.memory_refusal("update_weights")
+        if refusal:
+            return self._result(False, refusal)
+        blobs = body["serialized_named_tensors"]
+        if len(blobs) != 1:  # one blob per TP rank; the mock is one rank
+            return self._result(False, f"serialized_named_tensors has {len(blobs)} blobs for tp_size 1")
+
+        def load():
+            from multiprocessing.reduction import ForkingPickler
+
+            received = ForkingPickler.loads(base64.b64decode(blobs[0], validate=True))
+            if body.get("load_format") == "flattened_bucket":
+                flat = received["flattened_tensor"]
+                received = [
+                    (meta.name, flat[meta.start_idx : meta.end_idx].reshape(meta.shape).to(meta.dtype))
+                    for meta in received["metadata"]
+                ]
+            self._load(received, body.get("weight_version"))
+
+        try:
+            await self._one_at_a_time(request.path, None, load)
+        except (KeyError, ValueError, AttributeError) as err:
+            return self._result(False, f"Failed to update weights: {err!r}")
+        return self._result(True, "Success")

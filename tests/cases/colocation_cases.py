@@ -1,0 +1,83 @@
+"""Multi-rank cases of colocated placement: the trainer's state offloaded and onloaded between steps."""
+
+from tests.cases.trainer_cases import MODEL, rollout
+
+
+def _trainer(tp, bf16, distributed_optimizer):
+    from megatron_zcpo.algorithms import AlgorithmConfig
+    from megatron_zcpo.megatron.initialize import setup_megatron
+    from megatron_zcpo.training.config import OptimizerSettings, ParallelConfig, TrainConfig
+    from megatron_zcpo.training.trainer import PolicyTrainer
+
+    setup_megatron(tensor_parallel=tp, seed=1)
+    return PolicyTrainer(
+        MODEL,
+        AlgorithmConfig(name="zcpo"),
+        TrainConfig(bf16=bf16, mini_batches=2, optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0)),
+        ParallelConfig(tensor=tp, distributed_optimizer=distributed_optimizer),
+    )
+
+
+def _snapshot(trainer):
+    """Every tensor of the training state, cloned: parameters, main grads, optimizer params and state."""
+    tensors = [p.detach().clone() for p in trainer.policy.parameters()]
+    tensors += [p.main_grad.clone() for p in trainer.policy.parameters() if getattr(p, "main_grad", None) is not None]
+    chained = getattr(trainer.optimizer, "chained_optimizers", None) or [trainer.optimizer]
+    for opt in chained:
+        inner = opt.optimizer
+        tensors += [p.detach().clone() for g in inner.param_groups for p in g["params"]]
+        tensors += [v.clone() for s in inner.state.values() for v in s.values() if hasattr(v, "clone")]
+    return tensors
+
+
+def offload_round_trip(rank, world, tp, bf16, distributed_optimizer):
+    """Train a step, offload every part (device storages must be empty), onload: the state is bit-exact
+    and the next step's metrics equal those of a trainer that never offloaded. Returns the checks."""
+    from megatron_zcpo.megatron.offload import TRAINING_PARTS, TrainingStateOffload
+
+    trainer = _trainer(tp, bf16, distributed_optimizer)
+    trainer.train_step(rollout(seed=0))
+    before = _snapshot(trainer)
+    offload = TrainingStateOffload(trainer.policy, trainer.optimizer, pin=False)
+    total = offload.nbytes()
+    freed = offload.offload(TRAINING_PARTS)
+    emptied = all(p.untyped_storage().nbytes() == 0 for p in trainer.policy.parameters())
+    restored = offload.onload(TRAINING_PARTS)
+    after = _snapshot(trainer)
+    exact = len(before) == len(after) and all(a.dtype == b.dtype and a.equal(b) for a, b in zip(before, after))
+    offload.offload(["optimizer", "grads"])  # the colocated order: optimizer and grads go first
+    offload.offload(["params"])
+    offload.onload(TRAINING_PARTS)
+    second = trainer.train_step(rollout(seed=1))
+    return {"freed": freed, "total": total, "restored": restored, "emptied": emptied, "exact": exact, "next": second}
+
+
+def plain_two_steps(rank, world, tp, bf16, distributed_optimizer):
+    """The second step's metrics of a trainer that never offloads (the reference of offload_round_trip)."""
+    trainer = _trainer(tp, bf16, distributed_optimizer)
+    trainer.train_step(rollout(seed=0))
+    return trainer.train_step(rollout(seed=1))
+
+
+class _StopAfterFirstStep:
+    """A PreemptionGuard stand-in: no stop during set-up, SIGUSR1 once the first step is done."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def should_stop(self):
+        self.calls += 1
+        return "SIGUSR1" if self.calls == 2 else None
+
+
+def preempted_run(rank, world, path):
+    """``zcpo train``'s run of the config at ``path``, preempted after its first step; the step it stopped at."""
+    from megatron_zcpo.recipe.config import load_run_config
+    from megatron_zcpo.recipe.training import run_training
+    from megatron_zcpo.training.preemption import Preempted
+
+    try:
+        run_training(load_run_config(str(path)), _StopAfterFirstStep())
+    except Preempted as stop:
+        return stop.step
+    return None
