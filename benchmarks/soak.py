@@ -73,8 +73,8 @@ class MockServer:
             str(out / "server_faults.log"),
             "--enable-deterministic-inference",  # the client sends per-request seeds (sampling_seeds)
             "--context-length",
-            "2062",
-        ]  # the demo's data.max_prompt_length 2,048 + 12 new tokens + 2
+            "78",
+        ]  # the demo's data.max_prompt_length 64 + 12 new tokens + 2
         self.url, self.log = f"http://127.0.0.1:{port}", out / f"server_{port}.log"
         self.process = None
 

@@ -406,7 +406,7 @@ def write_train_runs(directory: Path, names, bf16: bool) -> List[Path]:
             "max_new_tokens": 8,
             "dynamic_sampling": {"drop_tied_groups": False},
         },
-        "data": {"train_files": [str(directory / "train.jsonl")]},
+        "data": {"train_files": [str(directory / "train.jsonl")], "max_prompt_length": 64},  # 128 positions
         "eval": {
             "data": {"train_files": [str(directory / "eval.jsonl")]},
             "num_prompts": 8,

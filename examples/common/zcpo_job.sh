@@ -5,9 +5,11 @@
 # step shares the GPUs with them (srun --overlap), and rank 0 has the servers release their memory
 # before the models are built (megatron_zcpo/rollout/placement.py).
 #
-#   1. convert HF_MODEL to a Megatron checkpoint at MEGATRON_CKPT if it is not there (one task);
-#   2. plan the SGLang servers (examples/common/sglang_node.py --print) and validate the run config
-#      with every override (zcpo train --dry-run), before anything long starts;
+#   1. convert HF_MODEL to a Megatron checkpoint at MEGATRON_CKPT if it is not there (one task; the
+#      checkpoint does not depend on the layout);
+#   2. plan the SGLang servers (examples/common/sglang_node.py --print) and run every start-up check
+#      of the run config with every override (zcpo train --dry-run --nproc <training GPUs>: data,
+#      reward function, layout on the job's training GPUs), before anything long starts;
 #   3. start the SGLang servers and the router on the rollout nodes (one srun step, one task per
 #      node) with the settings the resolved config needs (context length, router timeout,
 #      deterministic inference with sampling seeds) and a fresh per-job API key
@@ -21,9 +23,10 @@
 #      resumes from that checkpoint (checkpoint.resume=auto).
 #
 # The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
-# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, TRAIN_TP, TRAIN_PP, PLACEMENT
-# (disaggregated | colocated, default disaggregated),
-# TRAIN_CP (default 1), TRAIN_EP (expert parallelism of MoE models, default 1), ROLLOUT_TP. Runtime, also from the environment:
+# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, ROLLOUT_TP, PLACEMENT (disaggregated
+# | colocated, default disaggregated). The training layout is CONFIG's parallel.* alone (change it there
+# or with ZCPO_OVERRIDES=parallel.tensor=N ...); the job trains on TRAIN_NODES x the GPUs per node,
+# DP = that / (TP*PP*CP). Runtime, also from the environment:
 #   CONTAINER_IMAGE   enroot/pyxis image (e.g. a .sqsh of the repository's Dockerfile); empty: use VENV
 #   CONTAINER_MOUNTS  extra pyxis mounts (the file systems holding models, data and RUN_DIR)
 #   VENV              virtual environment with this package installed (default: $REPO_DIR/.venv)
@@ -33,6 +36,7 @@
 #                     lmsysorg/sglang:v0.5.3-cu129); the checkout is mounted and put on PYTHONPATH
 #   ZCPO_OVERRIDES    extra key=value overrides, space-separated (also: arguments of sbatch SCRIPT ...)
 #   SGLANG_STARTUP_TIMEOUT  seconds to wait for the servers (default 1800)
+#   SGLANG_HEALTH_POLL_S    seconds between two health polls of the servers (default 15)
 #   SGLANG_SERVER_URLS, SGLANG_ROUTER_URL  attach to servers that already run (comma-separated
 #                     URLs; the router is optional): no rollout nodes are used, every node trains;
 #                     their API key (if any) in ZCPO_SGLANG_API_KEY
@@ -52,6 +56,10 @@ json_list() {
 zcpo_job_main() {
     [[ -n "${SLURM_JOB_ID:-}" ]] || die "run this script with sbatch"
     [[ -f "${REPO_DIR}/examples/common/sglang_node.py" ]] || die "REPO_DIR=${REPO_DIR} is not the repository root (submit from it or set REPO_DIR)"
+    local stale
+    for stale in TRAIN_TP TRAIN_PP TRAIN_CP TRAIN_EP; do  # a second source of the layout could disagree
+        [[ -z "${!stale:-}" ]] || die "${stale} is not read: the layout is parallel.* of ${CONFIG}; set it there or with ZCPO_OVERRIDES (e.g. parallel.tensor=8 parallel.pipeline=1)"
+    done
     local gpus_per_node="${SLURM_GPUS_ON_NODE:-8}"
     local cpus_per_node="${SLURM_CPUS_ON_NODE:-$(nproc)}"
 
@@ -73,8 +81,7 @@ zcpo_job_main() {
     train_list=$(IFS=,; echo "${train_hosts[*]}")
     rollout_list=$(IFS=,; echo "${rollout_hosts[*]}")
     local train_gpus=$(( TRAIN_NODES * gpus_per_node ))
-    local train_cp="${TRAIN_CP:-1}"
-    log "training: ${train_list} (${train_gpus} GPUs, TP${TRAIN_TP} PP${TRAIN_PP} CP${train_cp} DP$(( train_gpus / (TRAIN_TP * TRAIN_PP * train_cp) )))"
+    log "training: ${train_list} (${train_gpus} GPUs, the layout of ${CONFIG})"
     if [[ -n "${attach}" ]]; then
         log "rollout:  attaching to ${SGLANG_SERVER_URLS} (router: ${SGLANG_ROUTER_URL:-none})"
     else
@@ -112,12 +119,11 @@ zcpo_job_main() {
 
     # ------------------------------------------------------------------ 1. checkpoint conversion
     if [[ ! -f "${MEGATRON_CKPT}/model_config.json" ]]; then
-        log "converting ${HF_MODEL} -> ${MEGATRON_CKPT} (checked for TP${TRAIN_TP} PP${TRAIN_PP})"
+        log "converting ${HF_MODEL} -> ${MEGATRON_CKPT}"
         rm -rf "${MEGATRON_CKPT}.partial"
         srun "${runtime[@]}" --nodes=1 --ntasks=1 --nodelist="${train_hosts[0]}" --gpus-per-node="${gpus_per_node}" \
             --cpus-per-task="${cpus_per_node}" \
-            python tools/convert_hf_to_megatron.py --hf-dir "${HF_MODEL}" --out "${MEGATRON_CKPT}.partial" \
-            --tp "${TRAIN_TP}" --pp "${TRAIN_PP}" --ep "${TRAIN_EP:-1}"
+            python tools/convert_hf_to_megatron.py --hf-dir "${HF_MODEL}" --out "${MEGATRON_CKPT}.partial"
         mv "${MEGATRON_CKPT}.partial" "${MEGATRON_CKPT}"  # a complete checkpoint or none
     fi
 
@@ -152,9 +158,10 @@ zcpo_job_main() {
     local extra=()
     read -r -a extra <<< "${ZCPO_OVERRIDES:-}"
     overrides+=("${extra[@]}" "$@")
-    # On a training node: the servers' URLs are known there.
+    # On a training node (its GPU's memory, the files as the training tasks see them). This one-task
+    # step has SLURM_NTASKS=1: --nproc names the training step's world, which the layout must fit.
     srun "${runtime[@]}" --nodes=1 --ntasks=1 --nodelist="${train_hosts[0]}" --gpus-per-node="${gpus_per_node}" \
-        zcpo train "${CONFIG}" "${overrides[@]}" --dry-run > "${RUN_DIR}/config.resolved.yaml"
+        zcpo train "${CONFIG}" "${overrides[@]}" --dry-run --nproc "${train_gpus}" > "${RUN_DIR}/config.resolved.yaml"
     log "config valid: ${RUN_DIR}/config.resolved.yaml"
 
     # ------------------------------------------------------------------ 3. SGLang servers + router
@@ -233,7 +240,7 @@ wait_for_health() {
         (( ${#waiting[@]} == 0 )) && { log "SGLang: ${#urls[@]} endpoints healthy"; return 0; }
         [[ -z "${SGLANG_STEP_PID:-}" ]] || kill -0 "${SGLANG_STEP_PID}" 2>/dev/null || die "the SGLang step exited; see ${RUN_DIR}/sglang_step.log and ${RUN_DIR}/sglang_logs/"
         (( SECONDS < deadline )) || die "not healthy after ${SGLANG_STARTUP_TIMEOUT:-1800}s: ${waiting[*]}"
-        sleep 15
+        sleep "${SGLANG_HEALTH_POLL_S:-15}"
     done
 }
 

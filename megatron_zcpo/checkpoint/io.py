@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pickle
@@ -201,15 +202,19 @@ def find_latest(root: str | os.PathLike) -> Optional[Path]:
 
 
 def check_checkpoint_dir(root: str | os.PathLike, needed_bytes: int = 0) -> None:
-    """Probe that ``root`` can take a checkpoint: created, a file written and synced, ``needed_bytes`` free.
+    """Probe that ``root`` can take a checkpoint: a file written and synced, ``needed_bytes`` free.
 
-    Raises :class:`CheckpointWriteError` naming the path and the reason (read-only, no space,
-    not a directory, ...). Cheap: one small file, removed again.
+    A ``root`` that does not exist yet is probed at its nearest existing parent and left uncreated,
+    so a run refused at start-up leaves nothing behind. Raises :class:`CheckpointWriteError` naming
+    the path and the reason (read-only, no space, not a directory, ...). Cheap: one small file,
+    removed again.
     """
-    root = Path(root)
-    probe = root / ".zcpo_write_probe"
+    root = Path(root).absolute()
+    existing = next(path for path in (root, *root.parents) if path.exists())
+    probe = existing / ".zcpo_write_probe"
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is not a directory")
         with open(probe, "wb") as handle:
             handle.write(b"\0" * _PROBE_BYTES)
             handle.flush()
@@ -219,7 +224,7 @@ def check_checkpoint_dir(root: str | os.PathLike, needed_bytes: int = 0) -> None
     finally:
         with contextlib.suppress(OSError):
             probe.unlink()
-    free = shutil.disk_usage(root).free
+    free = shutil.disk_usage(existing).free
     if free < needed_bytes:
         raise CheckpointWriteError(
             f"checkpoint directory {root} has {free / 2**20:.1f} MiB free, but "

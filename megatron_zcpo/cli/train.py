@@ -24,7 +24,9 @@ def add_parser(subparsers) -> None:
         "--nproc",
         type=int,
         default=None,
-        help="processes to start on this machine when not launched by torchrun/srun (default: TP*PP*CP)",
+        help="processes to start on this machine when not launched by torchrun/srun (default: TP*PP*CP); "
+        "with --dry-run: the processes the run will have, even inside a launcher's task (a job script's "
+        "one-task check passes its training GPUs)",
     )
     parser.add_argument(
         "--dry-run",
@@ -68,7 +70,9 @@ def _run(args: argparse.Namespace, guard) -> int | None:
         int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else world_size_needed(config, args.nproc)
     )
     if args.dry_run:
-        _check_layout(config, world_size, memory_check=not args.skip_memory_check)
+        # A one-task srun step (a job's check) sees SLURM_NTASKS=1, not the job's training world.
+        world_size = args.nproc or world_size
+        _dry_run_checks(config, world_size, memory_check=not args.skip_memory_check)
         print(dump_run_config(config), end="")
         return 0
     if os.environ.get("RANK", "0") == "0" and not os.environ.get(STARTUP_CHECKED):
@@ -102,22 +106,18 @@ def _run(args: argparse.Namespace, guard) -> int | None:
     return 0 if summary is not None else 1
 
 
-def _check_layout(config, world_size: int, memory_check: bool) -> None:
-    """``--dry-run``: what the ranks would refuse about the layout (the same check as ``zcpo train``'s)."""
-    from megatron_zcpo.recipe.layout_checks import layout_problems, run_architecture
-    from megatron_zcpo.recipe.preflight import StartupCheckError
-    from megatron_zcpo.utils.devices import gpu_memory_gib
+def _dry_run_checks(config, world_size: int, memory_check: bool) -> None:
+    """``--dry-run``: every start-up check of ``zcpo train`` (files, reward function, layout on
+    ``world_size`` processes, directories) without opening the run; the layout goes to stderr."""
+    from megatron_zcpo.recipe.preflight import StartupCheckError, startup_problems
 
-    try:
-        model = run_architecture(config)
-    except (ValueError, OSError) as error:
-        raise StartupCheckError(f"model.path: {error}") from None
-    problems = layout_problems(
-        config,
-        model,
-        world_size,
-        world_source="processes (--nproc, or the job's tasks)",
-        gpu_memory_gib=gpu_memory_gib() if memory_check else None,
-    )
+    problems = startup_problems(config, world_size=world_size, memory_check=memory_check)
     if problems:
-        raise StartupCheckError("the layout would be refused:\n  " + "\n  ".join(problems))
+        raise StartupCheckError("start-up checks failed:\n  " + "\n  ".join(problems))
+    parallel = config.parallel
+    layout = f"TP{parallel.tensor} PP{parallel.pipeline} CP{parallel.context} EP{parallel.expert}"
+    model_parallel = parallel.tensor * parallel.pipeline * parallel.context
+    print(
+        f"zcpo train --dry-run: valid on {world_size} processes: {layout} DP{world_size // model_parallel}",
+        file=sys.stderr,
+    )

@@ -146,6 +146,8 @@ def layout_problems(
             f"{error} (even stages: parallel.pipeline may be "
             f"{', '.join(map(str, _divisors_of_all(model.num_layers)[:8]))})"
         )
+    problems += _expert_problems(config, model)
+    problems += _sequence_problems(config, model)
     if tokenizer_size is not None and tokenizer_size > model.vocab_size:
         problems.append(
             f"model.tokenizer: the tokenizer has {tokenizer_size} tokens but the model's vocabulary is "
@@ -155,6 +157,48 @@ def layout_problems(
     if gpu_memory_gib is not None and not problems:
         problems += _memory_problems(config, model, world_size, gpu_memory_gib)
     return problems
+
+
+def _expert_problems(config: RunConfig, model: ModelConfig) -> List[str]:
+    """What megatron's MoE layer and the trainer refuse about ``parallel.expert`` / ``expert_tensor`` on
+    ``model`` (the routing settings are checked at start-up, :mod:`megatron_zcpo.recipe.preflight`)."""
+    parallel = config.parallel
+    expert_tensor = parallel.expert_tensor or parallel.tensor
+    if not model.is_moe:
+        if parallel.expert != 1 or expert_tensor != parallel.tensor:
+            return [
+                f"parallel.expert={parallel.expert}, parallel.expert_tensor={parallel.expert_tensor}: "
+                f"the {model.family} model has no experts"
+            ]
+        return []
+    problems = []
+    if model.num_experts % parallel.expert:
+        problems.append(f"parallel.expert={parallel.expert} must divide the model's num_experts={model.num_experts}")
+    if model.moe_intermediate_size % expert_tensor:
+        problems.append(
+            f"parallel.expert_tensor={expert_tensor} must divide the model's "
+            f"moe_intermediate_size={model.moe_intermediate_size}"
+        )
+    if parallel.tensor > 1 and not parallel.sequence_parallel:
+        problems.append(
+            f"parallel.tensor={parallel.tensor} with a mixture-of-experts model needs "
+            "parallel.sequence_parallel=true (megatron-core's MoE layer refuses TP without it)"
+        )
+    return problems
+
+
+def _sequence_problems(config: RunConfig, model: ModelConfig) -> List[str]:
+    """The longest sequence (prompt and response) must fit the model's positions."""
+    from megatron_zcpo.recipe.timeouts import longest_new_tokens
+
+    prompt, new_tokens = config.data.max_prompt_length, longest_new_tokens(config)
+    if prompt + new_tokens <= model.max_position_embeddings:
+        return []
+    return [
+        f"data.max_prompt_length={prompt} + rollout.max_new_tokens (or eval.max_new_tokens) {new_tokens} = "
+        f"{prompt + new_tokens} tokens is longer than the model's max_position_embeddings="
+        f"{model.max_position_embeddings}"
+    ]
 
 
 def _batch_problems(config: RunConfig, data_parallel: int) -> List[str]:

@@ -48,13 +48,8 @@ def run_startup_checks(
     config, *, world_size: Optional[int] = None, overwrite: bool = False, memory_check: bool = True
 ) -> None:
     """Check a validated :class:`~megatron_zcpo.recipe.config.RunConfig` against the file system,
-    before any training process starts.
+    before any training process starts (:func:`startup_problems`), then open the run.
 
-    Loads the tokenizer, the model's config, the training (and evaluation) data; imports the
-    reward function and calls it once on the first record; checks the layout on ``world_size``
-    processes (default: one model-parallel replica) as a rank would (:func:`~megatron_zcpo.recipe.layout_checks.layout_problems`; memory
-    against this node's GPU when it has one and ``memory_check``); probes that the run and
-    checkpoint directories can be written. Cheap (no model weights are read, no GPU is touched).
     Raises :class:`StartupCheckError` listing every problem found, each under its config key.
     When everything passes, opens the run (:func:`~megatron_zcpo.recipe.run_dir.open_run`): a run
     directory holding another run is refused unless ``overwrite``, the checkpoint to resume is
@@ -62,12 +57,34 @@ def run_startup_checks(
     """
     import sys
 
-    from megatron_zcpo.checkpoint.io import check_checkpoint_dir
     from megatron_zcpo.checkpoint.manifest import CheckpointDamagedError
+    from megatron_zcpo.recipe.run_dir import RunMixError, open_run
+
+    problems = startup_problems(config, world_size=world_size, memory_check=memory_check)
+    if problems:
+        raise StartupCheckError("start-up checks failed:\n  " + "\n  ".join(problems))
+    try:
+        open_run(config, lambda message: print(f"zcpo train: warning: {message}", file=sys.stderr), overwrite=overwrite)
+    except RunMixError as refusal:
+        raise StartupCheckError(str(refusal)) from None
+    except CheckpointDamagedError as damaged:  # the checkpoint named by checkpoint.resume=PATH
+        raise StartupCheckError(f"checkpoint.resume={config.checkpoint.resume}: {damaged}") from None
+
+
+def startup_problems(config, *, world_size: Optional[int] = None, memory_check: bool = True) -> List[str]:
+    """Every problem of a validated run config a process would meet at start-up, each under its key;
+    [] when none. Writes nothing (``zcpo train --dry-run`` runs it as it is).
+
+    Loads the tokenizer, the model's config, the training (and evaluation) data; imports the
+    reward function and calls it once on the first record; checks the layout on ``world_size``
+    processes (default: one model-parallel replica) as a rank would (:func:`~megatron_zcpo.recipe.layout_checks.layout_problems`; memory
+    against this node's GPU when it has one and ``memory_check``); probes that the run and
+    checkpoint directories can be written. Cheap (no model weights are read, no GPU is touched).
+    """
+    from megatron_zcpo.checkpoint.io import check_checkpoint_dir
     from megatron_zcpo.data.dataset import load_records
     from megatron_zcpo.recipe.inputs import load_tokenizer
     from megatron_zcpo.recipe.layout_checks import layout_problems, run_architecture
-    from megatron_zcpo.recipe.run_dir import RunMixError, open_run
     from megatron_zcpo.utils.devices import gpu_memory_gib
 
     problems: List[str] = []
@@ -93,7 +110,7 @@ def run_startup_checks(
     if records:
         _check(problems, "reward.function", lambda: check_reward_function(config.reward.function, records[0]))
     if model is not None:
-        problems += layout_problems(
+        layout = layout_problems(
             config,
             model,
             world_size,
@@ -101,13 +118,21 @@ def run_startup_checks(
             tokenizer_size=len(tokenizer) if tokenizer is not None else None,
             gpu_memory_gib=gpu_memory_gib() if memory_check else None,
         )
+        problems += layout
+        if not any(problem.startswith(("parallel.expert", "parallel.tensor")) for problem in layout):
+            problems += _trainer_expert_problems(config, model)
     _check(problems, "logging.run_dir", lambda: check_checkpoint_dir(config.logging.run_dir))
     _check(problems, "checkpoint.dir", lambda: check_checkpoint_dir(config.checkpoint_dir))
-    if problems:
-        raise StartupCheckError("start-up checks failed:\n  " + "\n  ".join(problems))
+    return problems
+
+
+def _trainer_expert_problems(config, model) -> List[str]:
+    """What the trainer refuses about routing replay, diagnostics and recompute on ``model``
+    (:func:`~megatron_zcpo.training.config.check_experts`)."""
+    from megatron_zcpo.training.config import check_experts
+
     try:
-        open_run(config, lambda message: print(f"zcpo train: warning: {message}", file=sys.stderr), overwrite=overwrite)
-    except RunMixError as refusal:
-        raise StartupCheckError(str(refusal)) from None
-    except CheckpointDamagedError as damaged:  # the checkpoint named by checkpoint.resume=PATH
-        raise StartupCheckError(f"checkpoint.resume={config.checkpoint.resume}: {damaged}") from None
+        check_experts(model, config.parallel, config.train, config.diagnostics.enabled)
+    except ValueError as error:
+        return [str(error)]
+    return []

@@ -55,7 +55,8 @@ def test_only_plain_state_is_saved():
 
 
 def test_unwritable_or_full_checkpoint_directory_is_named(tmp_path):
-    check_checkpoint_dir(tmp_path / "new" / "ckpt")  # created
+    check_checkpoint_dir(tmp_path / "new" / "ckpt")  # probed at tmp_path, created by the first save only
+    assert not (tmp_path / "new").exists() and not list(tmp_path.iterdir())
     blocked = tmp_path / "a_file"
     blocked.write_text("")
     with pytest.raises(CheckpointWriteError, match=f"checkpoint directory {blocked}/ckpt is not writable"):

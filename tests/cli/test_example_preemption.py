@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "examples" / "common" / "zcpo_job.sh"
 
 
-@pytest.mark.parametrize("example", ["qwen2.5-32b-zcpo", "llama-3.3-70b-zcpo"])
+@pytest.mark.parametrize("example", sorted(p.parent.name for p in (ROOT / "examples").glob("*/train.sbatch")))
 def test_sbatch_requests_the_time_limit_signal_and_requeueing(example):
     header = (ROOT / "examples" / example / "train.sbatch").read_text()
     assert re.search(r"^#SBATCH --signal=B:USR1@300$", header, re.M)

@@ -2,11 +2,8 @@
 
 import dataclasses
 import importlib.util
-import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -169,11 +166,7 @@ def test_config_validates_with_the_sbatch_overrides(example, tmp_path):
         **config.rollout.sglang.client,
     ).validate()
     settings = sbatch_settings(example)
-    assert (int(settings["TRAIN_TP"]), int(settings["TRAIN_PP"]), int(settings.get("TRAIN_CP", 1))) == (
-        config.parallel.tensor,
-        config.parallel.pipeline,
-        config.parallel.context,
-    )
+    assert not {"TRAIN_TP", "TRAIN_PP", "TRAIN_CP", "TRAIN_EP"} & set(settings)  # the layout is the config's alone
     turns = config.tools.max_turns if config.tools.enabled else 1  # with tools: the policy's tokens over all turns
     assert config.reward.max_response_length == config.rollout.max_new_tokens * turns
     assert settings["CONFIG"] == f"examples/{example}/config.yaml"
@@ -404,191 +397,6 @@ def test_sglang_node_plans_two_tp4_servers_per_rollout_node():
     assert addresses["router_url"] == "http://gpu05:29000"
 
 
-FAKE_SRUN = """#!{python}
-# Stand-in for srun: logs each step, runs the address probe, fakes conversion and the SGLang step.
-import json, os, shutil, signal, subprocess, sys, time
-args = sys.argv[1:]
-options = [a for a in args[:next(i for i, a in enumerate(args) if not a.startswith("-"))]]
-command = args[len(options):]
-with open(os.environ["FAKE_SRUN_LOG"], "a") as log:
-    env = {{key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT", "CUDA_DEVICE_MAX_CONNECTIONS",
-                                                 "ZCPO_SGLANG_API_KEY")}}
-    log.write(json.dumps({{"options": options, "command": command, "env": env}}) + "\\n")
-if "--print" in command:
-    sys.exit(subprocess.call(command))
-if command[1:2] == ["tools/convert_hf_to_megatron.py"]:
-    out = command[command.index("--out") + 1]
-    os.makedirs(out)
-    shutil.copy(os.environ["FAKE_MODEL_CONFIG"], os.path.join(out, "model_config.json"))
-elif command[1:2] == ["examples/common/sglang_node.py"]:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    time.sleep(60)
-"""
-
-
-FAKE_CURL = """#!{python}
-# Stand-in for curl: every endpoint is healthy, but only once the job's background SGLang step has
-# started (logged itself), as real servers answer only after their step runs. Without this wait a
-# loaded machine can end the job, and kill that step, before its interpreter even started.
-import glob, os, sys, time
-log = os.environ["FAKE_SRUN_LOG"]
-def server_step_starting():
-    for pid in glob.glob("/proc/[0-9]*"):
-        try:
-            with open(pid + "/cmdline", "rb") as f:
-                if b"sglang_node.py" not in f.read():
-                    continue
-            with open(pid + "/environ", "rb") as f:
-                if ("FAKE_SRUN_LOG=" + log).encode() in f.read().split(b"\\0"):
-                    return True
-        except OSError:
-            continue
-    return False
-deadline = time.monotonic() + 30
-while server_step_starting() and time.monotonic() < deadline:
-    if os.path.exists(log) and "sglang_node.py" in open(log).read():
-        break
-    time.sleep(0.05)
-"""
-
-
-def fake_slurm_bin(tmp_path: Path) -> Path:
-    """srun, scontrol, curl and python stand-ins for running a train.sbatch without Slurm."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    scripts = {
-        "srun": FAKE_SRUN.format(python=sys.executable),
-        "scontrol": "#!/bin/bash\nprintf 'gpu%02d\\n' $(seq 1 ${FAKE_NODES:-8})\n",
-        "curl": FAKE_CURL.format(python=sys.executable),
-        "python": f'#!/bin/bash\nexec {sys.executable} "$@"\n',
-    }
-    for name, text in scripts.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    return bin_dir
-
-
-def run_sbatch(example: str, tmp_path: Path, args=(), **env_changes) -> list:
-    """Run ``examples/<example>/train.sbatch`` under the fake Slurm tools; the srun steps it issued."""
-    bin_dir = fake_slurm_bin(tmp_path)
-    write_model_config(tmp_path / "model_config_source", MODELS[example])
-    (tmp_path / "venv" / "bin").mkdir(parents=True)
-    (tmp_path / "venv" / "bin" / "activate").write_text("")
-    log = tmp_path / "srun.jsonl"
-    env = dict(  # nothing else from this environment: no Slurm, layout or container variables leak in
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        HOME=os.environ.get("HOME", str(tmp_path)),
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NODELIST="gpu[01-08]",
-        SLURM_GPUS_ON_NODE="8",
-        SLURM_CPUS_ON_NODE="64",
-        SLURM_SUBMIT_DIR=str(ROOT),
-        HF_MODEL=str(tmp_path / "hf"),
-        MEGATRON_CKPT=str(tmp_path / "ckpt"),
-        RUN_DIR=str(tmp_path / "run"),
-        TRAIN_DATA="/data/dapo.parquet",
-        EVAL_DATA="/data/aime24.jsonl,/data/aime25.jsonl",
-        VENV=str(tmp_path / "venv"),
-        FAKE_SRUN_LOG=str(log),
-        SGLANG_STARTUP_TIMEOUT="30",
-        FAKE_MODEL_CONFIG=str(tmp_path / "model_config_source" / "model_config.json"),
-    )
-    env.update(env_changes)
-    result = subprocess.run(
-        ["bash", f"examples/{example}/train.sbatch", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads(line) for line in log.read_text().splitlines()]
-
-
-def in_launch_order(steps: list) -> list:
-    """The srun steps as (convert, probe, dry run, SGLang servers, training): the servers' srun runs in the
-    background, so its line may land in the log after the training step's on a loaded machine."""
-    servers = [step for step in steps if "--model-path" in step["command"] and "--print" not in step["command"]]
-    others = [step for step in steps if step not in servers]
-    assert len(servers) == 1 and len(others) == 4, [step["command"][:3] for step in steps]
-    return [*others[:3], servers[0], others[3]]
-
-
-def test_qwen_sbatch_converts_starts_sglang_and_launches_training_with_valid_overrides(tmp_path):
-    steps = run_sbatch("qwen2.5-32b-zcpo", tmp_path, ["train.steps=3"], ZCPO_OVERRIDES="train.seed=7")
-    convert, probe, dry_run, sglang, train = in_launch_order(steps)
-    assert (
-        convert["command"][-6:] == ["--tp", "8", "--pp", "1", "--ep", "1"] and "--nodelist=gpu01" in convert["options"]
-    )
-    assert (tmp_path / "ckpt" / "model_config.json").is_file()  # renamed from .partial once complete
-    assert "--print" in probe["command"]
-    assert "--nodelist=gpu05,gpu06,gpu07,gpu08" in sglang["options"] and "--ntasks-per-node=1" in sglang["options"]
-    assert sglang["command"][-2:] == ["--run-config", str(tmp_path / "run" / "config.resolved.yaml")]
-    assert {"--nodes=4", "--ntasks-per-node=8", "--nodelist=gpu01,gpu02,gpu03,gpu04"} <= set(train["options"])
-    key = sglang["env"].pop("ZCPO_SGLANG_API_KEY")  # one fresh key per job, for the servers and the trainer
-    assert re.fullmatch(r"[0-9a-f]{64}", key) and train["env"] == {
-        "MASTER_ADDR": "gpu01",
-        "MASTER_PORT": str(20000 + 4242),
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        "ZCPO_SGLANG_API_KEY": key,
-    }
-    assert train["command"][:3] == ["zcpo", "train", "examples/qwen2.5-32b-zcpo/config.yaml"]
-    assert dry_run["command"] == train["command"] + ["--dry-run"]
-    # What the training tasks receive is a valid run config pointing at the servers just started.
-    config = load_run_config(train["command"][2], train["command"][3:])
-    assert config.model.path == str(tmp_path / "ckpt")
-    assert config.rollout.sglang.server_urls == [
-        f"http://gpu{n:02d}:{port}" for n in range(5, 9) for port in (30000, 30010)
-    ]
-    assert config.rollout.sglang.router_url == "http://gpu05:29000"
-    assert config.data.train_files == ["/data/dapo.parquet"]
-    assert config.eval.data.train_files == ["/data/aime24.jsonl", "/data/aime25.jsonl"]
-    assert (config.train.steps, config.train.seed) == (3, 7)
-
-
-def test_colocated_sbatch_trains_and_serves_on_every_node(tmp_path):
-    steps = run_sbatch("qwen2.5-32b-colocated-zcpo", tmp_path, FAKE_NODES="2", SLURM_JOB_NODELIST="gpu[01-02]")
-    convert, probe, dry_run, sglang, train = in_launch_order(steps)
-    assert {"--overlap", "--nodelist=gpu01,gpu02", "--ntasks-per-node=1"} <= set(sglang["options"])
-    assert {"--overlap", "--nodes=2", "--ntasks-per-node=8", "--nodelist=gpu01,gpu02"} <= set(train["options"])
-    assert sglang["command"][sglang["command"].index("--mem-fraction-static") + 1] == "0.7"
-    config = load_run_config(train["command"][2], train["command"][3:])
-    assert config.rollout.placement == "colocated" and config.parallel.tensor == 8
-    assert config.rollout.sglang.server_urls == [f"http://gpu{n:02d}:{p}" for n in (1, 2) for p in (30000, 30010)]
-
-
-def test_70b_sbatch_attaches_to_running_servers_with_every_node_training(tmp_path):
-    write_model_config(tmp_path / "ckpt", LLAMA33_70B)  # already converted: no conversion step
-    steps = run_sbatch(
-        "llama-3.3-70b-zcpo", tmp_path, FAKE_NODES="8", SGLANG_SERVER_URLS="http://infer1:30000,http://infer2:30000"
-    )
-    dry_run, train = steps
-    assert {"--nodes=8", "--ntasks-per-node=8"} <= set(train["options"])
-    config = load_run_config(train["command"][2], train["command"][3:])
-    assert config.rollout.sglang.server_urls == ["http://infer1:30000", "http://infer2:30000"]
-    assert config.rollout.sglang.router_url is None and config.parallel.pipeline == 2
-    assert train["env"]["ZCPO_SGLANG_API_KEY"] is None  # attached servers: the user's key, none generated
-
-
-def test_long_context_sbatch_needs_the_reward_function_and_passes_it(tmp_path):
-    steps = run_sbatch(
-        "qwen3-4b-long-context-zcpo", tmp_path, REWARD_FUNCTION="megatron_zcpo.rewards.math:dapo_math_reward"
-    )
-    convert, _, dry_run, _, train = in_launch_order(steps)
-    assert convert["command"][-6:] == ["--tp", "1", "--pp", "1", "--ep", "1"]
-    config = load_run_config(train["command"][2], train["command"][3:])
-    assert config.reward.function == "megatron_zcpo.rewards.math:dapo_math_reward" and config.parallel.context == 8
-    result = subprocess.run(
-        ["bash", "examples/qwen3-4b-long-context-zcpo/train.sbatch"],
-        cwd=ROOT,
-        env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "1"},
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode != 0 and "REWARD_FUNCTION" in result.stderr
-
-
 @pytest.mark.parametrize(
     "script", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/*.s*") if p.suffix in (".sbatch", ".sh"))
 )
@@ -604,3 +412,16 @@ def test_dockerfile_pins_its_base_image_and_installs_the_package_without_torch()
     assert "pip install" in text and "-e ." in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {"runs/", ".venv/"} <= set(ignored)
+
+
+def test_expert_parallelism_the_model_cannot_take_is_refused_before_any_rank_starts(tmp_path):
+    from megatron_zcpo.recipe.layout_checks import layout_problems
+
+    moe = run_config("qwen3-30b-a3b-zcpo", tmp_path, ["parallel.expert=3"])
+    assert "parallel.expert=3 must divide the model's num_experts=128" in layout_problems(
+        moe, MODELS["qwen3-30b-a3b-zcpo"], 48
+    )
+    dense = run_config("qwen2.5-32b-zcpo", tmp_path, ["parallel.expert=2"])
+    assert "parallel.expert=2, parallel.expert_tensor=None: the qwen2 model has no experts" in layout_problems(
+        dense, MODELS["qwen2.5-32b-zcpo"], 32
+    )

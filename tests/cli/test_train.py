@@ -53,7 +53,7 @@ def write_config(tmp_path, model_dir, **changes):
             "max_new_tokens": 6,
             "dynamic_sampling": {"drop_tied_groups": False},
         },
-        "data": {"train_files": [str(model_dir / "train.jsonl")]},
+        "data": {"train_files": [str(model_dir / "train.jsonl")], "max_prompt_length": 64},  # 128 positions
         "eval": {"data": {"train_files": [str(model_dir / "eval.jsonl")]}, "num_prompts": 4, "k": 2},
         "reward": {"num_workers": 1},
         "checkpoint": {"every": 1, "keep_last": 1},
