@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from megatron_zcpo.planning.decode_rate import H100_80GB_BYTES, decode_roofline, decode_tokens_per_s_per_gpu
-from megatron_zcpo.planning.step_time import INFINIBAND_NDR_BYTES_S
+from megatron_zcpo.planning.transitions import PUSH_BYTES_S, nccl_push_s
 from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,6 @@ class RolloutServers:
     mem_fraction: float = 0.85
     decode_tokens_per_s_per_gpu: Optional[float] = None
     gpu_memory_bytes: float = H100_80GB_BYTES
-    link_bytes_per_s: float = INFINIBAND_NDR_BYTES_S
     known_hardware: bool = True
 
 
@@ -163,8 +162,9 @@ def predicted_durations(config, model, servers: RolloutServers) -> Dict[str, flo
         "request": request,
         "round": call(samples["round"], response),
         "eval_call": call(samples["eval_call"], MEAN_FRACTION * (config.eval.max_new_tokens or rollout.max_new_tokens)),
-        "bucket": min(client.bucket_bytes, model_bytes) / servers.link_bytes_per_s,
-        "push": model_bytes / servers.link_bytes_per_s,
+        # the push as measured (planning/transitions.py: verl's 32B/72B NCCL broadcasts), not one link's speed
+        "bucket": min(client.bucket_bytes, model_bytes) / PUSH_BYTES_S,
+        "push": nccl_push_s(model_bytes),
     }
 
 

@@ -125,3 +125,10 @@ def test_at_start_up_a_predicted_duration_warns_and_the_run_starts(model_dir, ca
         with caplog.at_level(logging.WARNING, logger="megatron_zcpo.recipe.timeouts"):
             make_engine(config, QWEN25_32B, None).shutdown()
     assert "raise rollout.sglang.client.request_timeout_s above" in caplog.text
+
+
+def test_the_push_is_predicted_as_measured_not_at_one_links_speed(tmp_path):
+    """Qwen2.5-32B's push: verl measured 14-18 s (2 + 2 nodes); one 400 Gb/s link alone would say 1.3 s."""
+    shipped = run_config("qwen2.5-32b-zcpo", tmp_path)
+    push = predicted_durations(shipped, QWEN25_32B, RolloutServers(count=8, tp_size=4))["push"]
+    assert 14 <= push <= 18
