@@ -1,21 +1,27 @@
 """Multi-rank cases of colocated placement: the trainer's state offloaded and onloaded between steps."""
 
-from tests.cases.trainer_cases import MODEL, rollout
+from tests.cases.trainer_cases import MODEL, QWEN3_MOE, rollout
 
 
-def _trainer(tp, bf16, distributed_optimizer):
+def _trainer(tp, bf16, distributed_optimizer, ep=1):
+    """A ZCPO trainer of the tiny dense model, or at ``ep`` > 1 of the tiny Qwen3-MoE (its experts split
+    over the expert-parallel ranks, megatron-core DDP's expert buffers beside the dense ones)."""
     from megatron_zcpo.algorithms import AlgorithmConfig
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.training.config import OptimizerSettings, ParallelConfig, TrainConfig
     from megatron_zcpo.training.trainer import PolicyTrainer
 
-    setup_megatron(tensor_parallel=tp, seed=1)
+    setup_megatron(tensor_parallel=tp, seed=1, expert_parallel=ep)
     return PolicyTrainer(
-        MODEL,
+        QWEN3_MOE if ep > 1 else MODEL,
         AlgorithmConfig(name="zcpo"),
         TrainConfig(bf16=bf16, mini_batches=2, optimizer=OptimizerSettings(lr=1e-3, warmup_steps=0)),
-        ParallelConfig(tensor=tp, distributed_optimizer=distributed_optimizer),
+        ParallelConfig(tensor=tp, distributed_optimizer=distributed_optimizer, expert=ep),
     )
+
+
+def _rollout(seed, ep):
+    return rollout(seed=seed, vocab=(QWEN3_MOE if ep > 1 else MODEL).vocab_size)
 
 
 def _snapshot(trainer):
@@ -30,13 +36,13 @@ def _snapshot(trainer):
     return tensors
 
 
-def offload_round_trip(rank, world, tp, bf16, distributed_optimizer):
+def offload_round_trip(rank, world, tp, bf16, distributed_optimizer, ep=1):
     """Train a step, offload every part (device storages must be empty), onload: the state is bit-exact
     and the next step's metrics equal those of a trainer that never offloaded. Returns the checks."""
     from megatron_zcpo.megatron.offload import TRAINING_PARTS, TrainingStateOffload
 
-    trainer = _trainer(tp, bf16, distributed_optimizer)
-    trainer.train_step(rollout(seed=0))
+    trainer = _trainer(tp, bf16, distributed_optimizer, ep)
+    trainer.train_step(_rollout(0, ep))
     before = _snapshot(trainer)
     offload = TrainingStateOffload(trainer.policy, trainer.optimizer, pin=False)
     total = offload.nbytes()
@@ -48,15 +54,15 @@ def offload_round_trip(rank, world, tp, bf16, distributed_optimizer):
     offload.offload(["optimizer", "grads"])  # the colocated order: optimizer and grads go first
     offload.offload(["params"])
     offload.onload(TRAINING_PARTS)
-    second = trainer.train_step(rollout(seed=1))
+    second = trainer.train_step(_rollout(1, ep))
     return {"freed": freed, "total": total, "restored": restored, "emptied": emptied, "exact": exact, "next": second}
 
 
-def plain_two_steps(rank, world, tp, bf16, distributed_optimizer):
+def plain_two_steps(rank, world, tp, bf16, distributed_optimizer, ep=1):
     """The second step's metrics of a trainer that never offloads (the reference of offload_round_trip)."""
-    trainer = _trainer(tp, bf16, distributed_optimizer)
-    trainer.train_step(rollout(seed=0))
-    return trainer.train_step(rollout(seed=1))
+    trainer = _trainer(tp, bf16, distributed_optimizer, ep)
+    trainer.train_step(_rollout(0, ep))
+    return trainer.train_step(_rollout(1, ep))
 
 
 class _StopAfterFirstStep:
