@@ -123,10 +123,11 @@ def add_parser(subparsers) -> None:
 SMALL_SERVER_MAX_PARAMETERS = 40e9
 
 
-def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None):
+def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None, rollout_gpus: int = 0):
     """(GPUs per SGLang server, its mem_fraction_static): ``rollout_tp`` when given, else the
     config's ``rollout.sglang.launch`` values when it launches the servers, else 4 GPUs up to
-    :data:`SMALL_SERVER_MAX_PARAMETERS` and 8 above, with the launcher's default memory fraction."""
+    :data:`SMALL_SERVER_MAX_PARAMETERS` and 8 above (at most the largest power of two of the
+    ``rollout_gpus`` there are, when known), with the launcher's default memory fraction."""
     from megatron_zcpo.rollout.sglang.server import SGLangServerConfig
 
     launch = config.rollout.sglang.launch
@@ -134,6 +135,8 @@ def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None
         rollout_tp = launch.get("tp_size", SGLangServerConfig.tp_size)
     elif rollout_tp is None:
         rollout_tp = 4 if model.num_parameters <= SMALL_SERVER_MAX_PARAMETERS else 8
+        if rollout_gpus > 0:  # a guess: a server that fits the GPUs there are (a tiny model on 2 GPUs)
+            rollout_tp = min(rollout_tp, 1 << (rollout_gpus.bit_length() - 1))
     if rollout_tp < 1:
         raise ValueError(f"--rollout-tp must be at least 1, got {rollout_tp}")
     return rollout_tp, (launch or {}).get("mem_fraction_static", SGLangServerConfig.mem_fraction_static)
@@ -148,7 +151,7 @@ def decode_rate_of(args, config: RunConfig, model, load, hardware, rollout_gpus:
 
     if args.decode_tokens_per_s is not None:
         return args.decode_tokens_per_s, "given (--decode-tokens-per-s)"
-    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
+    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp, rollout_gpus)
     rate = decode_tokens_per_s_per_gpu(
         model,
         load.prompt_tokens,
@@ -173,7 +176,7 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
     layout = plan.layout
     load = step_load_of(config, args.response_fraction, prompt_fraction=0.5)
     rate, source = decode_rate_of(args, config, model, load, hardware, args.rollout_gpus or gpus)
-    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
+    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp, args.rollout_gpus or gpus)
     colocated = config.rollout.placement == "colocated"
     cluster = Cluster(
         train_gpus=gpus,
@@ -219,7 +222,7 @@ def timeout_checks_of(args, config: RunConfig, model, gpus: int, hardware):
     ``--decode-tokens-per-s`` when given (else modelled per server)."""
     from megatron_zcpo.recipe.timeouts import RolloutServers, timeout_checks
 
-    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp)
+    rollout_tp, mem_fraction = rollout_server_of(config, model, args.rollout_tp, args.rollout_gpus or gpus)
     servers = RolloutServers(
         count=max(1, (args.rollout_gpus or gpus) // rollout_tp),
         tp_size=rollout_tp,
