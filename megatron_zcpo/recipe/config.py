@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_zcpo.agent_tools.config import ToolsConfig
 from megatron_zcpo.algorithms import build_algorithm
 from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.data.config import DataConfig
@@ -13,7 +14,6 @@ from megatron_zcpo.diagnostics.config import DiagnosticsConfig
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rewards.config import RewardConfig
 from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingConfig
-from megatron_zcpo.tools.config import ToolsConfig
 from megatron_zcpo.training.config import ParallelConfig, TrainConfig, check_context_parallel
 from megatron_zcpo.utils.config_loader import (
     ConfigError,

@@ -183,8 +183,8 @@ def make_engine(config: RunConfig, model_config, tokenizer):
     engine = make_single_turn_engine(config, model_config, tokenizer)
     if not config.tools.enabled:
         return engine
+    from megatron_zcpo.agent_tools.registry import ToolRegistry
     from megatron_zcpo.rollout.multi_turn import MultiTurnEngine
-    from megatron_zcpo.tools.registry import ToolRegistry
 
     try:
         context = model_config.max_position_embeddings

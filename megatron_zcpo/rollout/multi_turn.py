@@ -18,10 +18,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_zcpo.agent_tools.config import ToolsConfig
+from megatron_zcpo.agent_tools.parser import ToolCall, parse_tool_call
+from megatron_zcpo.agent_tools.registry import ToolRegistry
 from megatron_zcpo.rollout.engine import Completion, RolloutEngine, SamplingParams, validate_prompts
-from megatron_zcpo.tools.config import ToolsConfig
-from megatron_zcpo.tools.parser import ToolCall, parse_tool_call
-from megatron_zcpo.tools.registry import ToolRegistry
 
 _ASSISTANT_MARK, _RESULT_MARK = "ZCPO_ASSISTANT_MARK", "ZCPO_RESULT_MARK"
 _TURN_SEED_STRIDE = 1_000_003  # seeds of successive turns (and budget batches within a turn) never meet

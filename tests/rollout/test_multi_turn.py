@@ -4,11 +4,11 @@ import time
 
 import pytest
 
+from megatron_zcpo.agent_tools.config import ToolsConfig
+from megatron_zcpo.agent_tools.python_function import PythonFunctionTool, calculate
+from megatron_zcpo.agent_tools.registry import ToolRegistry
 from megatron_zcpo.rollout.engine import SamplingParams
 from megatron_zcpo.rollout.multi_turn import MultiTurnEngine, ToolTurnTemplate
-from megatron_zcpo.tools.config import ToolsConfig
-from megatron_zcpo.tools.python_function import PythonFunctionTool, calculate
-from megatron_zcpo.tools.registry import ToolRegistry
 from tests.rollout.multi_turn_doubles import ScriptedEngine, chatml_tokenizer
 
 CALL = "<tool_call>calculator 12*34</tool_call>"

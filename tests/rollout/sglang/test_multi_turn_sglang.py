@@ -1,12 +1,12 @@
 """Multi-turn rollouts through the SGLang client: one request per turn, every turn of a trajectory on one server."""
 
+from megatron_zcpo.agent_tools.config import ToolsConfig
+from megatron_zcpo.agent_tools.python_function import PythonFunctionTool, calculate
+from megatron_zcpo.agent_tools.registry import ToolRegistry
 from megatron_zcpo.rollout.engine import SamplingParams
 from megatron_zcpo.rollout.multi_turn import MultiTurnEngine
 from megatron_zcpo.rollout.sglang.client import SGLangEngine, SGLangEngineConfig
 from megatron_zcpo.testing.mock_server import MockSGLangServer
-from megatron_zcpo.tools.config import ToolsConfig
-from megatron_zcpo.tools.python_function import PythonFunctionTool, calculate
-from megatron_zcpo.tools.registry import ToolRegistry
 from tests.rollout.multi_turn_doubles import ScriptedEngine, chatml_tokenizer
 
 

@@ -5,21 +5,21 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Dict, List, Optional, Sequence
 
-from megatron_zcpo.tools.base import Tool, ToolResult, call_tool
-from megatron_zcpo.tools.config import ToolsConfig
-from megatron_zcpo.tools.parser import ToolCall
+from megatron_zcpo.agent_tools.base import Tool, ToolResult, call_tool
+from megatron_zcpo.agent_tools.config import ToolsConfig
+from megatron_zcpo.agent_tools.parser import ToolCall
 
 
 def build_tool(name: str, spec: Dict) -> Tool:
     """The tool ``spec`` describes (a ``tools.registry`` entry; see :class:`ToolsConfig`)."""
-    from megatron_zcpo.tools.python_function import PythonFunctionTool, calculate, load_function
+    from megatron_zcpo.agent_tools.python_function import PythonFunctionTool, calculate, load_function
 
     options = {k: v for k, v in spec.items() if k != "kind"}
     if spec["kind"] == "calculator":
         return PythonFunctionTool(name, calculate)
     if spec["kind"] == "python":
         return PythonFunctionTool(name, load_function(options["function"]))
-    from megatron_zcpo.tools.sandbox import CodeTool
+    from megatron_zcpo.agent_tools.sandbox import CodeTool
 
     unknown = set(options) - {"timeout_s", "memory_mb", "network"}
     if unknown:

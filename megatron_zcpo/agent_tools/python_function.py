@@ -7,7 +7,7 @@ import importlib
 import operator
 from typing import Any, Callable, Dict
 
-from megatron_zcpo.tools.base import Tool
+from megatron_zcpo.agent_tools.base import Tool
 
 
 def load_function(path: str) -> Callable[..., Any]:

@@ -1,16 +1,16 @@
-"""Tools (megatron_zcpo/tools): the calculator, Python-function tools, the sandboxed code tool, parsing, config."""
+"""Tools (megatron_zcpo/agent_tools): the calculator, Python-function tools, the sandboxed code tool, parsing, config."""
 
 import os
 import time
 
 import pytest
 
-from megatron_zcpo.tools.base import as_result_text
-from megatron_zcpo.tools.config import ToolsConfig
-from megatron_zcpo.tools.parser import parse_tool_call
-from megatron_zcpo.tools.python_function import calculate
-from megatron_zcpo.tools.registry import ToolRegistry, build_tool
-from megatron_zcpo.tools.sandbox import CodeTool, network_isolation_prefix
+from megatron_zcpo.agent_tools.base import as_result_text
+from megatron_zcpo.agent_tools.config import ToolsConfig
+from megatron_zcpo.agent_tools.parser import parse_tool_call
+from megatron_zcpo.agent_tools.python_function import calculate
+from megatron_zcpo.agent_tools.registry import ToolRegistry, build_tool
+from megatron_zcpo.agent_tools.sandbox import CodeTool, network_isolation_prefix
 
 
 def test_calculator_values_and_refusals():

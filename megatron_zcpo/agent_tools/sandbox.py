@@ -12,7 +12,7 @@ import sys
 import tempfile
 from typing import Any, List
 
-from megatron_zcpo.tools.base import Tool, ToolResult
+from megatron_zcpo.agent_tools.base import Tool, ToolResult
 
 # Environment variables that would let the code reach a proxy, or change how Python starts.
 _DROPPED_ENV_PREFIXES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "python", "ld_")
