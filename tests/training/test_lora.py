@@ -119,3 +119,83 @@ def test_the_adapters_load_at_another_layout(single, layouts):
     for rank in layouts:
         for name, value in single["resume"]["saved"].items():
             assert torch.equal(rank["resharded"][name], value), name
+
+
+def _hf_base(base):
+    """transformers' model of the tiny LoRA architecture holding ``base`` (fp32)."""
+    from megatron_zcpo.convert.mapping import megatron_to_hf_stream
+    from megatron_zcpo.rollout.embedded import build_hf_causal_lm
+
+    model = build_hf_causal_lm(lora_cases.MODEL)
+    missing, unexpected = model.load_state_dict(
+        dict(megatron_to_hf_stream(base.items(), lora_cases.MODEL)), strict=False
+    )
+    assert set(missing) <= {"lm_head.weight"} and not unexpected  # tied: lm_head is the embedding
+    return model
+
+
+def _peft_folder(adapters, directory):
+    from megatron_zcpo.convert.peft import megatron_adapters_to_peft_stream, peft_adapter_config, write_peft_adapter
+
+    stream = megatron_adapters_to_peft_stream(adapters.items(), lora_cases.MODEL)
+    return write_peft_adapter(directory, stream, peft_adapter_config(lora_cases.LORA, "tiny-base"))
+
+
+def test_the_peft_export_loads_into_hf_peft_with_megatrons_logits(single, tmp_path):
+    """The PEFT folder of the adapters, loaded by HF PEFT on the HF base, gives the LoRA policy's logits."""
+    from peft import PeftModel
+
+    base, adapters = single["weights"]
+    _peft_folder(adapters, tmp_path)
+    model = PeftModel.from_pretrained(_hf_base(base), str(tmp_path))
+    with torch.no_grad():
+        logits = model(torch.tensor([[3, 17, 42, 99, 5, 150, 7]])).logits[0].float()
+    torch.testing.assert_close(logits, single["logits"], atol=2e-5, rtol=1e-5)
+    without = _hf_base(base)(torch.tensor([[3, 17, 42, 99, 5, 150, 7]])).logits[0].float()
+    assert float((without - logits).abs().max()) > 1e-3  # the adapter changes them: it was loaded
+
+
+def test_the_merged_push_equals_peft_merge_to_the_serving_dtype(single, layouts, tmp_path):
+    """W + (alpha/r) B A, merged per shard in fp32 at TP2 x PP2 and pushed through rank 0, equals what HF
+    PEFT's merge_and_unload gives, in fp32 and once both are cast to bf16 (at most one bf16 step apart)."""
+    from peft import PeftModel
+
+    base, adapters = single["weights"]
+    _peft_folder(adapters, tmp_path)
+    merged = PeftModel.from_pretrained(_hf_base(base), str(tmp_path)).merge_and_unload().state_dict()
+    pushed = layouts[0]["merged-push-TP2xPP2"]["received"]
+    assert set(pushed) == set(merged) - {"lm_head.weight"}
+    from megatron_zcpo.convert.mapping import megatron_to_hf_stream
+
+    hf_base = dict(megatron_to_hf_stream(base.items(), lora_cases.MODEL))
+    adapted = {name for name in pushed if not torch.equal(pushed[name], hf_base[name])}
+    assert {name.split(".")[-2] for name in adapted} == {"q_proj", "k_proj", "v_proj", "o_proj"} | {
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    for name, tensor in pushed.items():
+        torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=1e-6, msg=name)
+        ours, theirs = tensor.to(torch.bfloat16).float(), merged[name].to(torch.bfloat16).float()
+        step = torch.finfo(torch.bfloat16).eps * torch.maximum(ours.abs(), theirs.abs())
+        assert bool(((ours - theirs).abs() <= step).all()), name
+    assert all(layouts[rank]["merged-push-TP2xPP2"]["received"] == {} for rank in (1, 2, 3))
+
+
+def test_the_adapter_push_sends_the_peft_adapter_alone(single, layouts, tmp_path):
+    """push: adapter hands rank 0's engine the PEFT tensors and adapter_config.json: a few KiB here, where
+    the merged push sends the whole model."""
+    from safetensors.torch import load_file
+
+    _, adapters = single["weights"]
+    push = single["adapter_push"]
+    _peft_folder(adapters, tmp_path)
+    exported = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert set(push["received"]) == set(exported)
+    for key, value in exported.items():
+        torch.testing.assert_close(push["received"][key], value, atol=0, rtol=0, msg=key)
+    config = push["config"]
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert push["bytes"] == sum(t.numel() * t.element_size() for t in exported.values())
+    assert push["bytes"] * 5 < layouts[0]["merged-push-TP2xPP2"]["bytes"]
