@@ -223,6 +223,22 @@ def logits(base, adapters, tokens):
     return out[0, :, : MODEL.vocab_size].float()
 
 
+def exports(base, checkpoint, directory):
+    """A LoRA checkpoint merged into its base written as a Hugging Face folder, and exported as a PEFT
+    folder (what tools/convert_megatron_to_hf.py does): their paths."""
+    from pathlib import Path
+
+    from megatron_zcpo.convert import hf_checkpoint, mapping
+    from megatron_zcpo.convert.lora_export import export_peft, merge_into_hf
+
+    hf_base = Path(directory) / "hf_base"
+    hf_checkpoint.write_safetensors_shards(hf_base, mapping.megatron_to_hf_stream(base.items(), MODEL))
+    hf_checkpoint.write_hf_config(hf_base, mapping.hf_config_from_model_config(MODEL))
+    merge_into_hf(checkpoint, Path(directory) / "merged", base=hf_base)
+    export_peft(checkpoint, Path(directory) / "peft")
+    return {"hf_base": str(hf_base), "merged": str(Path(directory) / "merged"), "peft": str(Path(directory) / "peft")}
+
+
 def single_process(rank, world, directory):
     """The weights, then every single-process case (one spawn): {"weights", "moe_weights", case: result}."""
     base, adapters = weights(rank, world)
@@ -239,6 +255,7 @@ def single_process(rank, world, directory):
         ("logits", "logits", dict(pair, tokens=[3, 17, 42, 99, 5, 150, 7])),
     ]
     results = run_cases(rank, world, cases)
+    results["exports"] = exports(base, results["resume"]["checkpoint"], directory)
     results.update(weights=(base, adapters), moe_weights=(moe_base, moe_adapters))
     return results
 

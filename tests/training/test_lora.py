@@ -199,3 +199,32 @@ def test_the_adapter_push_sends_the_peft_adapter_alone(single, layouts, tmp_path
     assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert push["bytes"] == sum(t.numel() * t.element_size() for t in exported.values())
     assert push["bytes"] * 5 < layouts[0]["merged-push-TP2xPP2"]["bytes"]
+
+
+def test_a_lora_checkpoint_merges_into_its_base_and_exports_as_peft(single):
+    """tools/convert_megatron_to_hf.py's library: the checkpoint's adapters merged into the Hugging Face
+    base (W + (alpha/r) B A), and the PEFT folder of the same adapters."""
+    from safetensors.torch import load_file
+
+    from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint
+    from megatron_zcpo.convert.mapping import megatron_to_hf_stream
+    from megatron_zcpo.convert.peft import megatron_adapters_to_peft_stream
+
+    base, _ = single["weights"]
+    saved = single["resume"]["saved"]  # the adapters the checkpoint holds
+    exports = single["exports"]
+    expected = dict(base)
+    for name in [n for n in saved if n.endswith("lora_a")]:
+        weight = name.replace("_lora.lora_a", ".weight")
+        expected[weight] = base[weight] + 2.0 * saved[name.replace("lora_a", "lora_b")] @ saved[name]
+    with SafetensorsCheckpoint(exports["merged"]) as merged:
+        written = {name: merged.tensor(name) for name in merged.names()}
+    hf_expected = dict(megatron_to_hf_stream(expected.items(), lora_cases.MODEL))
+    assert set(written) == set(hf_expected)
+    for name, tensor in hf_expected.items():
+        torch.testing.assert_close(written[name], tensor, atol=1e-6, rtol=1e-6, msg=name)
+    peft = load_file(f"{exports['peft']}/adapter_model.safetensors")
+    expected_peft = dict(megatron_adapters_to_peft_stream(saved.items(), lora_cases.MODEL))
+    assert set(peft) == set(expected_peft)
+    for key, tensor in expected_peft.items():
+        assert torch.equal(peft[key], tensor), key

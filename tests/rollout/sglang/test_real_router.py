@@ -128,4 +128,4 @@ def test_requests_naming_the_lora_adapter_keep_it_through_the_router(router_rele
             engine.update_adapter(_adapter(1).items(), peft_adapter_config(LORA), version=4)
             [[completion]] = engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))
         assert completion.info["server"] == router.url and completion.weight_version == 4
-        assert server.lora_requests == ["zcpo-lora-v4"]
+        assert server.lora_requests == list(server.loaded_adapters) and server.lora_requests[0].endswith("-v4")

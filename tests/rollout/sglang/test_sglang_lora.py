@@ -91,14 +91,21 @@ def test_each_version_is_served_under_its_own_name_and_the_old_one_unloaded(rele
         with SGLangEngine(config) as engine:
             engine.check_servers(8, 4, LORA)
             written = engine.update_adapter(first.items(), peft_adapter_config(LORA), version=1)
-            assert server.loaded_adapters == {"zcpo-lora-v1": str(tmp_path / "lora-v1")}
+            [name_1] = server.loaded_adapters
+            assert server.loaded_adapters[name_1] == str(tmp_path / "lora-v1") and name_1.endswith("-v1")
             [[sample]] = engine.generate([[5, 6, 7]], PARAMS)
             engine.update_adapter(second.items(), peft_adapter_config(LORA), version=2)
             [[later]] = engine.generate([[5, 6, 7]], PARAMS)
             assert engine.weight_version() == 2
-        assert server.loaded_adapters == {"zcpo-lora-v2": str(tmp_path / "lora-v2")}
+        [name_2] = server.loaded_adapters  # the old one is unloaded
+        assert server.loaded_adapters[name_2] == str(tmp_path / "lora-v2") and name_2.endswith("-v2")
         assert sorted(os.listdir(tmp_path)) == ["lora-v2"]  # the old version's folder is gone
-        assert server.lora_requests == ["zcpo-lora-v1", "zcpo-lora-v2"]
+        assert server.lora_requests == [name_1, name_2]
+        # A restarted trainer (a new client) pushes version 2 again: its own name, the old process's unloaded.
+        with SGLangEngine(config) as again:
+            again.update_adapter(second.items(), peft_adapter_config(LORA), version=2)
+        [name_3] = server.loaded_adapters
+        assert name_3 != name_2 and name_3.endswith("-v2")
     assert written == sum(t.numel() * t.element_size() for t in first.values())
     assert (sample.weight_version, later.weight_version) == (1, 2)
     # The server generated with the adapter: as an engine holding the merged weights does.

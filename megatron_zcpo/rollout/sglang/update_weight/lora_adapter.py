@@ -2,16 +2,18 @@
 
 SGLang serves an adapter by name, refuses a name it holds and has no way to replace an adapter in
 place (:mod:`megatron_zcpo.rollout.sglang.api`), so every version gets a name of its own,
-``<prefix>-v<version>``: the servers load the new one (from ``weight_dir/lora-v<version>``, a
-directory they read), then unload every older one they hold and its folder is removed. Requests
-name the current adapter (``lora_path``), so none runs on an old one. The base stays as the servers
-loaded it: nothing else is pushed.
+``zcpo-lora-<run>-v<version>`` (``<run>``: drawn once per client, so a resumed run that pushes a
+version again never meets the name its previous process left on the servers): the servers load the
+new one (from ``weight_dir/lora-v<version>``, a directory they read), then unload every older one
+of ours they hold and its folder is removed. Requests name the current adapter (``lora_path``), so
+none runs on an old one. The base stays as the servers loaded it: nothing else is pushed.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -39,6 +41,7 @@ class LoraAdapterUpdate:
                 "rollout.sglang.client.weight_dir must be set: the servers load each LoRA adapter from a folder there"
             )
         self.http, self.config = http, config
+        self.run = uuid.uuid4().hex[:8]
         self.current: Optional[ServedAdapter] = None
         self.pushed = {"bytes": 0, "tensors": 0, "buckets": 0}  # totals over this transport's pushes
 
@@ -49,7 +52,9 @@ class LoraAdapterUpdate:
 
         tensors = list(named_peft_tensors)
         adapter = ServedAdapter(
-            f"{ADAPTER_PREFIX}-v{int(version)}", int(version), os.path.join(self.config.weight_dir, f"lora-v{version}")
+            f"{ADAPTER_PREFIX}-{self.run}-v{int(version)}",
+            int(version),
+            os.path.join(self.config.weight_dir, f"lora-v{int(version)}"),
         )
         if os.path.isdir(adapter.path):  # a re-push of the version (a resumed run): never a half-old folder
             shutil.rmtree(adapter.path)
