@@ -26,6 +26,9 @@ class Tool(abc.ABC):
     def run(self, arguments: Any) -> Any:
         """The tool's result for ``arguments`` (a dict from a JSON call, or a string); may raise."""
 
+    def check(self) -> None:  # noqa: B027 - a tool that needs nothing of the host has nothing to check
+        """Raise, saying what is missing, when the tool cannot work here (run once at start-up)."""
+
 
 def as_result_text(value: Any, max_chars: int) -> ToolResult:
     """``value`` as a turn's text: strings and finite numbers pass (cut at ``max_chars``), anything else

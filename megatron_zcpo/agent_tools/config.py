@@ -7,6 +7,7 @@ from typing import Any, Dict
 
 CALL_FORMATS = ("hermes", "plain")
 TOOL_KINDS = ("calculator", "python", "code")
+CODE_TIMEOUT_S = 5.0  # the code tool's default timeout_s
 
 
 @dataclasses.dataclass
@@ -25,8 +26,10 @@ class ToolsConfig:
     timeout_s, max_result_chars: a call's time limit, and the longest result kept (longer ones are cut).
     max_workers: tool calls run at once.
     registry: {name: {kind: calculator | python | code, ...options}}; python: ``function`` =
-        "pkg.module:function" called with the call's arguments; code: ``timeout_s``, ``memory_mb``,
-        ``network`` (false: no network where ``unshare -n`` works).
+        "pkg.module:function" called with the call's arguments; code: model-written Python run under
+        bubblewrap (:class:`~megatron_zcpo.agent_tools.sandbox.CodeTool` lists its options: limits,
+        ``network``, ``packages``, ``env``, ``isolation``); its ``timeout_s`` must end a call a second
+        before ``timeout_s`` here does, so that no process of a call outlives it.
     """
 
     enabled: bool = False
@@ -57,3 +60,9 @@ class ToolsConfig:
                 raise ValueError(f"tools.registry.{name}.kind must be one of {TOOL_KINDS}, got {spec!r}")
             if spec["kind"] == "python" and ":" not in str(spec.get("function", "")):
                 raise ValueError(f"tools.registry.{name}.function must be 'pkg.module:function'")
+            code_timeout = spec.get("timeout_s", CODE_TIMEOUT_S)
+            if spec["kind"] == "code" and isinstance(code_timeout, (int, float)) and code_timeout + 1 > self.timeout_s:
+                raise ValueError(
+                    f"tools.registry.{name}.timeout_s={code_timeout} must be at least 1 s below tools.timeout_s="
+                    f"{self.timeout_s} (the code tool ends its processes by its own limit, before the call's)"
+                )
