@@ -6,7 +6,7 @@ import abc
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,9 @@ class Tool(abc.ABC):
     """A named tool: ``run(arguments)`` returns what the tool's turn shows (any str, int or float)."""
 
     name: str = "tool"
+    # A tool that ends its own calls within this many seconds (the code tool): the registry waits that
+    # long, plus a margin for the end of its processes, even past tools.timeout_s. None: it may hang.
+    time_limit_s: Optional[float] = None
 
     @abc.abstractmethod
     def run(self, arguments: Any) -> Any:

@@ -9,6 +9,8 @@ from megatron_zcpo.agent_tools.base import Tool, ToolResult, call_tool
 from megatron_zcpo.agent_tools.config import ToolsConfig
 from megatron_zcpo.agent_tools.parser import ToolCall
 
+_END_S = 5.0  # what a self-limiting tool may take past its limit to end its processes
+
 
 def build_tool(name: str, spec: Dict) -> Tool:
     """The tool ``spec`` describes (a ``tools.registry`` entry; see :class:`ToolsConfig`)."""
@@ -79,7 +81,8 @@ class ToolRegistry:
         if tool is None:
             known = ", ".join(sorted(self.tools))
             return ToolResult(f"error: unknown tool {call.name!r} (tools: {known})", error=True)
-        return call_tool(tool, call.arguments, self.timeout_s, self.max_result_chars)
+        timeout_s = self.timeout_s if tool.time_limit_s is None else max(self.timeout_s, tool.time_limit_s + _END_S)
+        return call_tool(tool, call.arguments, timeout_s, self.max_result_chars)
 
     def close(self) -> None:
         """Stop taking calls (a hung in-process call's thread is left to finish on its own)."""

@@ -30,7 +30,6 @@ from megatron_zcpo.agent_tools.bubblewrap import (
     find_bwrap,
     start_bwrap,
 )
-from megatron_zcpo.agent_tools.config import CODE_TIMEOUT_S
 from megatron_zcpo.agent_tools.sandbox_view import SANDBOX_PACKAGES, installed_default_packages, sandbox_view
 from megatron_zcpo.agent_tools.seccomp import seccomp_filter
 from megatron_zcpo.agent_tools.supervisor import Outcome, TreeLimits, supervise
@@ -108,7 +107,7 @@ class CodeTool(Tool):
     def __init__(
         self,
         name: str = "python",
-        timeout_s: float = CODE_TIMEOUT_S,
+        timeout_s: float = 5.0,
         cpu_s: Optional[float] = None,
         memory_mb: int = 1024,
         network: bool = False,
@@ -143,7 +142,7 @@ class CodeTool(Tool):
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise ValueError(f"{key}.env must map names to strings, got {env!r}")
         self.name = name
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = self.time_limit_s = float(timeout_s)
         self.cpu_s = float(cpu_s)
         self.memory_mb = int(memory_mb)
         self.network = network
@@ -192,14 +191,17 @@ class CodeTool(Tool):
         code = arguments.get("code") if isinstance(arguments, dict) else arguments
         if not isinstance(code, str):
             raise ValueError(f"the code tool needs code as a string, got {code!r}")
+        deadline = time.monotonic() + self.timeout_s
         limits = TreeLimits(
-            wall_s=self.timeout_s,
             cpu_s=self.cpu_s,
             memory_bytes=self.memory_mb * 2**20,
             max_files=self.max_files,
             output_bytes=self.max_output_bytes,
         )
-        outcome = self._run_bwrap(code, limits) if self.isolation == "bwrap" else self._run_unisolated(code, limits)
+        if self.isolation == "bwrap":
+            outcome = self._run_bwrap(code, limits, deadline)
+        else:
+            outcome = self._run_unisolated(code, limits, deadline)
         return outcome if isinstance(outcome, ToolResult) else self._result(outcome)
 
     def _rlimits(self, processes: bool) -> Dict[str, int]:
@@ -219,9 +221,8 @@ class CodeTool(Tool):
     def _command(self, spec: Dict[str, Any]) -> List[str]:
         return [self.view.interpreter, "-I", "-S", "-B", "-c", _BOOTSTRAP, json.dumps(spec)]
 
-    def _run_bwrap(self, code: str, limits: TreeLimits) -> Any:
+    def _run_bwrap(self, code: str, limits: TreeLimits, deadline: float) -> Any:
         bwrap = self._bwrap = self._bwrap or find_bwrap()
-        start = time.monotonic()
 
         def arguments(fds: Dict[str, int], as_root: bool) -> List[str]:
             spec = {
@@ -241,14 +242,14 @@ class CodeTool(Tool):
                 as_root=as_root,
             )
 
-        process, init_pid = start_bwrap(arguments, code, _seccomp(), start + limits.wall_s)
+        process, init_pid = start_bwrap(arguments, code, _seccomp(), deadline)
         if init_pid is None:  # bwrap failed before making the sandbox
             _, stderr = process.communicate()
             last = stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no answer in time"]
             return ToolResult(f"error: the sandbox did not start: {last[0]}", error=True)
-        return supervise(process, init_pid, limits, files_dir=f"/proc/{init_pid}/root/tmp")
+        return supervise(process, init_pid, limits, deadline, files_dir=f"/proc/{init_pid}/root/tmp")
 
-    def _run_unisolated(self, code: str, limits: TreeLimits) -> Outcome:
+    def _run_unisolated(self, code: str, limits: TreeLimits, deadline: float) -> Outcome:
         import subprocess
 
         with tempfile.TemporaryDirectory(prefix="zcpo-code-") as workdir:
@@ -266,7 +267,7 @@ class CodeTool(Tool):
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
-            return supervise(process, process.pid, limits, kill_group=True)
+            return supervise(process, process.pid, limits, deadline, kill_group=True)
 
     def _result(self, outcome: Outcome) -> Any:
         reasons = {

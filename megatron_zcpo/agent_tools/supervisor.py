@@ -19,11 +19,10 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 @dataclass(frozen=True)
 class TreeLimits:
-    """What one call may use, summed over all its processes: ``wall_s`` seconds, ``cpu_s`` CPU seconds,
+    """What one call may use, summed over all its processes: ``cpu_s`` CPU seconds,
     ``memory_bytes`` of resident memory, ``max_files`` files in its tmpfs (``files_dir``, the tmpfs as
     the host sees it; None: not counted) and ``output_bytes`` of stdout and of stderr each."""
 
-    wall_s: float
     cpu_s: float
     memory_bytes: int
     max_files: int
@@ -92,10 +91,15 @@ def files_in(directory: str) -> int:
 
 
 def supervise(
-    process: subprocess.Popen, root: int, limits: TreeLimits, files_dir: Optional[str] = None, kill_group=False
+    process: subprocess.Popen,
+    root: int,
+    limits: TreeLimits,
+    deadline: float,
+    files_dir: Optional[str] = None,
+    kill_group=False,
 ) -> Outcome:
-    """Read ``process``'s stdout and stderr until they close and it exits, checking ``limits`` every
-    POLL_S over the tree of ``root`` (the sandbox's init, or the process itself); when a limit is
+    """Read ``process``'s stdout and stderr until they close and it exits (by ``deadline``, a
+    time.monotonic() value), checking ``limits`` every POLL_S over the tree of ``root`` (the sandbox's init, or the process itself); when a limit is
     passed, or on any error, the tree is killed. Returns once ``root`` is gone: for a PID namespace's
     init, once every process of the call is. ``kill_group``: kill ``process``'s process group too
     (without a PID namespace, the best there is: a process that left the group survives)."""
@@ -104,7 +108,6 @@ def supervise(
     out, err = process.stdout.fileno(), process.stderr.fileno()
     streams: Dict[int, bytearray] = {out: bytearray(), err: bytearray()}
     stopped: Optional[str] = None
-    deadline = time.monotonic() + limits.wall_s
     try:
         open_streams = list(streams)
         while stopped is None and (open_streams or process.poll() is None):

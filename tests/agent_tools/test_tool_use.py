@@ -98,10 +98,20 @@ def test_config_errors_name_the_key(registry, key):
         build_tool("py", {"kind": "code", "memory_mb": 0})
     with pytest.raises(ValueError, match=r"tools\.registry\.py\.packages: package 'no_such_package' is not installed"):
         build_tool("py", {"kind": "code", "packages": ["no_such_package"]})
-    with pytest.raises(
-        ValueError, match=r"tools\.registry\.py\.timeout_s=10 must be at least 1 s below tools\.timeout_s=10"
-    ):
-        ToolsConfig(enabled=True, timeout_s=10, registry={"py": {"kind": "code", "timeout_s": 10}}).validate()
+
+
+def test_the_registry_waits_for_the_code_tools_own_limit():
+    """A code tool's calls end by its own timeout_s, with every process: the registry waits for that even
+    past tools.timeout_s (returning first would leave the call's processes running)."""
+    registry = ToolRegistry([CodeTool(timeout_s=2, packages=[])], timeout_s=0.5)
+    calls = [
+        parse_tool_call(f"<tool_call>python {code}</tool_call>", "plain")
+        for code in ("import time; time.sleep(1); print('slow')", "while True: pass")
+    ]
+    slow, hung = registry.call_all(calls)
+    assert slow.text == "slow\n"
+    assert hung.error and "did not finish within 2 s" in hung.text
+    registry.close()
 
 
 def test_code_tool_runs_code_in_its_own_process():
