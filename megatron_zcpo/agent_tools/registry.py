@@ -81,7 +81,8 @@ class ToolRegistry:
         if tool is None:
             known = ", ".join(sorted(self.tools))
             return ToolResult(f"error: unknown tool {call.name!r} (tools: {known})", error=True)
-        timeout_s = self.timeout_s if tool.time_limit_s is None else max(self.timeout_s, tool.time_limit_s + _END_S)
+        limit = getattr(tool, "time_limit_s", None)  # (duck-typed tools have none)
+        timeout_s = self.timeout_s if limit is None else max(self.timeout_s, limit + _END_S)
         return call_tool(tool, call.arguments, timeout_s, self.max_result_chars)
 
     def close(self) -> None:
