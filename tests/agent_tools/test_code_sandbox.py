@@ -54,7 +54,7 @@ def registry():
     patch = pytest.MonkeyPatch()
     for name, value in SECRETS.items():
         patch.setenv(name, value)
-    spec = {"kind": "code", "timeout_s": 3, "memory_mb": MEMORY_MB}
+    spec = {"kind": "code", "timeout_s": 10, "memory_mb": MEMORY_MB}  # no attack here waits for the clock
     registry = ToolRegistry.from_config(ToolsConfig(enabled=True, timeout_s=10, registry={"python": spec}))
     yield registry
     registry.close()
@@ -127,6 +127,8 @@ def test_the_trainer_survives_untouched(attack):
     answer = json.loads(done.stdout.splitlines()[-1])
     assert "PWNED" not in done.stdout
     assert answer["marker"] == "ZCPO-TRAINER-MARKER-0123456789" and not answer["signalled"], answer
+    # The attack itself fails, but for signalling its own process group: allowed, and only the sandbox's.
+    assert answer["result"] != "attacked\n" or attack == "signal_group", answer
 
 
 # -- 3. the host's files ------------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ print(f"forked={{forked}}")
     started = time.monotonic()
     outcomes = lines(call(registry, code))
     assert int(outcomes["forked"]) < 32  # max_processes
-    assert time.monotonic() - started < 3  # returned when the code did, not at the time limit
+    assert time.monotonic() - started < 8  # returned when the code did, not at the time limit (10 s)
     assert processes_with(marker) == []  # every process of the call ended with it
 
 
@@ -219,9 +221,9 @@ time.sleep(60)
 
 
 def test_the_cpu_time_of_the_whole_tree_is_bounded():
-    tool = build_tool("python", {"kind": "code", "timeout_s": 8, "cpu_s": 1, "packages": []})
+    tool = build_tool("python", {"kind": "code", "timeout_s": 20, "cpu_s": 1, "packages": []})
     result = tool.run("import os\nos.fork()\nos.fork()\nwhile True:\n    pass\n")  # 4 spinning processes
-    assert result.error and "used more than 1 CPU seconds" in result.text, result.text  # not the wall clock's 8
+    assert result.error and "used more than 1 CPU seconds" in result.text, result.text  # not the wall clock's 20
 
 
 def test_output_is_bounded_by_the_reader(registry):
@@ -259,7 +261,7 @@ def test_links_and_fifos_planted_for_the_trainer_change_nothing(registry):
         "os.mkfifo('fifo'); os.symlink('fifo', '.out')\nprint('fine')\n"
     )
     started = time.monotonic()
-    assert call(registry, code).text == "fine\n" and time.monotonic() - started < 3
+    assert call(registry, code).text == "fine\n" and time.monotonic() - started < 8
 
 
 # -- attacks beyond the list -------------------------------------------------------------------------
@@ -301,6 +303,8 @@ def test_benign_code_gets_its_output_and_the_allowed_packages(registry):
     failed = call(registry, "raise ValueError('bad input')")
     assert failed.error and failed.text.endswith("ValueError: bad input")
     assert call(registry, "import torch").text.endswith("ModuleNotFoundError: No module named 'torch'")
+    hidden = "import os, sysconfig\nprint(os.listdir(sysconfig.get_path('purelib')))"  # the interpreter's own
+    assert call(registry, hidden).text == "[]\n"
 
 
 # -- a loud refusal where the isolation cannot be had, and the explicit opt-out --------------------------------

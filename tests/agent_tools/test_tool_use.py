@@ -103,14 +103,11 @@ def test_config_errors_name_the_key(registry, key):
 def test_the_registry_waits_for_the_code_tools_own_limit():
     """A code tool's calls end by its own timeout_s, with every process: the registry waits for that even
     past tools.timeout_s (returning first would leave the call's processes running)."""
-    registry = ToolRegistry([CodeTool(timeout_s=2, packages=[])], timeout_s=0.5)
-    calls = [
-        parse_tool_call(f"<tool_call>python {code}</tool_call>", "plain")
-        for code in ("import time; time.sleep(1); print('slow')", "while True: pass")
-    ]
-    slow, hung = registry.call_all(calls)
+    registry = ToolRegistry([CodeTool(timeout_s=3, packages=[])], timeout_s=0.2)
+    code = ("import time; time.sleep(0.5); print('slow')", "while True: pass")
+    slow, hung = registry.call_all([parse_tool_call(f"<tool_call>python {c}</tool_call>", "plain") for c in code])
     assert slow.text == "slow\n"
-    assert hung.error and "did not finish within 2 s" in hung.text
+    assert hung.error and "did not finish within 3 s" in hung.text
     registry.close()
 
 
