@@ -90,6 +90,8 @@ def package_entries(packages: Sequence[str]) -> Dict[str, str]:
     ``packages`` installed, and of the distributions they require (numpy: numpy, numpy.libs,
     numpy-X.dist-info; sympy: sympy, isympy.py, mpmath ...). Raises ValueError naming a package
     that is not installed."""
+    if not packages:
+        return {}
     from importlib import metadata
 
     from packaging.requirements import Requirement
