@@ -72,10 +72,11 @@ def bwrap_arguments(
     as_root: bool,
 ) -> List[str]:
     """bwrap's command line for ``command`` in ``view``. ``fds``: the launcher's descriptors "info"
-    (bwrap writes the sandbox's PID there), "seccomp" (the filter), "code" (the call's code, bound
+    (bwrap writes the sandbox's PID there), "start" (the sandbox's init waits on it, its mounts made,
+    until the launcher holds a pidfd of it), "seccomp" (the filter), "code" (the call's code, bound
     read-only at SANDBOX_CODE) and, ``as_root``, "block" (bwrap waits on it until the launcher has
     written the user namespace's maps)."""
-    arguments = [bwrap, "--unshare-user", "--info-fd", str(fds["info"])]
+    arguments = [bwrap, "--unshare-user", "--info-fd", str(fds["info"]), "--block-fd", str(fds["start"])]
     if as_root:
         arguments += ["--userns-block-fd", str(fds["block"])]
     arguments += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
@@ -122,19 +123,23 @@ def bwrap_arguments(
     return arguments
 
 
-def start_bwrap(arguments_for, code: str, seccomp: bytes, deadline: float) -> Tuple[subprocess.Popen, Optional[int]]:
-    """Start bwrap; returns the process and the host PID of the sandbox's init (None when bwrap
-    failed before making it: its stderr says why).
+def start_bwrap(
+    arguments_for, code: str, seccomp: bytes, deadline: float
+) -> Tuple[subprocess.Popen, Optional[int], int]:
+    """Start bwrap; returns the process, the host PID of the sandbox's init and a pidfd of it (None
+    and -1 when bwrap failed before making it: its stderr says why).
 
     ``arguments_for(fds, as_root)``: the command line (:func:`bwrap_arguments`). The code and the
-    filter go in through memory files, so nothing of the call touches the host's file system.
+    filter go in through memory files, so nothing of the call touches the host's file system. The
+    init waits until the pidfd is open: it cannot end, and its PID be reused, before.
     """
     as_root = os.geteuid() == 0
     code_fd = _memory_file("zcpo-code", code.encode("utf-8"))
     seccomp_fd = _memory_file("zcpo-seccomp", seccomp)
     info_read, info_write = os.pipe()
+    start_read, start_write = os.pipe()
     block_read, block_write = os.pipe() if as_root else (-1, -1)
-    fds = {"info": info_write, "seccomp": seccomp_fd, "code": code_fd, "block": block_read}
+    fds = {"info": info_write, "start": start_read, "seccomp": seccomp_fd, "code": code_fd, "block": block_read}
     try:
         process = subprocess.Popen(
             arguments_for(fds, as_root),
@@ -146,27 +151,33 @@ def start_bwrap(arguments_for, code: str, seccomp: bytes, deadline: float) -> Tu
             start_new_session=True,
         )
     finally:
-        for fd in (code_fd, seccomp_fd, info_write, block_read):
+        for fd in (code_fd, seccomp_fd, info_write, start_read, block_read):
             if fd >= 0:
                 os.close(fd)
+    pidfd = -1
     try:
         info = _read_all(info_read, deadline)
         init_pid = json.loads(info)["child-pid"] if info else None
-        if init_pid is not None and as_root:
-            maps = f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n"
-            for name in ("uid_map", "gid_map"):
-                with open(f"/proc/{init_pid}/{name}", "w") as handle:
-                    handle.write(maps)
-            os.write(block_write, b"1")
+        if init_pid is not None:
+            pidfd = os.pidfd_open(init_pid)  # (blocked on its gates, it is alive)
+            if as_root:
+                maps = f"0 0 1\n{SANDBOX_UID} {SANDBOX_UID} 1\n"
+                for name in ("uid_map", "gid_map"):
+                    with open(f"/proc/{init_pid}/{name}", "w") as handle:
+                        handle.write(maps)
+                os.write(block_write, b"1")
+            os.write(start_write, b"1")
     except BaseException:
         process.kill()
         process.wait()
+        if pidfd >= 0:
+            os.close(pidfd)
         raise
     finally:
-        os.close(info_read)
-        if block_write >= 0:
-            os.close(block_write)
-    return process, init_pid
+        for fd in (info_read, start_write, block_write):
+            if fd >= 0:
+                os.close(fd)
+    return process, init_pid, pidfd
 
 
 def _parents(paths: Sequence[str]) -> List[str]:

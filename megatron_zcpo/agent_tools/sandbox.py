@@ -242,12 +242,13 @@ class CodeTool(Tool):
                 as_root=as_root,
             )
 
-        process, init_pid = start_bwrap(arguments, code, _seccomp(), deadline)
-        if init_pid is None:  # bwrap failed before making the sandbox
+        process, init_pid, pidfd = start_bwrap(arguments, code, _seccomp(), deadline)
+        if init_pid is None:  # bwrap failed before making the sandbox, or made none in time
+            process.kill()
             _, stderr = process.communicate()
             last = stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no answer in time"]
             return ToolResult(f"error: the sandbox did not start: {last[0]}", error=True)
-        return supervise(process, init_pid, limits, deadline, files_dir=f"/proc/{init_pid}/root/tmp")
+        return supervise(process, init_pid, pidfd, limits, deadline, files_dir=f"/proc/{init_pid}/root/tmp")
 
     def _run_unisolated(self, code: str, limits: TreeLimits, deadline: float) -> Outcome:
         import subprocess
@@ -267,7 +268,8 @@ class CodeTool(Tool):
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
-            return supervise(process, process.pid, limits, deadline, kill_group=True)
+            pidfd = os.pidfd_open(process.pid)  # (a child not yet waited for: its PID is still its own)
+            return supervise(process, process.pid, pidfd, limits, deadline, kill_group=True)
 
     def _result(self, outcome: Outcome) -> Any:
         reasons = {

@@ -93,17 +93,18 @@ def files_in(directory: str) -> int:
 def supervise(
     process: subprocess.Popen,
     root: int,
+    pidfd: int,
     limits: TreeLimits,
     deadline: float,
     files_dir: Optional[str] = None,
     kill_group=False,
 ) -> Outcome:
     """Read ``process``'s stdout and stderr until they close and it exits (by ``deadline``, a
-    time.monotonic() value), checking ``limits`` every POLL_S over the tree of ``root`` (the sandbox's init, or the process itself); when a limit is
-    passed, or on any error, the tree is killed. Returns once ``root`` is gone: for a PID namespace's
-    init, once every process of the call is. ``kill_group``: kill ``process``'s process group too
-    (without a PID namespace, the best there is: a process that left the group survives)."""
-    pidfd = os.pidfd_open(root)
+    time.monotonic() value), checking ``limits`` every POLL_S over the tree of ``root`` (the
+    sandbox's init, or the process itself; ``pidfd``: a pidfd of it, which this closes); when a
+    limit is passed, or on any error, the tree is killed. Returns once ``root`` is gone: for a PID
+    namespace's init, once every process of the call is. ``kill_group``: kill ``process``'s process
+    group too (without a PID namespace, the best there is: a process that left the group survives)."""
     assert process.stdout is not None and process.stderr is not None  # started with stdout=stderr=PIPE
     out, err = process.stdout.fileno(), process.stderr.fileno()
     streams: Dict[int, bytearray] = {out: bytearray(), err: bytearray()}
