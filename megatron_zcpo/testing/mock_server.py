@@ -54,8 +54,9 @@ COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distri
 class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
-    ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
-    weight-update group (the mock joins with one process and counts as ``tp_size`` = 1).
+    ``tp_size`` is what ``/get_server_info`` reports: how many blobs ``/update_weights_from_tensor``
+    takes (TP rank k on ``gpus[k]``), and how many ranks it would take in a weight-update group (the
+    mock joins one with one process: only at ``tp_size`` 1).
     ``release``: the SGLang release whose API it speaks. ``events`` records (path, detail) of every
     request, for tests: detail "ok", a fault action, or the status a refused request got.
     Launch settings, as SGLang's flags: ``context_length`` (``--context-length``; None: the
@@ -89,7 +90,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         api_key: Optional[str] = None,
         generate_delay_s: float = 0.0,
         memory_saver: bool = False,
-        gpus: Sequence[int] = (0,),
+        tp_size: int = 1,
+        gpus: Optional[Sequence[int]] = None,
         memory_sizes: Optional[Dict[str, int]] = None,
         ledger: Optional[MemoryLedger] = None,
         release_lag_s: float = 0.5,
@@ -145,6 +147,10 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
             "/begin_weight_update": self._begin_session,
             "/end_weight_update": self._end_session,
         }
+        self.tp_size = tp_size
+        gpus = tuple(range(tp_size)) if gpus is None else tuple(gpus)
+        if len(gpus) != tp_size:
+            raise ValueError(f"gpus={gpus}: a server at tp_size {tp_size} has one GPU per TP rank")
         self._init_memory_saver(memory_saver, gpus, memory_sizes, ledger, release_lag_s)
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -315,7 +321,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
     async def _health(self, request):
         from aiohttp import web
 
-        return web.Response(status=200)
+        status = self.health_generation(request)  # SGLang's /health and /health_generate run a token
+        return web.Response(status=status)
 
     async def _model_info(self, request):
         from aiohttp import web
@@ -335,7 +342,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
 
         return web.json_response(
             {
-                "tp_size": 1,
+                "tp_size": self.tp_size,
                 "dp_size": 1,
                 "version": self.release,
                 "context_length": self.context_length,
@@ -404,6 +411,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
 
     async def _init_group(self, request):
         body = await request.json()
+        if self.tp_size != 1:
+            return self._result(False, f"the mock joins weight-update groups as one rank, not tp_size {self.tp_size}")
         try:
             group = await self._one_at_a_time(
                 request.path,

@@ -27,6 +27,8 @@ from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
     DETERMINISTIC_ATTENTION_BACKENDS,
     ROUTER_DEFAULT_REQUEST_TIMEOUT_S,
+    ROUTER_HEALTH_CHECK_INTERVAL_S,
+    ROUTER_HEALTH_CHECK_PATH,
     required_context_length,
 )
 from megatron_zcpo.utils.network import is_loopback, resolve
@@ -56,7 +58,9 @@ class SGLangServerConfig:
     server command. ``server_module`` / ``router_module`` can point at stand-ins (tests).
     ``api_key``: ``--api-key`` of every server and the router (None: a fresh random key per
     launcher, :attr:`SGLangLauncher.api_key`). ``router_request_timeout_s``: the router's
-    ``--request-timeout-secs`` (the client's ``router_timeout_s``).
+    ``--request-timeout-secs`` (the client's ``router_timeout_s``); its periodic worker checks ask
+    :data:`~megatron_zcpo.rollout.sglang.api.ROUTER_HEALTH_CHECK_PATH` (never a generation) every
+    ``router_health_check_interval_s``.
     ``enable_deterministic_inference``: per-request seeds are used (the client's
     ``sampling_seeds``); SGLang then needs ``attention_backend`` among
     :data:`~megatron_zcpo.rollout.sglang.api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
@@ -95,6 +99,7 @@ class SGLangServerConfig:
     startup_timeout_s: float = 1200.0
     api_key: Optional[str] = None
     router_request_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
+    router_health_check_interval_s: int = ROUTER_HEALTH_CHECK_INTERVAL_S
     enable_deterministic_inference: bool = False
     attention_backend: Optional[str] = None
     enable_memory_saver: bool = False
@@ -290,7 +295,10 @@ def router_command(
     worker_urls: List[str], config: SGLangServerConfig, host: str, api_key: Optional[str] = None
 ) -> List[str]:
     """The ``python -m sglang_router.launch_router ...`` command line over ``worker_urls``, bound to
-    ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``."""
+    ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``.
+    Its worker checks never generate (:data:`~megatron_zcpo.rollout.sglang.api.ROUTER_HEALTH_CHECK_PATH`):
+    SGLang's ``/health`` would run a token on a colocated server's released memory during training,
+    and block behind a long weight push until the router marks the workers unhealthy."""
     command = [
         config.python,
         "-m",
@@ -303,6 +311,10 @@ def router_command(
         config.router_policy,
         "--request-timeout-secs",
         str(int(config.router_request_timeout_s)),
+        "--health-check-endpoint",
+        ROUTER_HEALTH_CHECK_PATH,
+        "--health-check-interval-secs",
+        str(int(config.router_health_check_interval_s)),
         "--worker-urls",
         *worker_urls,
     ]

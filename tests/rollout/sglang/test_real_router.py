@@ -110,3 +110,23 @@ def test_the_job_scripts_health_wait_passes_through_the_router(router_release):
             timeout=60,
         )
     assert done.returncode == 0 and "2 endpoints healthy" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_routers_worker_checks_never_generate_on_a_released_server(router_release):
+    """sglang-router checks its workers every --health-check-interval-secs; at its default endpoint, SGLang's
+    /health, each check generates a token: on a colocated server whose memory is released for training
+    that is an illegal memory access (the double dies), and behind a long weight push it blocks until
+    the router drops the worker. The launcher's line checks a path that never generates."""
+    import time
+
+    from megatron_zcpo.rollout.sglang.api import ROUTER_HEALTH_CHECK_PATH
+
+    with (
+        MockSGLangServer(ScriptedEngine(), memory_saver=True, api_key=KEY) as server,
+        RealRouter(router_release, [server.url], free_port(), api_key=KEY, health_check_interval_s=1),
+    ):
+        with SGLangEngine(_config(server.url, api_key=KEY)) as engine:
+            engine.release_memory(None)  # the train phase: released, not paused
+        time.sleep(3)
+        checks = [path for path, _ in server.events if path == ROUTER_HEALTH_CHECK_PATH]
+        assert server.crashed is None and len(checks) >= 2, server.events
