@@ -12,7 +12,10 @@ Where SGLang would silently corrupt memory the mock fails the request with 400 a
 (:class:`~megatron_zcpo.rollout.memory.MemoryPhaseError`): a generate or a weight update while
 the memory it needs is released or generation is paused, a ``/continue_generation`` while the
 memory a generation needs is released, a release while requests run, a release or resume out of
-order. SGLang's health checks generate a token (``/health``, ``/health_generate``, both releases):
+order, a generate after a release of the weights erased the parameters no push carries
+(``static_scales``: FP8's activation scales; SGLang keeps only buffers across a release, 0.5.23
+``managers/scheduler_components/weight_updater.py:478``, unless launched with
+``--enable-weights-cpu-backup``). SGLang's health checks generate a token (``/health``, ``/health_generate``, both releases):
 on released memory the mock dies (``crashed``), as the server would, and while paused it answers
 503, as the server does after its 20 s. Without ``memory_saver`` SGLang's releases answer 200 and free
 nothing (its no-op adapter): so does the mock, and ``/get_server_info`` says
@@ -27,7 +30,7 @@ import pickle
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_zcpo.rollout.memory import NEEDS, EngineMemory, MemoryLedger, MemoryPhaseError
+from megatron_zcpo.rollout.memory import NEEDS, WEIGHTS, EngineMemory, MemoryLedger, MemoryPhaseError
 from megatron_zcpo.rollout.sglang.api import MEMORY_TAGS_BY_RELEASE
 
 MEMORY_FAULTS = ("late_release", "502", "die")
@@ -74,6 +77,9 @@ class MemorySaverEndpoints:
             self.memory.require(action)
         except MemoryPhaseError as err:
             return str(err)
+        lost = sorted(name for name, scale in self.static_scales.items() if scale.isnan().any())
+        if action == "generate" and lost:
+            return f"generate with {lost} lost at a release of the weights (no --enable-weights-cpu-backup)"
         return None
 
     @staticmethod
@@ -90,9 +96,12 @@ class MemorySaverEndpoints:
             return self._refuse("release_memory_occupation should be called only when server is idle.")
         if self.memory_saver:
             try:
-                self.memory.release(body.get("tags"), late=request.get("fault") == "late_release")
+                released = self.memory.release(body.get("tags"), late=request.get("fault") == "late_release")
             except MemoryPhaseError as err:
                 return self._refuse(str(err))
+            if WEIGHTS in released and not self.weights_cpu_backup:  # SGLang stashes the buffers only
+                for scale in self.static_scales.values():
+                    scale.fill_(float("nan"))
             if self.memory.pending:
                 threading.Timer(self.release_lag_s, self.memory.free_pending).start()
         return web.json_response(None)

@@ -67,7 +67,10 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
     collective request that arrived while another group's was in flight here. Colocated placement
     (:mod:`megatron_zcpo.testing.mock_memory_saver`): ``memory_saver`` (``--enable-memory-saver``),
     the ``gpus`` it occupies, each memory tag's bytes per GPU (``memory_sizes``) booked in ``ledger``
-    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault.
+    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault,
+    ``weights_cpu_backup`` (``--enable-weights-cpu-backup``), ``static_scales``: parameters the server
+    loaded from its checkpoint that no push carries (FP8's ``input_scale``), lost at a release of the
+    weights without the backup.
     """
 
     thread_name = "mock-sglang"
@@ -95,6 +98,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         memory_sizes: Optional[Dict[str, int]] = None,
         ledger: Optional[MemoryLedger] = None,
         release_lag_s: float = 0.5,
+        weights_cpu_backup: bool = False,
+        static_scales: Optional[Dict[str, Any]] = None,
     ):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
@@ -152,6 +157,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         if len(gpus) != tp_size:
             raise ValueError(f"gpus={gpus}: a server at tp_size {tp_size} has one GPU per TP rank")
         self._init_memory_saver(memory_saver, gpus, memory_sizes, ledger, release_lag_s)
+        self.weights_cpu_backup = weights_cpu_backup
+        self.static_scales = {name: tensor.clone() for name, tensor in (static_scales or {}).items()}
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -351,6 +358,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
                 "enable_deterministic_inference": self.deterministic_inference,
                 "sampling_backend": "pytorch" if self.deterministic_inference else "flashinfer",
                 "enable_memory_saver": self.memory_saver,
+                "enable_weights_cpu_backup": self.weights_cpu_backup,
             }
         )
 
@@ -526,6 +534,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random /generate fault")
     parser.add_argument("--fault-log", default=None, help="append each random fault to this file")
     parser.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate answers no sooner")
@@ -551,6 +560,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         api_key=args.api_key,
         generate_delay_s=args.generate_delay_s,
         memory_saver=args.enable_memory_saver,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     server.start()
     stopped = threading.Event()

@@ -69,6 +69,9 @@ class SGLangServerConfig:
     the server releases and resumes its weights, KV cache and CUDA graphs on request; its processes
     then run without ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` (the memory saver's
     virtual-memory mapping and CUDA IPC of its tensors break with it).
+    ``enable_weights_cpu_backup``: ``--enable-weights-cpu-backup``, a host copy of the weights across a
+    release (:func:`server_config_for_run` sets it for quantised colocated servers: a release keeps only
+    the model's buffers, and the FP8 activation scales are parameters no push carries).
     ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
     :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
     ``mem_fraction_static`` for the weight pushes.
@@ -103,6 +106,7 @@ class SGLangServerConfig:
     enable_deterministic_inference: bool = False
     attention_backend: Optional[str] = None
     enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
     gpu_memory_gib: float = 80.0
     communicator_mib: float = NCCL_COMMUNICATOR_MIB
 
@@ -155,7 +159,8 @@ def server_config_for_run(
     client (``client``, its SGLangEngineConfig) and the run's lengths filled in where ``launch``
     leaves it: ``--context-length`` that serves ``max_prompt_length + max_new_tokens`` in full,
     the router's ``--request-timeout-secs`` from ``client.router_timeout_s``, deterministic
-    inference when ``client.sampling_seeds`` and the client's API key. ``--mem-fraction-static``
+    inference when ``client.sampling_seeds``, the client's API key, and a host copy of the weights
+    (``--enable-weights-cpu-backup``) for a memory-saver server of FP8 rollouts. ``--mem-fraction-static``
     gives up what the weight pushes hold outside SGLang's static pool (:func:`weight_update_reserve_bytes`
     of ``weight_groups`` groups, see :func:`weight_update_groups`, on GPUs of ``gpu_memory_gib``), so
     SGLang keeps the memory it plans for its activations (its static pool, model weights included,
@@ -167,6 +172,14 @@ def server_config_for_run(
         "api_key": client.api_key,
     }
     config = SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
+    if config.enable_memory_saver and (client.quantization == "fp8" or config.quantization):
+        if launch.get("enable_weights_cpu_backup") is False:
+            raise ValueError(
+                "rollout.sglang.launch.enable_weights_cpu_backup=false with quantised rollouts on memory-saver "
+                "(colocated) servers: a release keeps only the model's buffers and loses the FP8 activation "
+                "scales no push carries; leave it unset"
+            )
+        config = dataclasses.replace(config, enable_weights_cpu_backup=True)
     groups = weight_groups if client.weight_sync == "distributed" else 0
     reserve = weight_update_reserve_bytes(groups, client.bucket_bytes, config.communicator_mib)
     fraction = config.mem_fraction_static - reserve / (config.gpu_memory_gib * 2**30)
@@ -288,6 +301,8 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
         command += ["--enable-return-routed-experts"]
     if config.enable_memory_saver:
         command += ["--enable-memory-saver"]
+    if config.enable_weights_cpu_backup:
+        command += ["--enable-weights-cpu-backup"]
     return command + list(config.extra_args)
 
 

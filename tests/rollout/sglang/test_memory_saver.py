@@ -267,3 +267,44 @@ def test_a_lost_server_follows_the_memory_phases_and_rejoins_after_the_generate_
             assert engine.served_weight_versions() == {first.url: 3, second.url: 3}
         checks = [p for p, _ in second.events if p in ("/health", "/health_generate")]
         assert checks == ["/health_generate"] and second.crashed is None
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["cpu-backup", "no-backup"])
+def test_fp8_activation_scales_survive_a_release_only_with_the_weights_cpu_backup(backup):
+    """FP8 rollouts push each linear's FP8 weight and weight_scale; its activation scale (input_scale, a
+    parameter) comes from the server's checkpoint. A release keeps only buffers, so without
+    --enable-weights-cpu-backup the first release erases it (the double then refuses to generate): the
+    launcher adds the flag to quantised memory-saver servers and the start-up check refuses one without."""
+    from megatron_zcpo.rollout.sglang.server import ServerSpec, server_command, server_config_for_run
+
+    input_scale = {"model.layers.0.self_attn.q_proj.input_scale": torch.tensor([0.0125])}
+    # what an FP8 push carries besides the FP8 weights (rollout/quantization.py): the weight scales
+    pushed = [
+        ("model.layers.0.self_attn.q_proj.weight_scale", torch.tensor(0.01)),
+        ("model.norm.weight", torch.ones(4)),
+    ]
+    server = MockSGLangServer(ScriptedEngine(), memory_saver=True, weights_cpu_backup=backup, static_scales=input_scale)
+    with server, _engine(server) as engine, _engine(server, quantization="fp8") as fp8_client:
+        if not backup:
+            with pytest.raises(RolloutError, match="without --enable-weights-cpu-backup"):
+                fp8_client.check_servers(8, 4)
+        engine.release_memory(None)
+        engine.resume_memory(["weights"])
+        engine.pause_generation()
+        engine.update_weights(iter(pushed), 1)
+        engine.resume_memory(["kv_cache"])
+        engine.continue_generation()
+        if backup:
+            fp8_client.check_servers(8, 4)
+            assert engine.generate([[5]], PARAMS)[0][0].weight_version == 1
+            assert torch.equal(
+                server.static_scales["model.layers.0.self_attn.q_proj.input_scale"], torch.tensor([0.0125])
+            )
+        else:
+            with pytest.raises(RolloutError, match=r"input_scale'\] lost at a release"):
+                engine.generate([[5]], PARAMS)
+    launch = {"model_path": "/m", "enable_memory_saver": True, "quantization": "modelopt_fp8"}
+    config = server_config_for_run(launch, _config("http://x", quantization="fp8"), 8, 8)
+    assert "--enable-weights-cpu-backup" in server_command(ServerSpec("n", 1, ("0",)), config)
+    plain = server_config_for_run({"model_path": "/m", "enable_memory_saver": True}, _config("http://x"), 8, 8)
+    assert "--enable-weights-cpu-backup" not in server_command(ServerSpec("n", 1, ("0",)), plain)
