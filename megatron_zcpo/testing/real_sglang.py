@@ -9,7 +9,9 @@ unpacked (:func:`sglang_source`) so that tests read the release's own files: 0.5
 ``/generate`` JSON contract (``sglang/api/v1/api_types.py``, needs only msgspec), every release's
 request classes and sampling parameters (read from ``io_struct.py`` / ``sampling_params.py``
 without importing them) and its launch-argument parser (``ServerArgs.add_cli_args``, imported in a
-subprocess with the few pure-Python packages of :data:`PARSER_DEPENDENCIES`: no CUDA needed). A download that fails raises
+subprocess with the few pure-Python packages of :data:`PARSER_DEPENDENCIES`: no CUDA needed), and its
+CUDA IPC deserialisation (``utils/patch_torch.py`` with ``MultiprocessingSerializer`` / ``SafeUnpickler``
+cut out of ``utils/common.py``, :func:`open_blobs_with_wheel`, on fake GPUs). A download that fails raises
 :class:`PackageUnavailable`, which tests turn into a skip naming the package.
 """
 

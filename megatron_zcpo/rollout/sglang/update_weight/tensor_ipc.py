@@ -10,7 +10,7 @@ reads) with ``load_format: "flattened_bucket"``, one blob per TP rank in
 
 Per GPU, as slime does: a TP rank sees only its server's GPUs (``CUDA_VISIBLE_DEVICES``), and SGLang
 rebuilds a handle on the visible device whose UUID the handle names, raising ``Invalid
-device_uuid`` for any other (``utils/patch_torch.py:152-160`` in both releases), uncaught, which
+device_uuid`` for any other (``utils/patch_torch.py``: 0.5.23 :89-97, 0.5.3.post3 :66-74), uncaught, which
 kills its scheduler. So blob k of a server is serialised on the GPU of its TP rank k: every trainer
 rank holds the bucket on its own GPU and serialises it there, and rank 0 gathers the blobs and posts
 to each server its TP ranks' blobs (:func:`push_from_every_gpu`). GPU slots: trainer global rank r
@@ -21,7 +21,7 @@ the GPUs the trainer's ranks take in the same order.
 No SGLang in the trainer's Python: the handles are torch's own reductions
 (:func:`reduce_tensor_by_device_uuid`) with the device index replaced by the device's UUID. The
 pickle names ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` (0.5.23's unpickler allow-list
-admits it, ``utils/common.py:3327``), which SGLang's scheduler has patched to map a UUID back to
+admits it, ``utils/common.py:3329``), which SGLang's scheduler has patched to map a UUID back to
 its own index before it unpickles (``monkey_patch_torch_reductions`` at 0.5.23 ``tp_worker.py:198``,
 0.5.3.post3 ``tp_worker.py:381``). A post answers once every TP rank loaded the bucket (the
 scheduler's TP barrier), so each rank frees its copy only then (``ipc_collect`` + ``empty_cache``).
