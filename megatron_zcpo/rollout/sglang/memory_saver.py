@@ -87,8 +87,16 @@ class MemorySaverClient:
                 return
             try:
                 if path == RELEASE:  # a release must find it idle
-                    await self._http.request("POST", url + "/abort_request", {"abort_all": True}, retry=False)
-                await self._http.request("POST", url + path, {"tags": mine}, retry=False)
+                    await self._http.request(
+                        "POST",
+                        url + "/abort_request",
+                        {"abort_all": True},
+                        retry=False,
+                        timeout=self.config.connect_timeout_s,
+                    )
+                await self._http.request(
+                    "POST", url + path, {"tags": mine}, retry=False, timeout=self.config.update_timeout_s
+                )
             except RolloutError as err:
                 self._returning.discard(url)  # it no longer follows the phases
                 logger.warning("lost SGLang server %s did not take %s %s: %s", url, path, mine, err)
