@@ -265,6 +265,7 @@ class RealRouter:
 
     def __enter__(self) -> RealRouter:
         from megatron_zcpo.rollout.sglang.server import SGLangServerConfig, router_command
+        from megatron_zcpo.utils.runtime import free_port
 
         launch = SGLangServerConfig(
             model_path="-",
@@ -273,6 +274,8 @@ class RealRouter:
             router_health_check_interval_s=self.health_check_interval_s,
         )
         command = router_command(self.worker_urls, launch, "127.0.0.1", self.api_key)  # the launcher's own line
+        # its metrics exporter binds a fixed port (29000) on every interface: a free one beside other routers
+        command += ["--prometheus-port", str(free_port())]
         env = dict(os.environ, PYTHONPATH=str(router_package(self.version)))
         self._process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
