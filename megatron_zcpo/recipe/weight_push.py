@@ -71,7 +71,7 @@ def stage_weight_push(config, engine, waits, model=None) -> Union[StageWeightPus
     """
     import torch.distributed as dist
 
-    if config.rollout.engine != "sglang" or (config.parallel.pipeline == 1 and config.parallel.expert == 1):
+    if config.rollout.engine != "sglang":
         return None
     if config.rollout.placement == "colocated":
         from megatron_zcpo.recipe.rollout import colocated_client
@@ -81,6 +81,8 @@ def stage_weight_push(config, engine, waits, model=None) -> Union[StageWeightPus
         if client["weight_sync"] != "tensor":
             return None  # the disk: rank 0 takes the whole model
         return GPUWeightPush(client.get("bucket_bytes", SGLangEngineConfig.bucket_bytes), config.rollout.quantization)
+    if config.parallel.pipeline == 1 and config.parallel.expert == 1:
+        return None
     servers = waits.broadcast(
         (list(engine.config.server_urls), engine.config.api_key) if dist.get_rank() == 0 else None
     )
