@@ -114,7 +114,11 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
 
     with open(args.run_config) as handle:
         run = yaml.safe_load(handle)
-    client = SGLangEngineConfig(server_urls=["unset"], **(run["rollout"]["sglang"].get("client") or {}))
+    client = SGLangEngineConfig(
+        server_urls=["unset"],
+        quantization=run["rollout"].get("quantization"),  # FP8 + colocated: --enable-weights-cpu-backup
+        **(run["rollout"]["sglang"].get("client") or {}),
+    )
     new_tokens = max(run["rollout"]["max_new_tokens"], (run.get("eval") or {}).get("max_new_tokens") or 0)
     launch["enable_memory_saver"] = run["rollout"].get("placement") == "colocated"
     parallel = run.get("parallel") or {}

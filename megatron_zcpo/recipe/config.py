@@ -287,6 +287,16 @@ class RunConfig:
                 "while the engine generates there: leave train.reference_offload unset (true when colocated)"
             )
         self._check_lora()
+        if (
+            self.rollout.placement == "colocated"
+            and self.rollout.sglang.client.get("weight_sync") == "tensor"
+            and (self.parallel.pipeline > 1 or self.parallel.expert > 1)
+        ):
+            raise ValueError(
+                "rollout.sglang.client.weight_sync=tensor feeds each server TP rank from the trainer rank on its GPU, "
+                "which walks the whole model in its own replica: with parallel.pipeline > 1 or parallel.expert > 1 "
+                "no rank holds it; use weight_sync=disk (the default then)"
+            )
         if self.tools.enabled and self.train.routing_replay != "none":
             raise ValueError("tools.enabled: multi-turn rollouts do not support train.routing_replay (set it to none)")
         held_out = self.eval.data

@@ -370,8 +370,9 @@ class RLRecipe:
         """Stop the rollout side (engines, reward workers) and close the loggers."""
         if self.overlap is not None:
             self.overlap.close()
-        if self.stages is not None and self.stages.engine is not None:
-            self.stages.engine.shutdown()
+        share_engine = getattr(self.stages, "engine", None)  # a share's lead's own client (StageWeightPush)
+        if share_engine is not None:
+            share_engine.shutdown()
         if self.rollout is not None:
             self.rollout.close()
         if self.logger is not None:

@@ -1,6 +1,10 @@
 """The recipe's weight push: the policy's weights, converted to Hugging Face names, into the rollout engine.
 
-Two ways, chosen at start-up by :func:`stage_weight_push`: one sender (no pipeline or expert
+Three ways, chosen at start-up by :func:`stage_weight_push`. Colocated SGLang servers fed through
+CUDA IPC (``weight_sync: tensor``) are fed from every GPU (:class:`GPUWeightPush`): each rank walks
+the whole model in its own replica (TP gathers only: no pipeline or expert parallelism) and hands
+the server TP rank on its GPU a handle of its own copy
+(:func:`~megatron_zcpo.rollout.sglang.update_weight.tensor_ipc.push_from_every_gpu`). Otherwise one sender (no pipeline or expert
 parallelism, or the embedded engine, which lives in global rank 0's process: every stage, and every
 expert-parallel rank's experts, stream to rank 0), or per share (SGLang under pipeline or expert
 parallelism: each stage's lead pushes its stage's dense tensors, and each expert-parallel rank's
@@ -19,7 +23,7 @@ ones back first), handed to them before the shares. Ranks meet rank 0 before, be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
 
 
 @dataclass
@@ -29,6 +33,15 @@ class StageWeightPush:
     TP / expert-TP gathers)."""
 
     engine: Any = None
+
+
+@dataclass
+class GPUWeightPush:
+    """The per-GPU push of colocated SGLang servers (``weight_sync: tensor``), present on every rank:
+    buckets of ``bucket_bytes``, FP8 weights when ``quantization`` is "fp8"."""
+
+    bucket_bytes: int
+    quantization: Optional[str] = None
 
 
 def share_name(model) -> str:
@@ -46,11 +59,11 @@ def share_name(model) -> str:
     return ""
 
 
-def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeightPush]:
+def stage_weight_push(config, engine, waits, model=None) -> Union[StageWeightPush, GPUWeightPush, None]:
     """This rank's per-share weight push (``config``: the RunConfig; ``engine``: rank 0's, None
-    elsewhere; ``waits``: the run's Rank0Wait; ``model``: this rank's policy stage), or None when
-    one sender does (no PP and no EP, the embedded engine, colocated placement, or LoRA adapters
-    pushed alone). Collective.
+    elsewhere; ``waits``: the run's Rank0Wait; ``model``: this rank's policy stage), the per-GPU push
+    of colocated servers fed through CUDA IPC, or None when one sender does (no PP and no EP, the
+    embedded engine, colocated placement through the disk, or LoRA adapters pushed alone). Collective.
 
     Under pipeline or expert parallelism with SGLang every share's lead (:func:`share_name`) pushes
     it through a weight-update group of its own (``<group_name>-<share>``), one share after the
@@ -58,11 +71,19 @@ def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeight
     """
     import torch.distributed as dist
 
-    if config.rollout.engine != "sglang" or (config.parallel.pipeline == 1 and config.parallel.expert == 1):
-        return None
-    if config.rollout.placement == "colocated":  # the engine's transport takes the whole model from rank 0
+    if config.rollout.engine != "sglang":
         return None
     if config.model.lora is not None and config.model.lora.push == "adapter":  # adapters only, through rank 0
+        return None
+    if config.rollout.placement == "colocated":
+        from megatron_zcpo.recipe.rollout import colocated_client
+        from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
+
+        client = colocated_client(dict(config.rollout.sglang.client), config)
+        if client["weight_sync"] != "tensor":
+            return None  # the disk: rank 0 takes the whole model
+        return GPUWeightPush(client.get("bucket_bytes", SGLangEngineConfig.bucket_bytes), config.rollout.quantization)
+    if config.parallel.pipeline == 1 and config.parallel.expert == 1:
         return None
     servers = waits.broadcast(
         (list(engine.config.server_urls), engine.config.api_key) if dist.get_rank() == 0 else None
@@ -117,14 +138,47 @@ def _counted(stream: Iterator[Tuple[str, Any]], totals: Dict[str, int]) -> Itera
         yield name, tensor
 
 
-def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush] = None, waits=None) -> Optional[int]:
+def _push_from_every_gpu(
+    trainer, engine, version: int, push: GPUWeightPush, waits, merged: bool, totals: Dict[str, int]
+) -> None:
+    """Every rank converts its replica's whole model (``iter_stage_tensors``: its TP group's gathers; the
+    replicas hold the same weights; ``merged``: LoRA-adapted weights merged) and feeds the server TP rank
+    on its GPU (global rank = GPU slot); this rank's bytes are added to ``totals``."""
+    import torch.distributed as dist
+
+    from megatron_zcpo.convert.mapping import megatron_to_hf_stream
+    from megatron_zcpo.megatron.weights import iter_stage_tensors
+    from megatron_zcpo.rollout.sglang.update_weight.tensor_ipc import push_from_every_gpu
+    from megatron_zcpo.utils.devices import compute_device
+
+    stream = megatron_to_hf_stream(iter_stage_tensors(trainer.policy, merged=merged), trainer.model_config)
+    if push.quantization == "fp8":
+        from megatron_zcpo.rollout.quantization import quantize_fp8_hf_weights
+
+        stream = quantize_fp8_hf_weights(stream)
+    push_from_every_gpu(
+        _counted(stream, totals),
+        version,
+        engine=engine if dist.get_rank() == 0 else None,
+        slot=dist.get_rank(),
+        gather=waits.gather,
+        broadcast=waits.broadcast,
+        bucket_bytes=push.bucket_bytes,
+        device=compute_device(),
+    )
+
+
+def push_weights(
+    trainer, engine, version: int, stages: Union[StageWeightPush, GPUWeightPush, None] = None, waits=None
+) -> Optional[int]:
     """Send ``trainer``'s policy weights to ``engine`` (rank 0's; None elsewhere) as ``version``;
     returns the bytes pushed on rank 0 (None elsewhere).
 
     Collective over all ranks. With ``stages`` (see :func:`stage_weight_push`) each share's lead
     converts its share's gathered tensors to Hugging Face names on the fly (the checkpoint
     converter's mapping) and pushes them itself, share after share (stage by stage, and within a
-    stage expert-parallel rank by rank); rank 0 then has the servers serve ``version``. Without it
+    stage expert-parallel rank by rank); rank 0 then has the servers serve ``version``. With a
+    :class:`GPUWeightPush` every rank feeds the server TP rank on its own GPU. Without either
     every share streams to global rank 0, which converts it and feeds the engine. No rank holds more
     than one full tensor (plus a bucket). ``waits`` (the run's
     :class:`~megatron_zcpo.recipe.rank0_wait.Rank0Wait`; None: the default group) is where the ranks
@@ -152,6 +206,10 @@ def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush
     merged, totals = lora is not None, {"bytes": 0}
     if lora is not None and lora.push == "adapter":
         _push_adapter(trainer, engine, version, lora, totals)
+        waits.barrier()
+        return totals["bytes"] if rank == 0 else None
+    if isinstance(stages, GPUWeightPush):
+        _push_from_every_gpu(trainer, engine, version, stages, waits, merged, totals)
         waits.barrier()
         return totals["bytes"] if rank == 0 else None
     if stages is None:

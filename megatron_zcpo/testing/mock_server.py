@@ -57,8 +57,9 @@ COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distri
 class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
-    ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
-    weight-update group (the mock joins with one process and counts as ``tp_size`` = 1).
+    ``tp_size`` is what ``/get_server_info`` reports: how many blobs ``/update_weights_from_tensor``
+    takes (TP rank k on ``gpus[k]``), and how many ranks it would take in a weight-update group (the
+    mock joins one with one process: only at ``tp_size`` 1).
     ``release``: the SGLang release whose API it speaks. ``events`` records (path, detail) of every
     request, for tests: detail "ok", a fault action, or the status a refused request got.
     Launch settings, as SGLang's flags: ``context_length`` (``--context-length``; None: the
@@ -69,7 +70,10 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
     collective request that arrived while another group's was in flight here. Colocated placement
     (:mod:`megatron_zcpo.testing.mock_memory_saver`): ``memory_saver`` (``--enable-memory-saver``),
     the ``gpus`` it occupies, each memory tag's bytes per GPU (``memory_sizes``) booked in ``ledger``
-    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault.
+    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault,
+    ``weights_cpu_backup`` (``--enable-weights-cpu-backup``), ``static_scales``: parameters the server
+    loaded from its checkpoint that no push carries (FP8's ``input_scale``), lost at a release of the
+    weights without the backup.
     """
 
     thread_name = "mock-sglang"
@@ -92,13 +96,16 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         api_key: Optional[str] = None,
         generate_delay_s: float = 0.0,
         memory_saver: bool = False,
-        gpus: Sequence[int] = (0,),
+        tp_size: int = 1,
+        gpus: Optional[Sequence[int]] = None,
         memory_sizes: Optional[Dict[str, int]] = None,
         ledger: Optional[MemoryLedger] = None,
         release_lag_s: float = 0.5,
         enable_lora: bool = False,
         max_lora_rank: Optional[int] = None,
         lora_target_modules: Sequence[str] = (),
+        weights_cpu_backup: bool = False,
+        static_scales: Optional[Dict[str, Any]] = None,
     ):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
@@ -151,8 +158,14 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
             "/begin_weight_update": self._begin_session,
             "/end_weight_update": self._end_session,
         }
+        self.tp_size = tp_size
+        gpus = tuple(range(tp_size)) if gpus is None else tuple(gpus)
+        if len(gpus) != tp_size:
+            raise ValueError(f"gpus={gpus}: a server at tp_size {tp_size} has one GPU per TP rank")
         self._init_memory_saver(memory_saver, gpus, memory_sizes, ledger, release_lag_s)
         self._init_lora(enable_lora, max_lora_rank, lora_target_modules)
+        self.weights_cpu_backup = weights_cpu_backup
+        self.static_scales = {name: tensor.clone() for name, tensor in (static_scales or {}).items()}
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -329,7 +342,8 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
     async def _health(self, request):
         from aiohttp import web
 
-        return web.Response(status=200)
+        status = self.health_generation(request)  # SGLang's /health and /health_generate run a token
+        return web.Response(status=status)
 
     async def _model_info(self, request):
         from aiohttp import web
@@ -349,7 +363,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
 
         return web.json_response(
             {
-                "tp_size": 1,
+                "tp_size": self.tp_size,
                 "dp_size": 1,
                 "version": self.release,
                 "context_length": self.context_length,
@@ -359,6 +373,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
                 "sampling_backend": "pytorch" if self.deterministic_inference else "flashinfer",
                 "enable_memory_saver": self.memory_saver,
                 **self.lora_server_info(),
+                "enable_weights_cpu_backup": self.weights_cpu_backup,
             }
         )
 
@@ -419,6 +434,8 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
 
     async def _init_group(self, request):
         body = await request.json()
+        if self.tp_size != 1:
+            return self._result(False, f"the mock joins weight-update groups as one rank, not tp_size {self.tp_size}")
         try:
             group = await self._one_at_a_time(
                 request.path,
@@ -537,6 +554,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=None)
     parser.add_argument("--lora-target-modules", nargs="*", default=[])
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random /generate fault")
     parser.add_argument("--fault-log", default=None, help="append each random fault to this file")
     parser.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate answers no sooner")
@@ -565,6 +583,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=args.lora_target_modules,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     server.start()
     stopped = threading.Event()

@@ -145,6 +145,13 @@ WEIGHT_UPDATE_SESSIONS_SINCE = "0.5.21"  # /begin_weight_update and /end_weight_
 SEED_LIMIT = 2**31  # 0.5.3.post3 packs sampling seeds as int32: seeds stay in [0, SEED_LIMIT)
 ROUTER_READY_PATH = "/readiness"  # 200 once the router has healthy workers (0.2.0 and 0.3.2)
 ROUTER_KEY_CHECK_PATH = "/workers"  # GET, behind the router's --api-key (0.2.0 and 0.3.2)
+# What the router's periodic worker checks ask (its --health-check-endpoint; default "/health", which
+# generates a token in both releases, http_server.py: on a colocated server's released memory during
+# training, or blocked behind a push's writer lock). /get_model_info reads the tokenizer manager's
+# fields only (0.5.3.post3 http_server.py:468, 0.5.23 :802): a liveness check that never generates.
+# Both router releases send their --api-key with it (tests/rollout/sglang/test_real_router.py).
+ROUTER_HEALTH_CHECK_PATH = "/get_model_info"
+ROUTER_HEALTH_CHECK_INTERVAL_S = 60  # sglang-router 0.2.0's and 0.3.2's --health-check-interval-secs
 # Fields sglang-router 0.2.0 / 0.3.2 add to every /generate body it forwards (read off the wire).
 ROUTER_GENERATE_FIELDS = (
     "log_metrics",

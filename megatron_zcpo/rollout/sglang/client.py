@@ -164,6 +164,9 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         self._closed = False
         self.rejected_samples = 0  # answers rejected by the output checks, over the engine's life
         self._memory_tags: Optional[Tuple[str, ...]] = None  # the servers' memory-saver tags, asked once
+        self._released: Dict[str, set] = {}  # url -> memory-saver tags it released (colocated placement)
+        self._returning: set = set()  # lost servers found generating in the generate phase
+        self.paused = False  # this client paused generation (a /health_generate would wait out its 20 s)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -507,6 +510,34 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         self._bring_back_returning_servers()
         return self._weights.push_part(self._quantized(named_hf_tensors), version, file_prefix)
 
+    # -- the per-GPU push (weight_sync "tensor", colocated: update_weight/tensor_ipc.py's push_from_every_gpu) --
+
+    def begin_tensor_push(self) -> List[int]:
+        """Open a per-GPU push (returning servers rejoin first); the GPU slots whose blobs it needs."""
+        self._check_open()
+        self._bring_back_returning_servers()
+        return self._tensor_transport().begin()
+
+    def post_tensor_bucket(self, blobs: Dict[int, str], version: Optional[int], nbytes: int, tensors: int) -> None:
+        """One bucket, serialised on each GPU slot (``blobs``); ``version`` with the last."""
+        self._tensor_transport().post(blobs, version, nbytes, tensors)
+
+    def finish_tensor_push(self, version: int) -> None:
+        """Close the push, then flush every cache and verify that the servers serve ``version``."""
+        self._tensor_transport().end()
+        self._flush_and_verify(version)
+
+    def abort_tensor_push(self) -> None:
+        """Close a failed push's sessions, as far as the servers answer."""
+        self._tensor_transport().end(ok=False)
+
+    def _tensor_transport(self):
+        from megatron_zcpo.rollout.sglang.update_weight import TensorIPCWeightUpdate
+
+        if not isinstance(self._weights, TensorIPCWeightUpdate):
+            raise RolloutError(f"a per-GPU push needs weight_sync='tensor', not {self.config.weight_sync!r}")
+        return self._weights
+
     def rotation_for_push(self) -> List[str]:
         """The servers a push by shares goes to: those in rotation, after the lost ones that answer their
         health check again rejoined (the push re-syncs them). Rank 0 hands it to every share's lead."""
@@ -548,13 +579,20 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
 
     def _bring_back_returning_servers(self) -> None:
         """Servers out of rotation that answer their health check again rejoin it for this push
-        (which then re-syncs them to the current weights before they get any request)."""
+        (which then re-syncs them to the current weights before they get any request). With
+        generation paused (colocated placement's update phase) no server can generate: those that
+        :meth:`check_returning_servers` found healthy in the generate phase rejoin instead."""
         pool = self._http.pool
         lost = list(pool.lost)
-        if lost:
-            for url, healthy in zip(lost, self._http.run(self._health(lost))):
-                if healthy:
-                    pool.bring_back(url)
+        if self.paused:
+            healthy_ones = [url for url in lost if url in self._returning]
+        elif lost:
+            healthy_ones = [url for url, healthy in zip(lost, self._http.run(self._health(lost))) if healthy]
+        else:
+            healthy_ones = []
+        for url in healthy_ones:
+            pool.bring_back(url)
+            self._returning.discard(url)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
     DETERMINISTIC_ATTENTION_BACKENDS,
     ROUTER_DEFAULT_REQUEST_TIMEOUT_S,
+    ROUTER_HEALTH_CHECK_INTERVAL_S,
+    ROUTER_HEALTH_CHECK_PATH,
     required_context_length,
 )
 from megatron_zcpo.utils.network import is_loopback, resolve
@@ -56,7 +58,9 @@ class SGLangServerConfig:
     server command. ``server_module`` / ``router_module`` can point at stand-ins (tests).
     ``api_key``: ``--api-key`` of every server and the router (None: a fresh random key per
     launcher, :attr:`SGLangLauncher.api_key`). ``router_request_timeout_s``: the router's
-    ``--request-timeout-secs`` (the client's ``router_timeout_s``).
+    ``--request-timeout-secs`` (the client's ``router_timeout_s``); its periodic worker checks ask
+    :data:`~megatron_zcpo.rollout.sglang.api.ROUTER_HEALTH_CHECK_PATH` (never a generation) every
+    ``router_health_check_interval_s``.
     ``enable_deterministic_inference``: per-request seeds are used (the client's
     ``sampling_seeds``); SGLang then needs ``attention_backend`` among
     :data:`~megatron_zcpo.rollout.sglang.api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
@@ -65,6 +69,9 @@ class SGLangServerConfig:
     the server releases and resumes its weights, KV cache and CUDA graphs on request; its processes
     then run without ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` (the memory saver's
     virtual-memory mapping and CUDA IPC of its tensors break with it).
+    ``enable_weights_cpu_backup``: ``--enable-weights-cpu-backup``, a host copy of the weights across a
+    release (:func:`server_config_for_run` sets it for quantised colocated servers: a release keeps only
+    the model's buffers, and the FP8 activation scales are parameters no push carries).
     ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
     :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
     ``mem_fraction_static`` for the weight pushes.
@@ -98,9 +105,11 @@ class SGLangServerConfig:
     startup_timeout_s: float = 1200.0
     api_key: Optional[str] = None
     router_request_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
+    router_health_check_interval_s: int = ROUTER_HEALTH_CHECK_INTERVAL_S
     enable_deterministic_inference: bool = False
     attention_backend: Optional[str] = None
     enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
     gpu_memory_gib: float = 80.0
     communicator_mib: float = NCCL_COMMUNICATOR_MIB
     lora_rank: Optional[int] = None
@@ -164,7 +173,8 @@ def server_config_for_run(
     client (``client``, its SGLangEngineConfig) and the run's lengths filled in where ``launch``
     leaves it: ``--context-length`` that serves ``max_prompt_length + max_new_tokens`` in full,
     the router's ``--request-timeout-secs`` from ``client.router_timeout_s``, deterministic
-    inference when ``client.sampling_seeds`` and the client's API key. ``--mem-fraction-static``
+    inference when ``client.sampling_seeds``, the client's API key, and a host copy of the weights
+    (``--enable-weights-cpu-backup``) for a memory-saver server of FP8 rollouts. ``--mem-fraction-static``
     gives up what the weight pushes hold outside SGLang's static pool (:func:`weight_update_reserve_bytes`
     of ``weight_groups`` groups, see :func:`weight_update_groups`, on GPUs of ``gpu_memory_gib``), so
     SGLang keeps the memory it plans for its activations (its static pool, model weights included,
@@ -181,6 +191,14 @@ def server_config_for_run(
 
         derived.update(lora_rank=lora.rank, lora_target_modules=hf_target_modules(lora))
     config = SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
+    if config.enable_memory_saver and (client.quantization == "fp8" or config.quantization):
+        if launch.get("enable_weights_cpu_backup") is False:
+            raise ValueError(
+                "rollout.sglang.launch.enable_weights_cpu_backup=false with quantised rollouts on memory-saver "
+                "(colocated) servers: a release keeps only the model's buffers and loses the FP8 activation "
+                "scales no push carries; leave it unset"
+            )
+        config = dataclasses.replace(config, enable_weights_cpu_backup=True)
     groups = weight_groups if client.weight_sync == "distributed" else 0
     reserve = weight_update_reserve_bytes(groups, client.bucket_bytes, config.communicator_mib)
     fraction = config.mem_fraction_static - reserve / (config.gpu_memory_gib * 2**30)
@@ -305,6 +323,8 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
     if config.lora_rank is not None:
         command += ["--enable-lora", "--max-lora-rank", str(config.lora_rank), "--lora-target-modules"]
         command += list(config.lora_target_modules)
+    if config.enable_weights_cpu_backup:
+        command += ["--enable-weights-cpu-backup"]
     return command + list(config.extra_args)
 
 
@@ -312,7 +332,10 @@ def router_command(
     worker_urls: List[str], config: SGLangServerConfig, host: str, api_key: Optional[str] = None
 ) -> List[str]:
     """The ``python -m sglang_router.launch_router ...`` command line over ``worker_urls``, bound to
-    ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``."""
+    ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``.
+    Its worker checks never generate (:data:`~megatron_zcpo.rollout.sglang.api.ROUTER_HEALTH_CHECK_PATH`):
+    SGLang's ``/health`` would run a token on a colocated server's released memory during training,
+    and block behind a long weight push until the router marks the workers unhealthy."""
     command = [
         config.python,
         "-m",
@@ -325,6 +348,10 @@ def router_command(
         config.router_policy,
         "--request-timeout-secs",
         str(int(config.router_request_timeout_s)),
+        "--health-check-endpoint",
+        ROUTER_HEALTH_CHECK_PATH,
+        "--health-check-interval-secs",
+        str(int(config.router_health_check_interval_s)),
         "--worker-urls",
         *worker_urls,
     ]

@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 class ServerFacts:
     """What one server reports: its URL, GPUs (``tp_size``), SGLang ``version``, the most prompt +
     new tokens it serves in full (``served_tokens``, None if unknown), whether it uses per-request
-    seeds (``deterministic``), its ``mem_fraction_static`` (None if unknown) and its LoRA serving
-    (``lora_rank``: ``--max-lora-rank`` under ``--enable-lora``, None without; ``lora_target_modules``)."""
+    seeds (``deterministic``), its ``mem_fraction_static`` (None if unknown), its LoRA serving
+    (``lora_rank``: ``--max-lora-rank`` under ``--enable-lora``, None without; ``lora_target_modules``),
+    and whether it releases memory on request (``memory_saver``) keeping a host copy of its weights
+    (``weights_cpu_backup``)."""
 
     url: str
     tp_size: int
@@ -49,6 +51,8 @@ class ServerFacts:
     mem_fraction_static: Optional[float]
     lora_rank: Optional[int] = None
     lora_target_modules: Tuple[str, ...] = ()
+    memory_saver: bool = False
+    weights_cpu_backup: bool = False
 
     @classmethod
     def from_server_info(cls, url: str, info: Dict[str, Any]) -> ServerFacts:
@@ -63,6 +67,8 @@ class ServerFacts:
             mem_fraction_static=None if fraction is None else float(fraction),
             lora_rank=int(info.get("max_lora_rank") or 0) if info.get("enable_lora") else None,
             lora_target_modules=tuple(info.get("lora_target_modules") or ()),
+            memory_saver=bool(info.get("enable_memory_saver")),
+            weights_cpu_backup=bool(info.get("enable_weights_cpu_backup")),
         )
 
 
@@ -138,6 +144,15 @@ def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_
             f"load format of /update_weights_from_distributed exists from {FLATTENED_BUCKETS_SINCE} on; an older "
             f"server ignores it and waits for tensors one by one, so the push hangs; set "
             f"{KEY}.flattened_buckets=false"
+        )
+    if config.quantization == "fp8" and facts.memory_saver and not facts.weights_cpu_backup:
+        problems.append(
+            f"rollout.quantization=fp8 with {facts.url} launched with --enable-memory-saver (colocated placement) "
+            f"but without --enable-weights-cpu-backup: a release keeps only the model's buffers "
+            f"(scheduler weight_updater.py: _export_static_state), so the FP8 activation scales (input_scale "
+            f"parameters, which come from the server's checkpoint and no push carries) are lost at the first "
+            f"release; launch the servers with --enable-weights-cpu-backup (rollout.sglang.launch and "
+            f"examples/common/sglang_node.py --run-config add it)"
         )
     if config.return_routed_experts and not release_at_least(facts.version, ROUTED_EXPERTS_RELEASE):
         problems.append(

@@ -70,11 +70,14 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release):
         return_routed_experts=routed,
         lora_rank=16,
         lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        enable_memory_saver=True,  # colocated, FP8: the weights' host copy keeps the activation scales
+        enable_weights_cpu_backup=True,
     )
     argv = server_command(ServerSpec("node1", 30000, (0, 1, 2, 3)), config)[3:]  # after python -m module
     keys = ["model_path", "host", "port", "tp_size", "ep_size", "context_length", "quantization", "dtype"]
     keys += ["mem_fraction_static", "random_seed", "enable_deterministic_inference", "attention_backend", "api_key"]
     keys += ["enable_lora", "max_lora_rank", "lora_target_modules"]
+    keys += ["enable_memory_saver", "enable_weights_cpu_backup"]
     aliases = {"tensor_parallel_size": "tp_size", "expert_parallel_size": "ep_size"}  # 0.5.3.post3's dests
     argvs = [argv, argv + ["--enable-return-routed-experts"], argv + ["--quantization", "modelopt_fp8"]]
     try:
@@ -101,6 +104,8 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release):
         "enable_lora": True,
         "max_lora_rank": 16,
         "lora_target_modules": config.lora_target_modules,
+        "enable_memory_saver": True,
+        "enable_weights_cpu_backup": True,
         **({"enable_return_routed_experts": True} if routed else {}),
     }
     # Routing replay needs a newer server (the pinned one refuses the flag); 0.5.3.post3 has no
