@@ -8,6 +8,13 @@ instead: the server URLs as a JSON list on the first line and the router URL on 
 the scripts pass to ``zcpo train`` as ``rollout.sglang.server_urls=[...]`` and
 ``rollout.sglang.router_url=...``.
 
+Under Slurm a signal to a step reaches every process of it, servers included. Slurm's stop signals
+(SIGTERM: a preemption's grace time; SIGUSR1) must not stop the servers, since the training's last
+step before its checkpoint needs them: this process blocks them from its first line, and so does
+every server and the router it starts (the signal mask is inherited), and it prints
+``sglang_node: received SIG...`` for the job script, which then knows the job is being stopped.
+SIGINT (the job script's, forwarded by ``srun --disable-status``) stops the servers and the router.
+
 ``--run-config`` (the run's resolved config, ``zcpo train --dry-run``) sets what must agree with
 the client (megatron_zcpo.rollout.sglang.server.server_config_for_run): ``--context-length`` that
 serves ``data.max_prompt_length + max_new_tokens`` in full, the router's
@@ -23,10 +30,16 @@ generates one per job; the training tasks send it), and bind to their node's add
 
 from __future__ import annotations
 
+import signal
+
+from megatron_zcpo.training.preemption import STOP_SIGNALS, record_stop_signals
+
+if __name__ == "__main__":
+    record_stop_signals()  # before the heavier imports: Slurm's SIGTERM/SIGUSR1 never stop this step
+
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from typing import List, Optional
@@ -128,10 +141,14 @@ def planned_addresses(config: SGLangServerConfig) -> dict:
 
 
 def supervise(launcher: SGLangLauncher, poll_s: float = 5.0) -> int:
-    """Start this node's processes and wait: 0 after SIGTERM/SIGINT, 1 when a process exits by itself."""
+    """Start this node's processes and wait: 0 after SIGINT, 1 when a process exits by itself.
+
+    SIGTERM and SIGUSR1 (Slurm stopping the job) are reported on standard output, not obeyed: the
+    servers keep serving until the job script sends SIGINT, after the training's last step."""
     stopping = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    for stop_signal in STOP_SIGNALS:  # run by record_stop_signals' thread when one arrives
+        signal.signal(stop_signal, _report_stop_signal)
     launcher.start()
     if not launcher.processes:
         print(f"sglang_node: this host is not one of --nodes {launcher.config.nodes}", file=sys.stderr)
@@ -142,8 +159,17 @@ def supervise(launcher: SGLangLauncher, poll_s: float = 5.0) -> int:
     failed = not stopping
     if failed:
         print(launcher.failure_report(), file=sys.stderr, flush=True)
+    for process in launcher.processes.values():  # what the job's SIGINT reached already; they block SIGTERM
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
     launcher.stop()
     return int(failed)
+
+
+def _report_stop_signal(signum, frame) -> None:
+    # The job script looks for this line (zcpo_job.sh, wait_for_health): a preemption's SIGTERM during
+    # the servers' start-up reaches this step, not the script.
+    print(f"sglang_node: received {signal.Signals(signum).name}; the servers keep serving until SIGINT", flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
