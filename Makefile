@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install install-dev slurm demo test gpu-check
+.PHONY: install install-dev system-packages demo test gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +23,17 @@ install-dev: $(BIN)/python
 demo: install
 	$(BIN)/zcpo demo
 
-# Debian's Slurm 22.05 and munge for the real-Slurm job tests (root; nothing is started here).
-slurm:
-	tools/install_slurm.sh
+# Debian/Ubuntu packages the tests use (as root, else through sudo): bubblewrap, the code tool's
+# sandbox; Slurm 22.05 and munge, the real one-machine cluster of the job tests (tools/install_slurm.sh:
+# their services stay off).
+system-packages:
+	@command -v bwrap >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap; }
+	@tools/install_slurm.sh
 
 # Exit code 5 means "no tests collected": not a failure of the suite. ZCPO_REQUIRE_SLURM: the
 # real-Slurm tests fail instead of skipping when Slurm is missing.
-test: install-dev slurm
+test: install-dev system-packages
 	ZCPO_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3
