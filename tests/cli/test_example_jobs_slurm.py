@@ -10,9 +10,10 @@ stays):
   servers start, requeues itself; then USR1 on the batch shell (the time limit's
   ``--signal=B:USR1@300``) after a periodic checkpoint, stops after the step in progress with a
   checkpoint, requeues itself; then runs to the end;
-- a run whose steps' processes get TERM after a periodic checkpoint (a preemption's grace time: the
-  ranks' helper processes get it too, and the ranks save again after it), requeues itself and runs
-  to the end.
+- a run whose every process gets TERM after a periodic checkpoint (the steps' processes, as at the
+  start of a preemption's grace time: the ranks' helper processes too, and the ranks save again after
+  it; and the batch shell, which must not turn it into a kill of the training step), requeues itself
+  and runs to the end.
 
 Each stop ends with the run resumed from its newest checkpoint, no step lost or repeated, nothing
 half-written, the whole log in one file, and no process of the job left behind.
@@ -196,7 +197,7 @@ def finished_jobs(tmp_path_factory, tiny_model):
                         (1, StepAfterANewCheckpoint(), "USR1", True, False),
                     ],
                 ),
-                (jobs["preempted"], [(0, StepAfterANewCheckpoint(), "TERM", False, True)]),
+                (jobs["preempted"], [(0, StepAfterANewCheckpoint(), "TERM", True, True)]),
             ],
             deadline,
         )
@@ -286,7 +287,7 @@ def test_term_while_the_servers_start_then_usr1_after_a_checkpoint_each_requeue_
     assert servers.count("sglang_node: received SIGTERM") == 1 and servers.count("srun: sending Ctrl-C") == 3
 
 
-def test_term_to_every_step_after_a_checkpoint_stops_the_ranks_after_their_step_with_another(finished_jobs):
+def test_term_to_every_process_after_a_checkpoint_stops_the_ranks_after_their_step_with_another(finished_jobs):
     job = finished_jobs["preempted"]
     attempts = assert_stopped_and_resumed(job, restarts=1)
     assert [(restart, name) for restart, name, _ in job.sent] == [(0, "TERM")]
@@ -294,5 +295,6 @@ def test_term_to_every_step_after_a_checkpoint_stops_the_ranks_after_their_step_
     # resource tracker, reward workers) got TERM; the ranks saved once more and exited 75
     stop = int(re.search(r"stopped at step (\d+) after SIGTERM", attempts[0]).group(1))
     assert stop > job.sent[0][2] > 0 and "training stopped at a checkpoint (exit 75)" in attempts[0]
+    assert "TERM: training stops after its current step" in attempts[0]  # the batch shell: no kill of the step
     servers = _read(job.run_dir / "sglang_step.log")
     assert servers.count("sglang_node: received SIGTERM") == 1 and servers.count("srun: sending Ctrl-C") == 2
