@@ -46,6 +46,7 @@ import sys
 import time
 from typing import List, Optional
 
+from megatron_zcpo.megatron.lora import LoraConfig
 from megatron_zcpo.rollout.sglang.config import API_KEY_ENV, SGLangEngineConfig
 from megatron_zcpo.rollout.sglang.server import (
     SGLangLauncher,
@@ -133,7 +134,9 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
     launch["enable_memory_saver"] = run["rollout"].get("placement") == "colocated"
     parallel = run.get("parallel") or {}
     groups = weight_update_groups(parallel.get("pipeline", 1), parallel.get("expert", 1), client)
-    return server_config_for_run(launch, client, run["data"]["max_prompt_length"], new_tokens, groups)
+    lora = (run.get("model") or {}).get("lora")
+    lora = LoraConfig(**lora) if lora else None  # push: adapter -> the servers' LoRA serving flags
+    return server_config_for_run(launch, client, run["data"]["max_prompt_length"], new_tokens, groups, lora)
 
 
 # Run first in a server's (and the router's) interpreter, then the module as ``python -m`` runs it.

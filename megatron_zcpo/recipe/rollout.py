@@ -251,6 +251,7 @@ def make_single_turn_engine(config: RunConfig, model_config, tokenizer):
             config.data.max_prompt_length,
             longest_new_tokens(config),
             weight_update_groups(config.parallel.pipeline, config.parallel.expert, client_config),
+            lora=config.model.lora,
         )
         engine = launch_sglang(SGLangLauncher(servers), **client)
     else:

@@ -19,7 +19,7 @@ ones back first), handed to them before the shares. Ranks meet rank 0 before, be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 
 @dataclass
@@ -49,7 +49,8 @@ def share_name(model) -> str:
 def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeightPush]:
     """This rank's per-share weight push (``config``: the RunConfig; ``engine``: rank 0's, None
     elsewhere; ``waits``: the run's Rank0Wait; ``model``: this rank's policy stage), or None when
-    one sender does (no PP and no EP, the embedded engine, or colocated placement). Collective.
+    one sender does (no PP and no EP, the embedded engine, colocated placement, or LoRA adapters
+    pushed alone). Collective.
 
     Under pipeline or expert parallelism with SGLang every share's lead (:func:`share_name`) pushes
     it through a weight-update group of its own (``<group_name>-<share>``), one share after the
@@ -60,6 +61,8 @@ def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeight
     if config.rollout.engine != "sglang" or (config.parallel.pipeline == 1 and config.parallel.expert == 1):
         return None
     if config.rollout.placement == "colocated":  # the engine's transport takes the whole model from rank 0
+        return None
+    if config.model.lora is not None and config.model.lora.push == "adapter":  # adapters only, through rank 0
         return None
     servers = waits.broadcast(
         (list(engine.config.server_urls), engine.config.api_key) if dist.get_rank() == 0 else None
@@ -75,7 +78,7 @@ def stage_weight_push(config, engine, waits, model=None) -> Optional[StageWeight
     return StageWeightPush(SGLangEngine(SGLangEngineConfig(server_urls=servers[0], **client)))
 
 
-def _share_of_turn(model, expert_rank: int) -> Iterator[Tuple[str, Any]]:
+def _share_of_turn(model, expert_rank: int, merged: bool = False) -> Iterator[Tuple[str, Any]]:
     """This rank's part of one turn of its stage's push: in turn 0 the dense walk (first replica's
     ranks), then in turn ``e`` the expert walk of expert-parallel rank ``e`` (its first expert
     replica's ranks); yields what this rank sends (its share), drains the rest."""
@@ -99,7 +102,7 @@ def _share_of_turn(model, expert_rank: int) -> Iterator[Tuple[str, Any]]:
     if expert_rank == 0:
         walks.insert(0, ("dense", walks_dense_part(), is_stage_lead()))
     for part, walks_it, sends_it in walks:
-        stream = iter_stage_tensors(model, part) if walks_it else iter(())
+        stream = iter_stage_tensors(model, part, merged) if walks_it else iter(())
         if sends_it:
             yield from stream
         else:
@@ -107,8 +110,16 @@ def _share_of_turn(model, expert_rank: int) -> Iterator[Tuple[str, Any]]:
                 pass
 
 
-def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush] = None, waits=None) -> None:
-    """Send ``trainer``'s policy weights to ``engine`` (rank 0's; None elsewhere) as ``version``.
+def _counted(stream: Iterator[Tuple[str, Any]], totals: Dict[str, int]) -> Iterator[Tuple[str, Any]]:
+    """``stream`` unchanged, its tensors' bytes added to ``totals["bytes"]``."""
+    for name, tensor in stream:
+        totals["bytes"] += tensor.numel() * tensor.element_size()
+        yield name, tensor
+
+
+def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush] = None, waits=None) -> Optional[int]:
+    """Send ``trainer``'s policy weights to ``engine`` (rank 0's; None elsewhere) as ``version``;
+    returns the bytes pushed on rank 0 (None elsewhere).
 
     Collective over all ranks. With ``stages`` (see :func:`stage_weight_push`) each share's lead
     converts its share's gathered tensors to Hugging Face names on the fly (the checkpoint
@@ -119,10 +130,16 @@ def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush
     :class:`~megatron_zcpo.recipe.rank0_wait.Rank0Wait`; None: the default group) is where the ranks
     meet rank 0 first (it may still be generating, with overlapped rollouts), between two shares and
     after rank 0's commit.
+
+    A LoRA policy (``model.lora``) pushes W + (alpha/r) B A in place of each adapted weight
+    (``push: merged``, merged out of place: the trainer's weights are untouched), or its adapters
+    alone as a PEFT adapter (``push: adapter``, stage by stage to rank 0, which has the SGLang
+    servers load it under a name of its own per version: :meth:`SGLangEngine.update_adapter`).
     """
     import torch.distributed as dist
 
     from megatron_zcpo.convert.mapping import megatron_to_hf_stream
+    from megatron_zcpo.megatron.lora import lora_of
     from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0
 
     if waits is None:
@@ -131,15 +148,21 @@ def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush
         waits = Rank0Wait(None)
     rank = dist.get_rank()
     waits.barrier()
+    lora = lora_of(trainer.policy)
+    merged, totals = lora is not None, {"bytes": 0}
+    if lora is not None and lora.push == "adapter":
+        _push_adapter(trainer, engine, version, lora, totals)
+        waits.barrier()
+        return totals["bytes"] if rank == 0 else None
     if stages is None:
-        stream = iter_model_tensors_to_rank0(trainer.policy)
+        stream = iter_model_tensors_to_rank0(trainer.policy, merged=merged)
         if rank == 0:
-            engine.update_weights(megatron_to_hf_stream(stream, trainer.model_config), version)
+            engine.update_weights(_counted(megatron_to_hf_stream(stream, trainer.model_config), totals), version)
         else:
             for _ in stream:  # collective: every rank walks its part
                 pass
         waits.barrier()
-        return
+        return totals["bytes"] if rank == 0 else None
     from megatron.core import parallel_state as ps
 
     # Every share goes to rank 0's rotation: not to servers it took out, and again to those back.
@@ -155,14 +178,35 @@ def push_weights(trainer, engine, version: int, stages: Optional[StageWeightPush
             first = False
             if stage != ps.get_pipeline_model_parallel_rank():
                 continue
-            stream = megatron_to_hf_stream(_share_of_turn(trainer.policy, turn), trainer.model_config)
+            stream = megatron_to_hf_stream(_share_of_turn(trainer.policy, turn, merged), trainer.model_config)
             if stages.engine is not None and turn == my_turn:
-                weight_map = stages.engine.push_part(stream, version, file_prefix=f"model-{share_name(trainer.policy)}")
+                weight_map = stages.engine.push_part(
+                    _counted(stream, totals), version, file_prefix=f"model-{share_name(trainer.policy)}"
+                )
             else:
                 for _ in stream:
                     pass
-    weight_maps = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(weight_map, weight_maps, dst=0, group=waits.group)
+    shares = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((weight_map, totals["bytes"]), shares, dst=0, group=waits.group)
     if rank == 0:
-        engine.commit_weights(version, weight_maps)
+        engine.commit_weights(version, [weight_map for weight_map, _ in shares])
     waits.barrier()
+    return sum(count for _, count in shares) if rank == 0 else None
+
+
+def _push_adapter(trainer, engine, version: int, lora, totals: Dict[str, int]) -> None:
+    """``push: adapter``: every stage's adapters to rank 0, which hands them to the engine as a PEFT
+    adapter of ``version`` (:mod:`megatron_zcpo.convert.peft`). Collective over all ranks."""
+    import torch.distributed as dist
+
+    from megatron_zcpo.convert.peft import megatron_adapters_to_peft_stream, peft_adapter_config
+    from megatron_zcpo.megatron.weights import iter_model_tensors_to_rank0
+
+    stream = iter_model_tensors_to_rank0(trainer.policy, adapters=True)
+    if dist.get_rank() != 0:
+        for _ in stream:  # this rank's part of its stage's gathers
+            pass
+        return
+    base = (trainer.lora_base or {}).get("path")
+    peft = _counted(megatron_adapters_to_peft_stream(stream, trainer.model_config), totals)
+    engine.update_adapter(peft, peft_adapter_config(lora, base), version)

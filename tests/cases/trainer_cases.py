@@ -98,6 +98,7 @@ def make_trainer(
     etp=None,
     train_overrides=None,
     first_stage_layers=None,
+    lora=None,
     **algorithm_overrides,
 ):
     from megatron_zcpo.algorithms import AlgorithmConfig
@@ -143,6 +144,7 @@ def make_trainer(
         ),
         initial_weights=policy,
         reference_weights=reference,
+        lora=lora,
     )
 
 

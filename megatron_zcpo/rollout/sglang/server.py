@@ -68,6 +68,9 @@ class SGLangServerConfig:
     ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
     :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
     ``mem_fraction_static`` for the weight pushes.
+    ``lora_rank`` (``model.lora.push: adapter``): ``--enable-lora --max-lora-rank R
+    --lora-target-modules ...`` (``lora_target_modules``, Hugging Face names), the servers then take
+    the run's adapter by name; None: no LoRA serving (a merged push goes into the base).
     """
 
     model_path: str
@@ -100,11 +103,17 @@ class SGLangServerConfig:
     enable_memory_saver: bool = False
     gpu_memory_gib: float = 80.0
     communicator_mib: float = NCCL_COMMUNICATOR_MIB
+    lora_rank: Optional[int] = None
+    lora_target_modules: List[str] = field(default_factory=list)
 
     def validate(self, prefix: str = "rollout.servers") -> None:
         """Raise ``ValueError`` naming the offending key."""
         if not self.model_path:
             raise ValueError(f"{prefix}.model_path must name a Hugging Face model directory")
+        if self.lora_rank is not None and (self.lora_rank < 1 or not self.lora_target_modules):
+            raise ValueError(
+                f"{prefix}.lora_rank={self.lora_rank} needs a positive rank and {prefix}.lora_target_modules"
+            )
         for key in ("tp_size", "base_port", "port_stride", "router_port"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{prefix}.{key} must be >= 1, got {getattr(self, key)}")
@@ -144,7 +153,12 @@ def weight_update_reserve_bytes(groups: int, bucket_bytes: int, communicator_mib
 
 
 def server_config_for_run(
-    launch: Mapping[str, Any], client, max_prompt_length: int, max_new_tokens: int, weight_groups: int = 1
+    launch: Mapping[str, Any],
+    client,
+    max_prompt_length: int,
+    max_new_tokens: int,
+    weight_groups: int = 1,
+    lora=None,
 ) -> SGLangServerConfig:
     """The launcher config of ``launch`` (``rollout.sglang.launch``) with what must agree with the
     client (``client``, its SGLangEngineConfig) and the run's lengths filled in where ``launch``
@@ -154,13 +168,18 @@ def server_config_for_run(
     gives up what the weight pushes hold outside SGLang's static pool (:func:`weight_update_reserve_bytes`
     of ``weight_groups`` groups, see :func:`weight_update_groups`, on GPUs of ``gpu_memory_gib``), so
     SGLang keeps the memory it plans for its activations (its static pool, model weights included,
-    shrinks instead: the planner's decode rate sees the lowered fraction)."""
+    shrinks instead: the planner's decode rate sees the lowered fraction). ``lora`` (the run's
+    ``model.lora`` when its adapters are pushed alone) sets the LoRA serving flags."""
     derived = {
         "context_length": required_context_length(max_prompt_length, max_new_tokens),
         "router_request_timeout_s": client.router_timeout_s,
         "enable_deterministic_inference": bool(client.sampling_seeds),
         "api_key": client.api_key,
     }
+    if lora is not None and lora.push == "adapter":
+        from megatron_zcpo.convert.peft import hf_target_modules
+
+        derived.update(lora_rank=lora.rank, lora_target_modules=hf_target_modules(lora))
     config = SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
     groups = weight_groups if client.weight_sync == "distributed" else 0
     reserve = weight_update_reserve_bytes(groups, client.bucket_bytes, config.communicator_mib)
@@ -283,6 +302,9 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
         command += ["--enable-return-routed-experts"]
     if config.enable_memory_saver:
         command += ["--enable-memory-saver"]
+    if config.lora_rank is not None:
+        command += ["--enable-lora", "--max-lora-rank", str(config.lora_rank), "--lora-target-modules"]
+        command += list(config.lora_target_modules)
     return command + list(config.extra_args)
 
 

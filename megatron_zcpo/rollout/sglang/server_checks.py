@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 class ServerFacts:
     """What one server reports: its URL, GPUs (``tp_size``), SGLang ``version``, the most prompt +
     new tokens it serves in full (``served_tokens``, None if unknown), whether it uses per-request
-    seeds (``deterministic``) and its ``mem_fraction_static`` (None if unknown)."""
+    seeds (``deterministic``), its ``mem_fraction_static`` (None if unknown) and its LoRA serving
+    (``lora_rank``: ``--max-lora-rank`` under ``--enable-lora``, None without; ``lora_target_modules``)."""
 
     url: str
     tp_size: int
@@ -46,6 +47,8 @@ class ServerFacts:
     served_tokens: Optional[int]
     deterministic: bool
     mem_fraction_static: Optional[float]
+    lora_rank: Optional[int] = None
+    lora_target_modules: Tuple[str, ...] = ()
 
     @classmethod
     def from_server_info(cls, url: str, info: Dict[str, Any]) -> ServerFacts:
@@ -58,6 +61,8 @@ class ServerFacts:
             served_tokens=served_tokens(info),
             deterministic=bool(info.get("enable_deterministic_inference")),
             mem_fraction_static=None if fraction is None else float(fraction),
+            lora_rank=int(info.get("max_lora_rank") or 0) if info.get("enable_lora") else None,
+            lora_target_modules=tuple(info.get("lora_target_modules") or ()),
         )
 
 
@@ -69,9 +74,37 @@ def unauthorized(url: str, error: SGLangHTTPError) -> str:
     )
 
 
-def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_tokens: int) -> List[str]:
-    """What keeps the server of ``facts`` from serving the run (``config``: its SGLangEngineConfig)."""
-    problems = []
+def lora_problems(facts: ServerFacts, lora) -> List[str]:
+    """What keeps the server of ``facts`` from taking the run's weights: ``lora`` (``model.lora``, or None)
+    pushed as an adapter needs LoRA serving of its rank and modules; every other push (whole or merged
+    weights) needs a server without it, which would pass over the adapted projections' weights."""
+    from megatron_zcpo.convert.peft import hf_target_modules
+
+    if lora is None or lora.push != "adapter":
+        if facts.lora_rank is None:
+            return []
+        return [
+            f"{facts.url} was launched with --enable-lora: SGLang renames the projections it adapts, and a weight "
+            f"push (model.lora.push=merged, or no model.lora) would pass over them without an error; launch it "
+            f"without --enable-lora, or push the adapter alone (model.lora.push=adapter)"
+        ]
+    modules = hf_target_modules(lora)
+    flags = f"--enable-lora --max-lora-rank {lora.rank} --lora-target-modules {' '.join(modules)}"
+    if facts.lora_rank is None:
+        return [f"model.lora.push=adapter, but {facts.url} has no LoRA serving: launch it with {flags}"]
+    missing = sorted(set(modules) - set(facts.lora_target_modules))
+    if facts.lora_rank < lora.rank or missing:
+        return [
+            f"{facts.url} serves LoRA adapters up to rank {facts.lora_rank} on {list(facts.lora_target_modules)}, "
+            f"model.lora needs rank {lora.rank} on {modules}: launch it with {flags}"
+        ]
+    return []
+
+
+def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_tokens: int, lora=None) -> List[str]:
+    """What keeps the server of ``facts`` from serving the run (``config``: its SGLangEngineConfig;
+    ``lora``: the run's ``model.lora``)."""
+    problems = lora_problems(facts, lora)
     longest = max_prompt_length + max_new_tokens
     if facts.served_tokens is not None and facts.served_tokens < longest:
         problems.append(
@@ -154,15 +187,16 @@ async def gather_facts(http, urls: List[str], router_url: Optional[str]) -> List
     return [answer for answer in answers if isinstance(answer, ServerFacts)]
 
 
-def check_servers(http, config, max_prompt_length: int, max_new_tokens: int) -> List[ServerFacts]:
+def check_servers(http, config, max_prompt_length: int, max_new_tokens: int, lora=None) -> List[ServerFacts]:
     """Check the servers of ``config`` (an SGLangEngineConfig; ``http`` its SGLangHTTP) against the
-    run: the key, then each server's context length, seeds and load format. Returns their facts;
-    raises ``RolloutError`` listing every problem, each naming the key or launch flag that fixes it."""
+    run: the key, then each server's context length, seeds, load format and LoRA serving (``lora``:
+    the run's ``model.lora``). Returns their facts; raises ``RolloutError`` listing every problem,
+    each naming the key or launch flag that fixes it."""
     facts = http.run(gather_facts(http, list(config.server_urls), config.router_url))
     for warning in filter(None, map(untested_version, facts)):
         logger.warning(warning)
     problems = [
-        problem for fact in facts for problem in server_problems(fact, config, max_prompt_length, max_new_tokens)
+        problem for fact in facts for problem in server_problems(fact, config, max_prompt_length, max_new_tokens, lora)
     ]
     if problems:
         raise RolloutError("SGLang start-up check failed:\n  " + "\n  ".join(problems))

@@ -41,6 +41,9 @@ REQUEST_CLASSES = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
 }
 
 
@@ -65,10 +68,13 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release):
         api_key="k",
         ep_size=4,
         return_routed_experts=routed,
+        lora_rank=16,
+        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
     argv = server_command(ServerSpec("node1", 30000, (0, 1, 2, 3)), config)[3:]  # after python -m module
     keys = ["model_path", "host", "port", "tp_size", "ep_size", "context_length", "quantization", "dtype"]
     keys += ["mem_fraction_static", "random_seed", "enable_deterministic_inference", "attention_backend", "api_key"]
+    keys += ["enable_lora", "max_lora_rank", "lora_target_modules"]
     aliases = {"tensor_parallel_size": "tp_size", "expert_parallel_size": "ep_size"}  # 0.5.3.post3's dests
     argvs = [argv, argv + ["--enable-return-routed-experts"], argv + ["--quantization", "modelopt_fp8"]]
     try:
@@ -92,6 +98,9 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release):
         "enable_deterministic_inference": True,
         "attention_backend": "fa3",
         "api_key": "k",
+        "enable_lora": True,
+        "max_lora_rank": 16,
+        "lora_target_modules": config.lora_target_modules,
         **({"enable_return_routed_experts": True} if routed else {}),
     }
     # Routing replay needs a newer server (the pinned one refuses the flag); 0.5.3.post3 has no
@@ -138,5 +147,6 @@ def test_the_generate_bodies_we_send_pass_the_newest_releases_json_contract():
     assert len(server.bodies) == 4
     for body in server.bodies:
         contract.GenerateRequest.from_json_value(body)  # raises JsonContractError on a violation
+    contract.GenerateRequest.from_json_value({**body, "lora_path": "zcpo-lora-v3"})  # model.lora.push=adapter
     with pytest.raises(contract.JsonContractError, match="unknown field `seed`"):
         contract.GenerateRequest.from_json_value({**body, "sampling_params": {"seed": 1}})
