@@ -23,6 +23,7 @@ every EP rank's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -38,7 +39,13 @@ _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    # multi-latent attention: TE fuses the latent norms into the up-projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
+# The routers' load-balancing correction bias (DeepSeek-V3's e_score_correction_bias): a float32
+# buffer megatron-core keeps (and may update) outside the optimizer, but a weight of the model.
+EXPERT_BIAS_SUFFIX = "router.expert_bias"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # megatron's SequentialMLP
 _TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP
@@ -102,15 +109,18 @@ def _split_group(name: str):
     )
 
 
-def named_global_parameters(model) -> Iterator[Tuple[str, torch.nn.Parameter]]:
-    """Yield ``(global_name, local_parameter)`` for this rank's stage of a GPTModel (DDP-wrapped ok).
+def named_global_parameters(model) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(global_name, local_parameter)`` for this rank's stage of a GPTModel (DDP-wrapped ok),
+    and the routers' correction-bias buffers (``...mlp.router.expert_bias``, float32 [experts]):
+    weights of the model that the optimizer does not own.
 
     With tied embeddings, the last pipeline stage's copy of the embedding (``output_layer.weight``)
     is reported under the embedding's global name. Experts carry their global index.
     """
     model = unwrap(model)
     offset, expert_offset = _layer_offset(model), _expert_offset(model)
-    for name, param in model.named_parameters():
+    biases = [(name, buffer) for name, buffer in model.named_buffers() if name.endswith(EXPERT_BIAS_SUFFIX)]
+    for name, param in list(model.named_parameters()) + biases:
         name = global_name(name, offset, expert_offset)
         if name == TIED_OUTPUT and getattr(model, "share_embeddings_and_output_weights", False):
             name = EMBEDDING
@@ -178,7 +188,27 @@ def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: b
                 f"{name}: shard shape {tuple(shard.shape)} (global {tuple(state_dict[name].shape)}) "
                 f"does not match the parameter's {tuple(param.shape)}"
             )
-        param.copy_(shard.to(param.dtype))
+        if name.endswith(EXPERT_BIAS_SUFFIX):  # float32 whatever the module's dtype, as megatron-core keeps it
+            param.data = shard.to(device=param.device, dtype=torch.float32).clone()
+        else:
+            param.copy_(shard.to(param.dtype))
+
+
+@contextlib.contextmanager
+def expert_biases_kept_in_float32(*models) -> Iterator[None]:
+    """Around a cast of whole models to 16 bits (megatron's ``Float16Module`` casts buffers too):
+    the routers' correction biases come back float32 with their exact values (megatron-core
+    restores the dtype only at the next forward, from the rounded values; a rounded bias moves
+    tokens near a tie to other experts)."""
+    routers = [
+        (module, module.expert_bias.detach().clone())
+        for model in models
+        for module in unwrap(model).modules()
+        if getattr(module, "expert_bias", None) is not None
+    ]
+    yield
+    for module, bias in routers:
+        module.expert_bias.data = bias
 
 
 def _in_part(name: str, part: str) -> bool:
@@ -204,6 +234,8 @@ def iter_global_tensors(model, part: str = "all") -> Iterator[Tuple[str, torch.T
         if not _in_part(name, part):
             continue
         tensor = param.detach()
+        if name.endswith(EXPERT_BIAS_SUFFIX):
+            tensor = tensor.float()
         _, tp_size, group = _split_group(name)
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]

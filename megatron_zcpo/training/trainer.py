@@ -181,7 +181,10 @@ class PolicyTrainer:
             # fused op computes exact fp32 logits from bf16 operands, as the output layer would see.
             from megatron.core.transformer.module import Float16Module
 
-            policy, reference = Float16Module(self.config, policy), Float16Module(self.config, reference)
+            from megatron_zcpo.megatron.weights import expert_biases_kept_in_float32
+
+            with expert_biases_kept_in_float32(policy, reference):
+                policy, reference = Float16Module(self.config, policy), Float16Module(self.config, reference)
         reference.eval()
         for param in reference.parameters():
             param.requires_grad_(False)
