@@ -154,23 +154,14 @@ def yarn_fields(scaling: Optional[dict]) -> dict:
     )
 
 
-def mla_transformer_fields(model, tensor_parallel: int = 1, context_parallel: int = 1) -> dict:
+def mla_transformer_fields(model, context_parallel: int = 1) -> dict:
     """The ``MLATransformerConfig`` fields of a multi-latent-attention ``model`` (module docstring).
-
-    On the local (CPU) spec the latent down-projections are column-parallel: TP must divide
-    ``q_lora_rank`` and ``kv_lora_rank + qk_rope_head_dim`` too. Context parallelism is refused (the
-    local spec's CP path is not checked with multi-latent attention). Raises ``ValueError`` naming
-    ``parallel.tensor`` / ``parallel.context``."""
+    Context parallelism is refused (the local spec's CP path is not checked with multi-latent
+    attention): ``ValueError`` naming ``parallel.context``."""
     if context_parallel != 1:
         raise ValueError(
             f"parallel.context={context_parallel}: context parallelism is not supported with multi-latent attention"
         )
-    for width, what in (
-        (model.q_lora_rank or 0, "q_lora_rank"),
-        (model.kv_lora_rank + model.qk_rope_head_dim, "kv_lora_rank + qk_rope_head_dim"),
-    ):
-        if width % tensor_parallel:
-            raise ValueError(f"parallel.tensor={tensor_parallel} must divide the model's {what}={width}")
     return dict(
         multi_latent_attention=True,
         q_lora_rank=model.q_lora_rank,

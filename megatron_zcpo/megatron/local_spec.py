@@ -45,7 +45,12 @@ def local_layer_spec(
     megatron's MoE layer with SequentialMLP experts (one local MLP per expert: no grouped GEMM on CPUs).
     With ``multi_latent_attention`` the attention is megatron's ``MLASelfAttention`` and
     ``qk_layernorm`` its latent norms (``q_layernorm`` over the query latent, ``kv_layernorm`` over
-    the key/value latent); under sequence parallelism each rank normalises its own tokens' latents."""
+    the key/value latent); under sequence parallelism each rank normalises its own tokens' latents.
+    Its down-projections are megatron's duplicated local ``Linear`` (each TP rank the whole weight,
+    its gradient summed over TP under sequence parallelism), as Transformer Engine's spec has them:
+    the local spec's column-parallel ones lose gradient in megatron-core 0.16.1 (the rope key's
+    gradient from the other ranks' heads is never summed: ``gather_from_tensor_model_parallel_region``
+    splits it back unreduced), which the TP2 training test showed."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_zcpo.megatron.attention import PackedCausalAttention
@@ -59,6 +64,10 @@ def local_layer_spec(
     )
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = PackedCausalAttention
+    if multi_latent_attention:
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
     if qk_layernorm and multi_latent_attention:
         attention.q_layernorm = attention.kv_layernorm = SequenceParallelRMSNorm
     elif qk_layernorm:

@@ -446,7 +446,7 @@ def transformer_config(
     if model.is_mla:
         from megatron_zcpo.megatron.deepseek import mla_transformer_fields
 
-        kwargs.update(mla_transformer_fields(model, tensor_parallel, context_parallel))
+        kwargs.update(mla_transformer_fields(model, context_parallel))
         kwargs.update(overrides)
         return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
