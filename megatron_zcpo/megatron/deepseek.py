@@ -124,17 +124,32 @@ def _validate_router(model, prefix: str) -> None:
         )
 
 
-def mla_parameters(model) -> int:
-    """Parameters of one layer's multi-latent attention: query (latent or not), key/value latent,
-    their up-projections, the output projection and the latent RMSNorms."""
+def mla_parameter_split(model) -> tuple:
+    """(parameters split over TP, parameters every TP rank holds) of one layer's multi-latent
+    attention: the up-projections (or the direct query projection) and the output projection are
+    column / row parallel; the latent down-projections (duplicated ``Linear`` on both layer specs)
+    and the latent RMSNorms are whole on every rank."""
     h, heads = model.hidden_size, model.num_attention_heads
-    qk, latent = model.head_dim, model.kv_lora_rank
+    latent, rope = model.kv_lora_rank, model.qk_rope_head_dim
+    up = latent * heads * (model.qk_nope_head_dim + model.v_head_dim) + heads * model.v_head_dim * h
+    whole = h * (latent + rope) + latent
     if model.q_lora_rank:
-        query = h * model.q_lora_rank + model.q_lora_rank * heads * qk + model.q_lora_rank
+        up += model.q_lora_rank * heads * model.head_dim
+        whole += h * model.q_lora_rank + model.q_lora_rank
     else:
-        query = h * heads * qk
-    key_value = h * (latent + model.qk_rope_head_dim) + latent * heads * (model.qk_nope_head_dim + model.v_head_dim)
-    return query + key_value + latent + heads * model.v_head_dim * h
+        up += h * heads * model.head_dim
+    return up, whole
+
+
+def mla_parameters(model) -> int:
+    """Parameters of one layer's multi-latent attention (:func:`mla_parameter_split`, both parts)."""
+    return sum(mla_parameter_split(model))
+
+
+def latent_cache_elements(model) -> int:
+    """Elements one token keeps per layer in a multi-latent-attention KV cache (SGLang's MLA pool):
+    the normalised key/value latent and the rotated rope key, ``kv_lora_rank + qk_rope_head_dim``."""
+    return model.kv_lora_rank + model.qk_rope_head_dim
 
 
 def yarn_fields(scaling: Optional[dict]) -> dict:

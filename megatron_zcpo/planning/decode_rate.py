@@ -113,9 +113,44 @@ class DecodeRoofline:
     tokens_per_s_per_gpu: float
 
 
-def kv_bytes_per_token(model: ModelConfig) -> float:
-    """bf16 bytes of one token's K and V over all layers."""
-    return 2 * model.num_layers * model.num_key_value_heads * model.kv_channels * BF16_BYTES
+def kv_bytes_per_token(model: ModelConfig, tensor_parallel: int = 1, dp_attention: int = 1) -> float:
+    """bf16 bytes one token's keys and values take in a TP-``tensor_parallel`` server, over all layers
+    and GPUs. A GPU of an attention-TP group (``tensor_parallel / dp_attention`` GPUs: SGLang's DP
+    attention splits a server into ``dp_attention`` groups, each with its own requests) holds its
+    share of the key/value heads, and a whole copy where there are fewer heads than GPUs: GQA's
+    ``num_key_value_heads`` below the group, and multi-latent attention's one latent per layer
+    (:func:`~megatron_zcpo.megatron.deepseek.latent_cache_elements`), held by every GPU of the group."""
+    group = max(1, tensor_parallel // dp_attention)
+    if model.is_mla:
+        from megatron_zcpo.megatron.deepseek import latent_cache_elements
+
+        return model.num_layers * latent_cache_elements(model) * BF16_BYTES * group
+    per_copy = 2 * model.num_layers * model.num_key_value_heads * model.kv_channels * BF16_BYTES
+    return per_copy * max(1.0, group / model.num_key_value_heads)
+
+
+def served_weight_bytes(model: ModelConfig, tensor_parallel: int, dp_attention: int = 1) -> float:
+    """bf16 bytes of one TP-``tensor_parallel`` server's weights; under DP attention in
+    ``dp_attention`` groups each group holds the attention whole (split over its own GPUs)."""
+    replicated = (dp_attention - 1) * model.num_layers * model.attention_parameters()
+    return BF16_BYTES * (model.num_parameters + replicated)
+
+
+def experts_read_fraction(model: ModelConfig, batch: float) -> float:
+    """The expected share of an MoE layer's experts a decode step of ``batch`` sequences reads: each
+    token picks top-k of E, so an expert is left idle with probability (1 - k/E)^batch (1 for a dense
+    model). A sequence alone reads its k experts; a few hundred read them all."""
+    if not model.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - model.num_experts_per_tok / model.num_experts) ** max(batch, 1.0)
+
+
+def weight_bytes_read(model: ModelConfig, batch: float, tensor_parallel: int, dp_attention: int = 1) -> float:
+    """bf16 bytes of weights one decode step of ``batch`` sequences reads on a server: all of them
+    but the routed experts no token of the step chose (:func:`experts_read_fraction`)."""
+    experts = BF16_BYTES * sum(model.moe_layer_pattern) * model.num_experts * model.expert_parameters()
+    unread = experts * (1.0 - experts_read_fraction(model, batch))
+    return served_weight_bytes(model, tensor_parallel, dp_attention) - unread
 
 
 def decode_step_s(
@@ -124,13 +159,16 @@ def decode_step_s(
     context_tokens: float,
     tensor_parallel: int,
     *,
+    dp_attention: int = 1,
     hbm_bytes_per_s: float = H100_HBM3_BYTES_S,
     peak_flops: float = H100_BF16_DENSE_FLOPS,
 ) -> float:
     """Seconds of one decode step at efficiency 1: ``batch`` sequences, each attending to
-    ``context_tokens``, on ``tensor_parallel`` GPUs; the longer of the bytes read (bf16 weights +
-    KV caches) over HBM bandwidth and the FLOPs over peak."""
-    memory_s = (BF16_BYTES * model.num_parameters + batch * kv_bytes_per_token(model) * context_tokens) / (
+    ``context_tokens``, on ``tensor_parallel`` GPUs (``dp_attention`` groups); the longer of the bytes
+    read (the weights the step uses, :func:`weight_bytes_read`, and the KV caches) over HBM
+    bandwidth and the FLOPs over peak."""
+    kv = batch * kv_bytes_per_token(model, tensor_parallel, dp_attention) * context_tokens
+    memory_s = (weight_bytes_read(model, batch, tensor_parallel, dp_attention) + kv) / (
         tensor_parallel * hbm_bytes_per_s
     )
     # forward_flops_per_token(model, s) averages attention over a causal sequence of s tokens
@@ -150,6 +188,7 @@ def decode_roofline(
     hbm_bytes_per_s: float = H100_HBM3_BYTES_S,
     peak_flops: float = H100_BF16_DENSE_FLOPS,
     max_batch: Optional[float] = None,
+    dp_attention: int = 1,
 ) -> DecodeRoofline:
     """The roofline of the module docstring at efficiency 1. ``max_batch``: the requests in flight on
     the server, which bound the batch below what its KV cache holds (a tiny model's cache holds
@@ -159,7 +198,7 @@ def decode_roofline(
         raise ValueError(f"prompt and response tokens must be positive, got {prompt_tokens}, {response_tokens}")
     if not 0 < mem_fraction < 1:
         raise ValueError(f"mem_fraction must be in (0, 1), got {mem_fraction}")
-    weights = BF16_BYTES * model.num_parameters
+    weights = served_weight_bytes(model, tensor_parallel, dp_attention)
     kv_memory = tensor_parallel * gpu_memory_bytes * mem_fraction - weights
     if kv_memory <= 0:
         raise ValueError(
@@ -167,7 +206,7 @@ def decode_roofline(
             f"{gpu_memory_bytes / 2**30:.1f} GiB x mem_fraction {mem_fraction}: no KV cache left; "
             f"use more GPUs per server (tensor parallel)"
         )
-    batch = kv_memory / (kv_bytes_per_token(model) * (prompt_tokens + response_tokens))
+    batch = kv_memory / (kv_bytes_per_token(model, tensor_parallel, dp_attention) * (prompt_tokens + response_tokens))
     if max_batch is not None:
         batch = min(batch, max_batch)
     step = decode_step_s(
@@ -175,6 +214,7 @@ def decode_roofline(
         batch,
         prompt_tokens + response_tokens / 2,
         tensor_parallel,
+        dp_attention=dp_attention,
         hbm_bytes_per_s=hbm_bytes_per_s,
         peak_flops=peak_flops,
     )
@@ -212,12 +252,13 @@ def decode_tokens_per_s_per_gpu(
     gpu_memory_bytes: float = H100_80GB_BYTES,
     efficiency: Optional[float] = None,
     max_batch: Optional[float] = None,
+    dp_attention: int = 1,
 ) -> float:
-    """Generated tokens/s per GPU of TP-``tensor_parallel`` servers decoding requests of these mean
-    lengths (module docstring), at most ``max_batch`` at a time (:func:`decode_roofline`);
-    ``efficiency`` None: :func:`calibrated_efficiency`."""
+    """Generated tokens/s per GPU of TP-``tensor_parallel`` servers (``dp_attention`` groups)
+    decoding requests of these mean lengths (module docstring), at most ``max_batch`` at a time
+    (:func:`decode_roofline`); ``efficiency`` None: :func:`decode_efficiency`."""
     if efficiency is None:
-        efficiency = calibrated_efficiency()
+        efficiency = decode_efficiency(model)
     roofline = decode_roofline(
         model,
         prompt_tokens,
@@ -226,6 +267,7 @@ def decode_tokens_per_s_per_gpu(
         mem_fraction=mem_fraction,
         gpu_memory_bytes=gpu_memory_bytes,
         max_batch=max_batch,
+        dp_attention=dp_attention,
     )
     return efficiency * roofline.tokens_per_s_per_gpu
 
@@ -245,6 +287,11 @@ def small_batch_efficiency() -> float:
     context = m.prompt_tokens + m.response_tokens / 2
     roofline = decode_step_s(m.model, SGLANG_V030_LLAMA31_70B_TPOT_IN_FLIGHT, context, m.tensor_parallel)
     return roofline / SGLANG_V030_LLAMA31_70B_TPOT_S
+
+
+def decode_efficiency(model: ModelConfig) -> float:
+    """The fraction of the roofline a server's bulk decode reaches: :func:`calibrated_efficiency`."""
+    return calibrated_efficiency()
 
 
 @dataclass(frozen=True)
@@ -282,6 +329,7 @@ def generation_time(
     gpu_memory_bytes: float = H100_80GB_BYTES,
     decode_tokens_per_s_per_gpu: Optional[float] = None,
     max_in_flight: Optional[float] = None,
+    dp_attention: int = 1,
 ) -> GenerationTime:
     """Seconds one step waits for ``sequences`` responses of mean ``response_tokens`` (longest
     ``max_response_tokens``) on ``gpus`` GPUs in TP-``tensor_parallel`` servers.
@@ -300,16 +348,19 @@ def generation_time(
         tensor_parallel,
         mem_fraction=mem_fraction,
         gpu_memory_bytes=gpu_memory_bytes,
+        dp_attention=dp_attention,
     )
     batch = in_flight_batch(roofline.batch, sequences, servers, max_in_flight)
     if decode_tokens_per_s_per_gpu is None:
         context = prompt_tokens + response_tokens / 2
-        step = decode_step_s(model, batch, context, tensor_parallel)
+        step = decode_step_s(model, batch, context, tensor_parallel, dp_attention=dp_attention)
         prefill = (batch / response_tokens) * prompt_tokens * forward_flops_per_token(model, prompt_tokens)
         prefill /= tensor_parallel * H100_BF16_DENSE_FLOPS
-        decode_tokens_per_s_per_gpu = calibrated_efficiency() * batch / (tensor_parallel * (step + prefill))
+        decode_tokens_per_s_per_gpu = decode_efficiency(model) * batch / (tensor_parallel * (step + prefill))
     bulk = sequences * response_tokens / (decode_tokens_per_s_per_gpu * servers * tensor_parallel)
-    tail_step = decode_step_s(model, 1, prompt_tokens + max_response_tokens / 2, tensor_parallel)
+    tail_step = decode_step_s(
+        model, 1, prompt_tokens + max_response_tokens / 2, tensor_parallel, dp_attention=dp_attention
+    )
     tail = max_response_tokens * tail_step / small_batch_efficiency()
     seconds = max(bulk, tail)
     return GenerationTime(
