@@ -80,9 +80,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="attention data-parallel in this many groups of a server (SGLang's --enable-dp-attention --dp-size)",
     )
     parser.add_argument("--attention-backend", default=None, help="SGLang's --attention-backend (e.g. fa3)")
-    parser.add_argument(
-        "--trust-remote-code", action="store_true", help="checkpoints with code (Kimi-K2's tokenizer)"
-    )
+    parser.add_argument("--trust-remote-code", action="store_true", help="checkpoints with code (Kimi-K2's tokenizer)")
     parser.add_argument(
         "--return-routed-experts",
         action="store_true",

@@ -187,3 +187,17 @@ def mtp_layer_of(hf_name: str, config: dict) -> Optional[int]:
         return None
     extra = int(match.group(1)) - int(config["num_hidden_layers"])
     return extra if 0 <= extra < int(config.get(MTP_LAYERS) or 0) else None
+
+
+def sglang_load_partner(hf_name: str) -> Optional[str]:
+    """The tensor SGLang's DeepSeek-V3 loader must receive in the same ``load_weights`` call as
+    ``hf_name``, or None. Read from ``srt/models/deepseek_v2.py`` of 0.5.3.post3 and
+    ``deepseek_common/deepseek_weight_loader.py`` of 0.5.23: with a query latent it loads
+    ``q_a_proj`` and ``kv_a_proj_with_mqa`` into one fused ``fused_qkv_a_proj_with_mqa``, caching
+    the first until the second arrives in a dict local to the call, so a pair split over two weight
+    buckets (one call each, for every transport but the disk) is never loaded, silently. The
+    absorbed ``w_kc`` / ``w_vc`` are rebuilt from ``kv_b_proj`` by the same call (``post_load_weights``
+    on the layers whose ``kv_b_proj`` it received): pushing ``kv_b_proj`` is all they need."""
+    if hf_name.endswith("self_attn.q_a_proj.weight"):
+        return hf_name.replace("q_a_proj", "kv_a_proj_with_mqa")
+    return None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -322,21 +322,34 @@ def unflatten_tensors(flat: torch.Tensor, metadata: Sequence[Tuple[Sequence[int]
     return out
 
 
+def no_partner(name: str) -> Optional[str]:
+    """No tensor must share a bucket with ``name`` (the default of :func:`bucket_tensors`)."""
+    return None
+
+
 def bucket_tensors(
-    named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[Tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    partner_of: Callable[[str], Optional[str]] = no_partner,
 ) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes
+    alone), never closing a list while a tensor named by ``partner_of`` of one in it (a later one of
+    the stream that must arrive with it) is still to come: that list grows past the limit."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: List[Tuple[str, torch.Tensor]] = []
-    size = 0
+    size, awaited = 0, set()
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not awaited:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
+        awaited.discard(name)
+        partner = partner_of(name)
+        if partner is not None:
+            awaited.add(partner)
     if bucket:
         yield bucket
 

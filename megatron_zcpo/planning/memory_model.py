@@ -471,7 +471,11 @@ def model_layer_activation_bytes(
 
     heads = model.num_attention_heads
     # multi-latent attention keeps K and V after the up-projection, per head head_dim + v_head_dim wide
-    kv_width = heads * (model.kv_channels + model.value_head_dim) if model.is_mla else 2 * model.num_key_value_heads * model.kv_channels
+    kv_width = (
+        heads * (model.kv_channels + model.value_head_dim)
+        if model.is_mla
+        else 2 * model.num_key_value_heads * model.kv_channels
+    )
 
     def layer(ffn_hidden_size: int) -> float:
         return layer_activation_bytes(

@@ -20,9 +20,16 @@ def in_one_process(rank, world, weights, bias_rate):
     """The single-process reference step (ZCPO, exact KL), then in the same process: R2 with routers
     perturbed before the update, R3 replaying R2's routing with every third token's experts moved,
     and a step whose correction bias follows DeepSeek's aux-free rule at ``bias_rate``."""
+    from megatron_zcpo.convert.mapping import megatron_to_hf_stream
+    from megatron_zcpo.megatron.weights import iter_global_tensors
     from megatron_zcpo.training.config import MoETraining
 
-    reference = _step(trainer_cases.make_trainer(1, 1, *weights, model=MODEL))
+    trainer = trainer_cases.make_trainer(1, 1, *weights, model=MODEL)
+    # the Hugging Face names in the order the weight push sends them (megatron-core's parameter order)
+    push_order = [
+        (name, tuple(t.shape)) for name, t in megatron_to_hf_stream(iter_global_tensors(trainer.policy), MODEL)
+    ]
+    reference = _step(trainer)
     replayed = {}
     for mode in ("experience", "rollout"):
         trainer = trainer_cases.make_trainer(1, 1, *weights, model=MODEL, train_overrides={"routing_replay": mode})
@@ -44,7 +51,7 @@ def in_one_process(rank, world, weights, bias_rate):
         1, 1, *weights, model=MODEL, train_overrides={"moe": MoETraining(expert_bias_update_rate=bias_rate)}
     )
     balanced = _step(balancing)["params"]
-    return {"reference": reference, "replayed": replayed, "balanced": balanced}
+    return {"reference": reference, "replayed": replayed, "balanced": balanced, "push_order": push_order}
 
 
 def one_layout(rank, world, tp, pp, ep, weights, **options):

@@ -92,3 +92,25 @@ def test_r3_replays_the_engine_routing(single):
     total = sum(r.shape[0] for r in engine)
     assert metrics["routing/rollout_token_mismatch"] == pytest.approx(flipped / total, abs=0.02)
     assert metrics["routing/update_pair_mismatch"] == 0.0
+
+
+def test_the_weight_push_keeps_what_sglang_fuses_in_one_bucket(single):
+    """SGLang's DeepSeek-V3 loader fuses q_a_proj with kv_a_proj_with_mqa within one load_weights call
+    (one bucket): at every bucket size, in the push's own order, each pair shares a bucket, in both
+    bucketings (NCCL broadcast and CUDA IPC); without the pairing small buckets split them."""
+    from megatron_zcpo.convert.deepseek import sglang_load_partner
+    from megatron_zcpo.megatron.weights import bucket_tensors
+    from megatron_zcpo.rollout.sglang.update_weight.tensor_ipc import flattened_buckets
+
+    stream = [(name, torch.zeros(shape)) for name, shape in single["push_order"]]
+    pairs = {name: sglang_load_partner(name) for name, _ in stream if sglang_load_partner(name)}
+    assert len(pairs) == 3 and all(partner in dict(stream) for partner in pairs.values())  # one per layer
+
+    def split_pairs(buckets):
+        where = {name: i for i, bucket in enumerate(buckets) for name in bucket}
+        return [name for name, partner in pairs.items() if where[name] != where[partner]]
+
+    for size in (1, 4096, 20_000, 2**30):
+        assert not split_pairs([[n for n, _ in b] for b in bucket_tensors(stream, size, sglang_load_partner)])
+        assert not split_pairs([[m.name for m in meta] for _, meta in flattened_buckets(stream, size, "cpu")])
+    assert split_pairs([[n for n, _ in b] for b in bucket_tensors(stream, 1)])  # what the pairing prevents

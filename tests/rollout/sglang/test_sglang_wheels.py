@@ -193,3 +193,20 @@ def test_the_generate_bodies_we_send_pass_the_newest_releases_json_contract():
         contract.GenerateRequest.from_json_value(body)  # raises JsonContractError on a violation
     with pytest.raises(contract.JsonContractError, match="unknown field `seed`"):
         contract.GenerateRequest.from_json_value({**body, "sampling_params": {"seed": 1}})
+
+
+# Where each release's DeepSeek-V3 loader lives, and the lines the weight push's bucketing relies on
+# (megatron_zcpo/convert/deepseek.py, sglang_load_partner): the q_a_proj / kv_a_proj_with_mqa cache
+# is local to one load_weights call, and that call rebuilds w_kc / w_vc of the kv_b_proj it loaded.
+DEEPSEEK_LOADERS = {
+    PINNED_RELEASE: "sglang/srt/models/deepseek_v2.py",
+    NEWEST_CHECKED_RELEASE: "sglang/srt/models/deepseek_common/deepseek_weight_loader.py",
+}
+
+
+def test_the_deepseek_loader_fuses_the_query_and_key_latents_within_one_call(release):
+    source = (sglang_source(release) / DEEPSEEK_LOADERS[release]).read_text()
+    assert "cached_a_proj = {} if fuse_qkv_a_proj else None" in source
+    assert '"fused_qkv_a_proj_with_mqa"' in source
+    assert "self.post_load_weights(is_nextn=is_nextn, weight_names=weight_names)" in source
+    assert 'if "kv_b_proj" in name:' in source  # post_load_weights: the layers whose kv_b_proj came

@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_zcpo.convert.deepseek import sglang_load_partner
 from megatron_zcpo.megatron.weights import bucket_tensors, flatten_tensors
 from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import SERVER_INFO_PATHS
@@ -79,7 +80,7 @@ class DistributedWeightUpdate:
 
     def _send_buckets(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast ``stream`` in buckets through the joined group; the last carries ``version``."""
-        buckets = bucket_tensors(stream, self.config.bucket_bytes)
+        buckets = bucket_tensors(stream, self.config.bucket_bytes, sglang_load_partner)
         bucket = next(buckets, None)
         if bucket is None:
             raise ValueError("update_weights got an empty weight stream")
