@@ -23,8 +23,9 @@
 #      resumes from that checkpoint (checkpoint.resume=auto).
 #
 # The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
-# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, ROLLOUT_TP, PLACEMENT (disaggregated
-# | colocated, default disaggregated). The training layout is CONFIG's parallel.* alone (change it there
+# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, ROLLOUT_TP (above the GPUs of a
+# node: servers spanning ROLLOUT_TP / GPUs-per-node nodes), PLACEMENT (disaggregated | colocated, default
+# disaggregated), CONVERT_ARGS (extra flags of the checkpoint conversion, e.g. "--mtp drop"). The training layout is CONFIG's parallel.* alone (change it there
 # or with ZCPO_OVERRIDES=parallel.tensor=N ...); the job trains on TRAIN_NODES x the GPUs per node,
 # DP = that / (TP*PP*CP). Runtime, also from the environment:
 #   CONTAINER_IMAGE   enroot/pyxis image (e.g. a .sqsh of the repository's Dockerfile); empty: use VENV
@@ -85,6 +86,7 @@ zcpo_job_main() {
     if [[ -n "${attach}" ]]; then
         log "rollout:  attaching to ${SGLANG_SERVER_URLS} (router: ${SGLANG_ROUTER_URL:-none})"
     else
+        (( ${#rollout_hosts[@]} * gpus_per_node % ROLLOUT_TP == 0 )) || die "${#rollout_hosts[@]} rollout nodes of ${gpus_per_node} GPUs do not split into servers of ROLLOUT_TP=${ROLLOUT_TP} GPUs"
         log "rollout:  ${rollout_list} ($(( ${#rollout_hosts[@]} * gpus_per_node / ROLLOUT_TP )) SGLang servers at TP${ROLLOUT_TP})"
     fi
 
@@ -121,9 +123,11 @@ zcpo_job_main() {
     if [[ ! -f "${MEGATRON_CKPT}/model_config.json" ]]; then
         log "converting ${HF_MODEL} -> ${MEGATRON_CKPT}"
         rm -rf "${MEGATRON_CKPT}.partial"
+        local convert_args=()
+        read -r -a convert_args <<< "${CONVERT_ARGS:-}"
         srun "${runtime[@]}" --nodes=1 --ntasks=1 --nodelist="${train_hosts[0]}" --gpus-per-node="${gpus_per_node}" \
             --cpus-per-task="${cpus_per_node}" \
-            python tools/convert_hf_to_megatron.py --hf-dir "${HF_MODEL}" --out "${MEGATRON_CKPT}.partial"
+            python tools/convert_hf_to_megatron.py --hf-dir "${HF_MODEL}" --out "${MEGATRON_CKPT}.partial" "${convert_args[@]}"
         mv "${MEGATRON_CKPT}.partial" "${MEGATRON_CKPT}"  # a complete checkpoint or none
     fi
 

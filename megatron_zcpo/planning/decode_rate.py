@@ -136,6 +136,25 @@ def served_weight_bytes(model: ModelConfig, tensor_parallel: int, dp_attention: 
     return BF16_BYTES * (model.num_parameters + replicated)
 
 
+# The weights of a planned server take at most this share of its static memory (the rest: KV cache).
+SERVED_WEIGHTS_MAX_SHARE = 0.9
+
+
+def smallest_server_tp(
+    model: ModelConfig, mem_fraction: float, gpu_memory_bytes: float = H100_80GB_BYTES, at_least: int = 1
+) -> int:
+    """The fewest GPUs (a power of two, at least ``at_least``) of a server whose bf16 weights
+    (:func:`served_weight_bytes`) take at most :data:`SERVED_WEIGHTS_MAX_SHARE` of its static memory
+    (``mem_fraction`` of each GPU): 8 for a 235B model on H100s, 32 (4 nodes) for DeepSeek-V3."""
+    tensor_parallel = at_least
+    while (
+        served_weight_bytes(model, tensor_parallel)
+        > SERVED_WEIGHTS_MAX_SHARE * tensor_parallel * gpu_memory_bytes * mem_fraction
+    ):
+        tensor_parallel *= 2
+    return tensor_parallel
+
+
 def experts_read_fraction(model: ModelConfig, batch: float) -> float:
     """The expected share of an MoE layer's experts a decode step of ``batch`` sequences reads: each
     token picks top-k of E, so an expert is left idle with probability (1 - k/E)^batch (1 for a dense

@@ -91,7 +91,8 @@ class Cluster:
     when ``placement`` is "colocated": the servers run on the training GPUs), GPUs per server and
     their ``mem_fraction_static``, a measured decode rate per GPU (None: modelled), MFU, peak
     FLOP/s, the inter-node link per GPU and NVLink, GPUs per node, memory per GPU (bytes), the
-    client's cap on requests in flight over all servers (None: every sample at once)."""
+    client's cap on requests in flight over all servers (None: every sample at once), the servers'
+    DP-attention groups (``rollout_dp_attention``, SGLang's ``--dp-size``; 1: plain TP)."""
 
     train_gpus: int
     rollout_gpus: int
@@ -106,6 +107,7 @@ class Cluster:
     mem_fraction: float = 0.85
     gpu_memory_bytes: float = H100_80GB_BYTES
     max_in_flight: Optional[int] = None
+    rollout_dp_attention: int = 1
 
     @property
     def generation_gpus(self) -> int:
@@ -232,6 +234,7 @@ def predict_step_time(
         gpu_memory_bytes=cluster.gpu_memory_bytes,
         decode_tokens_per_s_per_gpu=cluster.decode_tokens_per_s_per_gpu,
         max_in_flight=cluster.max_in_flight,
+        dp_attention=cluster.rollout_dp_attention,
     )
     rollout = generation.seconds
     sequence = load.prompt_tokens + load.response_tokens

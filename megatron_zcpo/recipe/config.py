@@ -38,6 +38,8 @@ class ModelSource:
     of this architecture instead of ``path`` (tests). ``preset``: the architecture of ``path`` by
     name (megatron_zcpo/convert/presets.py), so ``zcpo plan`` needs nothing downloaded; once
     ``path`` exists, its shapes (layers, widths, heads, vocabulary) must be the preset's.
+    ``trust_remote_code``: load a tokenizer that is code shipped with the checkpoint (Moonlight's
+    and Kimi-K2's tiktoken tokenizers; transformers' ``trust_remote_code``).
     """
 
     path: Optional[str] = None
@@ -45,6 +47,7 @@ class ModelSource:
     tokenizer: Optional[str] = None
     architecture: Optional[ModelConfig] = None
     preset: Optional[str] = None
+    trust_remote_code: bool = False
 
     def validate(self) -> None:
         if (self.path is None) == (self.architecture is None):

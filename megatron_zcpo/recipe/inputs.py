@@ -19,7 +19,7 @@ def load_tokenizer(config: RunConfig):
     if path is None:
         checkpoint = megatron_checkpoint_dir(config.model.path)
         path = str((hf_files_of(checkpoint) if checkpoint is not None else None) or config.model.path)
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
 
 
 def resolve_model(path: str):

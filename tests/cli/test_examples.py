@@ -94,6 +94,8 @@ MODELS = {
     # mixture of experts: the hub's config.json fields (megatron_zcpo/convert/presets.py)
     "qwen3-30b-a3b-zcpo": preset_model_config("Qwen3-30B-A3B"),
     "qwen3-235b-a22b-zcpo": preset_model_config("Qwen3-235B-A22B"),
+    "deepseek-v3-671b-zcpo": preset_model_config("DeepSeek-V3"),
+    "moonlight-16b-a3b-zcpo": preset_model_config("Moonlight-16B-A3B"),
 }
 # (training GPUs, GiB per GPU) quoted in the example's config.yaml and examples/README.md.
 QUOTED = {
@@ -106,6 +108,8 @@ QUOTED = {
     "qwen3-4b-long-context-zcpo": (32, 61.39),
     "qwen3-30b-a3b-zcpo": (16, 65.93),
     "qwen3-235b-a22b-zcpo": (128, 75.57),
+    "deepseek-v3-671b-zcpo": (512, 68.40),
+    "moonlight-16b-a3b-zcpo": (8, 64.78),
 }
 # The configured layout is the planner's (memory-only) suggestion, except where the config says why not.
 SUGGESTED_INSTEAD = {
@@ -248,8 +252,10 @@ def test_layout_fits_80gb_h100_and_is_the_planners_suggestion(example, tmp_path)
         assert (suggested.layout.describe(), round(suggested.total_bytes / GIB, 2)) == SUGGESTED_INSTEAD[example]
     else:
         assert suggested.layout == layout
-    # Rollout nodes: the rest of the allocation, whole SGLang servers per node.
-    assert rollout_nodes(settings) >= 1 and gpus_per_node % int(settings["ROLLOUT_TP"]) == 0
+    # Rollout nodes: the rest of the allocation, whole SGLang servers per node (or whole nodes per server).
+    rollout_gpus, server_gpus = rollout_nodes(settings) * gpus_per_node, int(settings["ROLLOUT_TP"])
+    assert rollout_nodes(settings) >= 1 and rollout_gpus % server_gpus == 0
+    assert gpus_per_node % server_gpus == 0 or server_gpus % gpus_per_node == 0
 
 
 def test_70b_eight_node_variant_fits_with_the_reference_offloaded(tmp_path):
