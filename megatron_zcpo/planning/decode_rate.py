@@ -129,11 +129,14 @@ def kv_bytes_per_token(model: ModelConfig, tensor_parallel: int = 1, dp_attentio
     return per_copy * max(1.0, group / model.num_key_value_heads)
 
 
-def served_weight_bytes(model: ModelConfig, tensor_parallel: int, dp_attention: int = 1) -> float:
-    """bf16 bytes of one TP-``tensor_parallel`` server's weights; under DP attention in
-    ``dp_attention`` groups each group holds the attention whole (split over its own GPUs)."""
+def served_weight_bytes(
+    model: ModelConfig, tensor_parallel: int, dp_attention: int = 1, weight_bytes: float = BF16_BYTES
+) -> float:
+    """Bytes of one TP-``tensor_parallel`` server's weights (``weight_bytes`` per parameter: bf16, or 1
+    for FP8 serving); under DP attention in ``dp_attention`` groups each group holds the attention
+    whole (split over its own GPUs)."""
     replicated = (dp_attention - 1) * model.num_layers * model.attention_parameters()
-    return BF16_BYTES * (model.num_parameters + replicated)
+    return weight_bytes * (model.num_parameters + replicated)
 
 
 # The weights of a planned server take at most this share of its static memory (the rest: KV cache).
@@ -164,36 +167,44 @@ def experts_read_fraction(model: ModelConfig, batch: float) -> float:
     return 1.0 - (1.0 - model.num_experts_per_tok / model.num_experts) ** max(batch, 1.0)
 
 
-def weight_bytes_read(model: ModelConfig, batch: float, tensor_parallel: int, dp_attention: int = 1) -> float:
-    """bf16 bytes of weights one decode step of ``batch`` sequences reads on a server: all of them
-    but the routed experts no token of the step chose (:func:`experts_read_fraction`)."""
-    experts = BF16_BYTES * sum(model.moe_layer_pattern) * model.num_experts * model.expert_parameters()
+def weight_bytes_read(
+    model: ModelConfig, batch: float, tensor_parallel: int, dp_attention: int = 1, weight_bytes: float = BF16_BYTES
+) -> float:
+    """Bytes of weights one decode step of ``batch`` sequences reads on a server: all of them but
+    the routed experts no token of the step chose (:func:`experts_read_fraction`)."""
+    experts = weight_bytes * sum(model.moe_layer_pattern) * model.num_experts * model.expert_parameters()
     unread = experts * (1.0 - experts_read_fraction(model, batch))
-    return served_weight_bytes(model, tensor_parallel, dp_attention) - unread
+    return served_weight_bytes(model, tensor_parallel, dp_attention, weight_bytes) - unread
 
 
-def decode_step_s(
+def decode_step_terms(
     model: ModelConfig,
     batch: float,
     context_tokens: float,
     tensor_parallel: int,
     *,
     dp_attention: int = 1,
+    weight_bytes: float = BF16_BYTES,
     hbm_bytes_per_s: float = H100_HBM3_BYTES_S,
     peak_flops: float = H100_BF16_DENSE_FLOPS,
-) -> float:
-    """Seconds of one decode step at efficiency 1: ``batch`` sequences, each attending to
-    ``context_tokens``, on ``tensor_parallel`` GPUs (``dp_attention`` groups); the longer of the bytes
-    read (the weights the step uses, :func:`weight_bytes_read`, and the KV caches) over HBM
-    bandwidth and the FLOPs over peak."""
+) -> tuple:
+    """(memory seconds, compute seconds) of one decode step at efficiency 1: ``batch`` sequences,
+    each attending to ``context_tokens``, on ``tensor_parallel`` GPUs (``dp_attention`` groups): the
+    bytes read (the weights the step uses, :func:`weight_bytes_read`, and the KV caches) over HBM
+    bandwidth, and the FLOPs over peak."""
     kv = batch * kv_bytes_per_token(model, tensor_parallel, dp_attention) * context_tokens
-    memory_s = (weight_bytes_read(model, batch, tensor_parallel, dp_attention) + kv) / (
+    memory_s = (weight_bytes_read(model, batch, tensor_parallel, dp_attention, weight_bytes) + kv) / (
         tensor_parallel * hbm_bytes_per_s
     )
     # forward_flops_per_token(model, s) averages attention over a causal sequence of s tokens
     # (s / 2 each): a token attending to `context_tokens` is the mean of a sequence twice as long.
     compute_s = batch * forward_flops_per_token(model, 2 * context_tokens) / (tensor_parallel * peak_flops)
-    return max(memory_s, compute_s)
+    return memory_s, compute_s
+
+
+def decode_step_s(model: ModelConfig, batch: float, context_tokens: float, tensor_parallel: int, **shape) -> float:
+    """Seconds of one decode step at efficiency 1: the longer of :func:`decode_step_terms`' two."""
+    return max(decode_step_terms(model, batch, context_tokens, tensor_parallel, **shape))
 
 
 def decode_roofline(
@@ -269,16 +280,15 @@ def decode_tokens_per_s_per_gpu(
     *,
     mem_fraction: float = 0.85,
     gpu_memory_bytes: float = H100_80GB_BYTES,
-    efficiency: Optional[float] = None,
     max_batch: Optional[float] = None,
     dp_attention: int = 1,
+    gpus_per_node: int = 8,
 ) -> float:
     """Generated tokens/s per GPU of TP-``tensor_parallel`` servers (``dp_attention`` groups)
-    decoding requests of these mean lengths (module docstring), at most ``max_batch`` at a time
-    (:func:`decode_roofline`); ``efficiency`` None: :func:`decode_efficiency`."""
-    if efficiency is None:
-        efficiency = decode_efficiency(model)
-    roofline = decode_roofline(
+    decoding requests of these mean lengths, at most ``max_batch`` at a time: the batch their KV
+    cache holds (:func:`decode_roofline`), each step as served (:func:`served_step_s`) with its
+    share of prefill (:func:`prefill_per_step_s`)."""
+    batch = decode_roofline(
         model,
         prompt_tokens,
         response_tokens,
@@ -287,8 +297,11 @@ def decode_tokens_per_s_per_gpu(
         gpu_memory_bytes=gpu_memory_bytes,
         max_batch=max_batch,
         dp_attention=dp_attention,
-    )
-    return efficiency * roofline.tokens_per_s_per_gpu
+    ).batch
+    context = prompt_tokens + response_tokens / 2
+    step = served_step_s(model, batch, context, tensor_parallel, dp_attention=dp_attention, gpus_per_node=gpus_per_node)
+    prefill = prefill_per_step_s(model, batch, prompt_tokens, response_tokens, tensor_parallel)
+    return batch / (tensor_parallel * (step + prefill))
 
 
 # SGLang's online figures on the same servers (benchmark/benchmark_vllm_060/README.md, Llama 3.1 70B
@@ -308,9 +321,44 @@ def small_batch_efficiency() -> float:
     return roofline / SGLANG_V030_LLAMA31_70B_TPOT_S
 
 
-def decode_efficiency(model: ModelConfig) -> float:
-    """The fraction of the roofline a server's bulk decode reaches: :func:`calibrated_efficiency`."""
-    return calibrated_efficiency()
+# A server spanning nodes all-reduces the batch's hidden state twice per layer per decode step
+# over InfiniBand instead of NVLink: seconds of one such all-reduce (its latency: the decode batch's
+# hidden states are well under a megabyte), fitted on NeMo-RL's Qwen3-235B-A22B step (TP16, two
+# nodes per server; planning/calibration.py) and checked on its DeepSeek-V3 steps (TP32, four nodes).
+INTERNODE_ALLREDUCE_S = 1.87e-4
+
+
+def served_step_s(
+    model: ModelConfig,
+    batch: float,
+    context_tokens: float,
+    tensor_parallel: int,
+    *,
+    dp_attention: int = 1,
+    gpus_per_node: int = 8,
+    weight_bytes: float = BF16_BYTES,
+) -> float:
+    """Seconds of one decode step as a server runs it: the roofline's memory term at the bandwidth
+    efficiency of SGLang's online TPOT (:func:`small_batch_efficiency`) or its compute term at the
+    efficiency of its offline throughput (:func:`calibrated_efficiency`), whichever is longer, and a
+    server spanning nodes (``tensor_parallel`` above ``gpus_per_node``) adds two all-reduces per
+    layer over InfiniBand (:data:`INTERNODE_ALLREDUCE_S`)."""
+    memory_s, compute_s = decode_step_terms(
+        model, batch, context_tokens, tensor_parallel, dp_attention=dp_attention, weight_bytes=weight_bytes
+    )
+    step = max(memory_s / small_batch_efficiency(), compute_s / calibrated_efficiency())
+    if tensor_parallel > gpus_per_node:
+        step += 2 * model.num_layers * INTERNODE_ALLREDUCE_S
+    return step
+
+
+def prefill_per_step_s(
+    model: ModelConfig, batch: float, prompt_tokens: float, response_tokens: float, tensor_parallel: int
+) -> float:
+    """Seconds each decode step spends prefilling the prompts that replace the ``batch / response``
+    sequences it finishes, at the throughput efficiency (compute-bound)."""
+    flops = (batch / response_tokens) * prompt_tokens * forward_flops_per_token(model, prompt_tokens)
+    return flops / (tensor_parallel * H100_BF16_DENSE_FLOPS * calibrated_efficiency())
 
 
 @dataclass(frozen=True)
@@ -349,6 +397,7 @@ def generation_time(
     decode_tokens_per_s_per_gpu: Optional[float] = None,
     max_in_flight: Optional[float] = None,
     dp_attention: int = 1,
+    gpus_per_node: int = 8,
 ) -> GenerationTime:
     """Seconds one step waits for ``sequences`` responses of mean ``response_tokens`` (longest
     ``max_response_tokens``) on ``gpus`` GPUs in TP-``tensor_parallel`` servers.
@@ -370,17 +419,15 @@ def generation_time(
         dp_attention=dp_attention,
     )
     batch = in_flight_batch(roofline.batch, sequences, servers, max_in_flight)
+    shape = dict(dp_attention=dp_attention, gpus_per_node=gpus_per_node)
     if decode_tokens_per_s_per_gpu is None:
-        context = prompt_tokens + response_tokens / 2
-        step = decode_step_s(model, batch, context, tensor_parallel, dp_attention=dp_attention)
-        prefill = (batch / response_tokens) * prompt_tokens * forward_flops_per_token(model, prompt_tokens)
-        prefill /= tensor_parallel * H100_BF16_DENSE_FLOPS
-        decode_tokens_per_s_per_gpu = decode_efficiency(model) * batch / (tensor_parallel * (step + prefill))
+        step = served_step_s(model, batch, prompt_tokens + response_tokens / 2, tensor_parallel, **shape)
+        prefill = prefill_per_step_s(model, batch, prompt_tokens, response_tokens, tensor_parallel)
+        decode_tokens_per_s_per_gpu = batch / (tensor_parallel * (step + prefill))
     bulk = sequences * response_tokens / (decode_tokens_per_s_per_gpu * servers * tensor_parallel)
-    tail_step = decode_step_s(
-        model, 1, prompt_tokens + max_response_tokens / 2, tensor_parallel, dp_attention=dp_attention
+    tail = max_response_tokens * served_step_s(
+        model, 1, prompt_tokens + max_response_tokens / 2, tensor_parallel, **shape
     )
-    tail = max_response_tokens * tail_step / small_batch_efficiency()
     seconds = max(bulk, tail)
     return GenerationTime(
         batch=batch,
