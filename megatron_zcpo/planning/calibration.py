@@ -477,8 +477,15 @@ def predict(run: PublishedRun, model: ModelConfig) -> Tuple[float, Optional[floa
     if run.kind == "train":
         return _pretraining_step_s(run, model), None
     if run.kind == "decode":
-        shape = dict(dp_attention=run.dp_attention, weight_bytes=run.weight_bytes)
-        return served_step_s(model, run.samples, run.mean_sequence, run.generation_tp, **shape), None
+        step = served_step_s(
+            model,
+            run.samples,
+            run.mean_sequence,
+            run.generation_tp,
+            dp_attention=run.dp_attention,
+            weight_bytes=run.weight_bytes,
+        )
+        return step, None
     if run.layout is None:
         raise ValueError(f"{run.name}: a step row needs its training layout")
     response = run.mean_sequence - PROMPT_TOKENS
@@ -530,7 +537,7 @@ def calibration_table(model_of: Callable[[str], ModelConfig]) -> str:
                 f"one server of {run.generation_tp} GPUs, DP attention {run.dp_attention}, {run.weight_bytes:g}-byte "
                 f"weights, {run.samples:,} sequences at {run.mean_sequence:,.0f} tokens of context"
             )
-        elif run.kind == "train":
+        elif run.kind == "train" and run.layout is not None:
             settings = f"{run.gpus} GPUs, {run.layout.describe()}, {run.samples} x {run.max_sequence:,} tokens"
         elif run.layout is None:
             settings = "bf16 weights (2 x parameters)"
