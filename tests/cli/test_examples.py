@@ -431,3 +431,8 @@ def test_expert_parallelism_the_model_cannot_take_is_refused_before_any_rank_sta
     assert "parallel.expert=2, parallel.expert_tensor=None: the qwen2 model has no experts" in layout_problems(
         dense, MODELS["qwen2.5-32b-zcpo"], 32
     )
+    mla = run_config("moonlight-16b-a3b-zcpo", tmp_path, ["parallel.context=2"])
+    assert any(
+        problem.startswith("parallel.context=2: context parallelism is not supported with multi-latent attention")
+        for problem in layout_problems(mla, MODELS["moonlight-16b-a3b-zcpo"], 16)
+    )
