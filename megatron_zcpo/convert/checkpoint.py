@@ -425,7 +425,7 @@ def kept_mtp_tensors(hf_files: Optional[Path]) -> Iterator[Tuple[str, torch.Tens
         return
     for path in sorted(hf_files.glob(f"{MTP_FILE_PREFIX}-*.safetensors")):
         with safe_open(str(path), framework="pt") as shard:
-            for name in shard:
+            for name in shard.keys():  # noqa: SIM118 -- safe_open is not iterable
                 yield name, shard.get_tensor(name)
 
 
