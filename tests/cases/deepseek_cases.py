@@ -16,14 +16,16 @@ def _step(trainer, seed=0):
     return {"coefficients": trainer.last_coefficients, "metrics": metrics, "params": trainer.global_state_dict()}
 
 
-def in_one_process(rank, world, weights, bias_rate):
-    """The single-process reference step (ZCPO, exact KL), then in the same process: R2 with routers
-    perturbed before the update, R3 replaying R2's routing with every third token's experts moved,
-    and a step whose correction bias follows DeepSeek's aux-free rule at ``bias_rate``."""
+def in_one_process(rank, world, bias_rate):
+    """The policy and reference weights every layout starts from, the single-process reference step
+    (ZCPO, exact KL), then in the same process: R2 with routers perturbed before the update, R3
+    replaying R2's routing with every third token's experts moved, and a step whose correction bias
+    follows DeepSeek's aux-free rule at ``bias_rate``."""
     from megatron_zcpo.convert.mapping import megatron_to_hf_stream
     from megatron_zcpo.megatron.weights import iter_global_tensors
     from megatron_zcpo.training.config import MoETraining
 
+    weights = trainer_cases.deepseek_weights(21), trainer_cases.deepseek_weights(22)
     trainer = trainer_cases.make_trainer(1, 1, *weights, model=MODEL)
     # the Hugging Face names in the order the weight push sends them (megatron-core's parameter order)
     push_order = [
@@ -51,28 +53,39 @@ def in_one_process(rank, world, weights, bias_rate):
         1, 1, *weights, model=MODEL, train_overrides={"moe": MoETraining(expert_bias_update_rate=bias_rate)}
     )
     balanced = _step(balancing)["params"]
-    return {"reference": reference, "replayed": replayed, "balanced": balanced, "push_order": push_order}
+    return {
+        "weights": weights,
+        "reference": reference,
+        "replayed": replayed,
+        "balanced": balanced,
+        "push_order": push_order,
+    }
 
 
-def one_layout(rank, world, tp, pp, ep, weights, **options):
-    """One step at TP x PP x EP (``options``: make_trainer's etp, sequence_parallel, first_stage_layers)."""
-    return _step(trainer_cases.make_trainer(tp, pp, *weights, model=MODEL, ep=ep, **options))
+def four_ranks(rank, world, weights, root):
+    """On 4 ranks, one after another: a step at TP2 with sequence parallelism x PP2 (1 + 2 layers) x
+    EP2 (ETP1, the experts over the TP ranks); then at EP2 x DP4 (distributed optimizer) step 1 (its
+    result), a checkpoint, step 2 (its loss and weights), and a fresh trainer that resumes the
+    checkpoint and runs step 2 again."""
+    from megatron_zcpo.checkpoint.io import find_latest
 
-
-def ep2_saved(rank, world, weights, root):
-    """At EP2 x DP2 (distributed optimizer): step 1 (its result), a checkpoint, step 2 (its loss and weights)."""
+    layout = _step(
+        trainer_cases.make_trainer(
+            2, 2, *weights, model=MODEL, ep=2, etp=1, sequence_parallel=True, first_stage_layers=1
+        )
+    )
     trainer = trainer_cases.make_trainer(1, 1, *weights, model=MODEL, ep=2, distributed_optimizer=True)
     first = _step(trainer, seed=0)
     trainer.save(root, {"loop": {"next_seed": 1}}, keep_last=1)
     second = trainer.train_step(trainer_cases.rollout(seed=1))["update/loss"]
-    return {"first": first, "loss": second, "params": trainer.global_state_dict()}
-
-
-def ep2_resumed(rank, world, weights, root):
-    """At EP2 x DP2: resume the newest checkpoint under ``root``, run step 2."""
-    from megatron_zcpo.checkpoint.io import find_latest
-
-    trainer = trainer_cases.make_trainer(1, 1, *weights, model=MODEL, ep=2, distributed_optimizer=True)
-    state = trainer.load(find_latest(root))
-    loss = trainer.train_step(trainer_cases.rollout(seed=state["loop"]["next_seed"]))["update/loss"]
-    return {"loss": loss, "params": trainer.global_state_dict(), "step": trainer.step}
+    uninterrupted = {"loss": second, "params": trainer.global_state_dict()}
+    del trainer
+    resumed = trainer_cases.make_trainer(1, 1, *weights, model=MODEL, ep=2, distributed_optimizer=True)
+    state = resumed.load(find_latest(root))
+    loss = resumed.train_step(trainer_cases.rollout(seed=state["loop"]["next_seed"]))["update/loss"]
+    return {
+        "layout": layout,
+        "first": first,
+        "uninterrupted": uninterrupted,
+        "resumed": {"loss": loss, "params": resumed.global_state_dict(), "step": resumed.step},
+    }

@@ -1,30 +1,26 @@
 """DeepSeek-V3 training through megatron-core's MLA and MoE layers (tiny, CPU): TP2+SP x PP2 (uneven) x EP2
-and DP2 x EP2 equal one process, exact resume at EP2, routing replay R2/R3 with the sigmoid router and its
+and DP4 x EP2 equal one process, exact resume at EP2, routing replay R2/R3 with the sigmoid router and its
 correction bias, the bias frozen by default and moved by DeepSeek's aux-free rule when asked."""
 
 import pytest
 import torch
 
 from megatron_zcpo.testing import run_distributed
-from tests.cases import deepseek_cases, trainer_cases
+from tests.cases import deepseek_cases
 from tests.training.test_trainer_layouts import _assert_same_step
 
 BIAS_RATE = 0.01
 BIASES = [deepseek_cases.BIAS.format(layer) for layer in (1, 2)]  # layer 0 is dense
 
 
-def _weights(rank, world):
-    return trainer_cases.deepseek_weights(21), trainer_cases.deepseek_weights(22)
+@pytest.fixture(scope="module")
+def single():
+    return run_distributed(deepseek_cases.in_one_process, 1, BIAS_RATE)[0]
 
 
 @pytest.fixture(scope="module")
-def weights():
-    return run_distributed(_weights, 1)[0]
-
-
-@pytest.fixture(scope="module")
-def single(weights):
-    return run_distributed(deepseek_cases.in_one_process, 1, weights, BIAS_RATE)[0]
+def weights(single):
+    return single["weights"]
 
 
 def test_the_reference_step_trains_attention_experts_and_router_not_the_bias(single, weights):
@@ -54,25 +50,28 @@ def test_the_aux_free_rule_moves_each_bias_by_the_rate(single, weights):
         assert steps.abs().max() <= 2 + 1e-3 and steps.abs().max() >= 1 - 1e-3, name
 
 
-def test_tp2_sp_pp2_uneven_ep2_matches_one_process(single, weights):
+@pytest.fixture(scope="module")
+def four_ranks(weights, tmp_path_factory):
+    """One spawn of 4 ranks for every multi-rank layout (deepseek_cases.four_ranks)."""
+    return run_distributed(deepseek_cases.four_ranks, 4, weights, str(tmp_path_factory.mktemp("ep2_resume")))
+
+
+def test_tp2_sp_pp2_uneven_ep2_matches_one_process(single, four_ranks):
     """4 ranks: TP2 with sequence parallelism, PP2 with 1 + 2 layers, EP2 with the experts over the TP ranks."""
-    results = run_distributed(
-        deepseek_cases.one_layout, 4, 2, 2, 2, weights, etp=1, sequence_parallel=True, first_stage_layers=1
-    )
-    _assert_same_step(results, single["reference"])
+    _assert_same_step([r["layout"] for r in four_ranks], single["reference"])
 
 
-def test_ep2_dp2_matches_one_process_and_resumes_exactly(single, weights, tmp_path):
-    """Two ranks, each one data-parallel replica and half the experts: the first step equals one
-    process; the second step after a checkpoint and a resume equals the uninterrupted second step
+def test_ep2_dp4_matches_one_process_and_resumes_exactly(single, four_ranks):
+    """Four data-parallel replicas, each rank half the experts: the first step equals one process; the
+    second step after a checkpoint and a resume (a fresh trainer) equals the uninterrupted second step
     (experts, their distributed-optimizer state, the correction bias)."""
-    saved = run_distributed(deepseek_cases.ep2_saved, 2, weights, str(tmp_path))
-    _assert_same_step([r["first"] for r in saved], single["reference"])
-    resumed = run_distributed(deepseek_cases.ep2_resumed, 2, weights, str(tmp_path))[0]
-    assert resumed["step"] == 2
-    assert resumed["loss"] == pytest.approx(saved[0]["loss"], abs=1e-6)
-    for name, value in saved[0]["params"].items():
-        torch.testing.assert_close(resumed["params"][name], value, atol=1e-6, rtol=0, msg=name)
+    _assert_same_step([r["first"] for r in four_ranks], single["reference"])
+    for result in four_ranks:
+        resumed, uninterrupted = result["resumed"], result["uninterrupted"]
+        assert resumed["step"] == 2
+        assert resumed["loss"] == pytest.approx(uninterrupted["loss"], abs=1e-6)
+        for name, value in uninterrupted["params"].items():
+            torch.testing.assert_close(resumed["params"][name], value, atol=1e-6, rtol=0, msg=name)
 
 
 def test_r2_routes_the_update_as_the_experience_pass_recorded(single):
