@@ -95,13 +95,18 @@ def test_r3_replays_the_engine_routing(single):
 
 def test_the_weight_push_keeps_what_sglang_fuses_in_one_bucket(single):
     """SGLang's DeepSeek-V3 loader fuses q_a_proj with kv_a_proj_with_mqa within one load_weights call
-    (one bucket): at every bucket size, in the push's own order, each pair shares a bucket, in both
-    bucketings (NCCL broadcast and CUDA IPC); without the pairing small buckets split them."""
+    (one bucket): at every bucket size, in the push's own order and dtypes (bf16, the correction bias
+    float32), each pair shares a bucket in both transports' bucketings (NCCL broadcast, CUDA IPC);
+    without the pairing small buckets split them."""
     from megatron_zcpo.convert.deepseek import sglang_load_partner
     from megatron_zcpo.megatron.weights import bucket_tensors
+    from megatron_zcpo.rollout.sglang.update_weight.distributed import push_buckets
     from megatron_zcpo.rollout.sglang.update_weight.tensor_ipc import flattened_buckets
 
-    stream = [(name, torch.zeros(shape)) for name, shape in single["push_order"]]
+    def dtype(name):
+        return torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+
+    stream = [(name, torch.zeros(shape, dtype=dtype(name))) for name, shape in single["push_order"]]
     pairs = {name: sglang_load_partner(name) for name, _ in stream if sglang_load_partner(name)}
     assert len(pairs) == 3 and all(partner in dict(stream) for partner in pairs.values())  # one per layer
 
@@ -110,6 +115,6 @@ def test_the_weight_push_keeps_what_sglang_fuses_in_one_bucket(single):
         return [name for name, partner in pairs.items() if where[name] != where[partner]]
 
     for size in (1, 4096, 20_000, 2**30):
-        assert not split_pairs([[n for n, _ in b] for b in bucket_tensors(stream, size, sglang_load_partner)])
+        assert not split_pairs([[n for n, _ in b] for b in push_buckets(stream, size)])
         assert not split_pairs([[m.name for m in meta] for _, meta in flattened_buckets(stream, size, "cpu")])
     assert split_pairs([[n for n, _ in b] for b in bucket_tensors(stream, 1)])  # what the pairing prevents
