@@ -10,7 +10,7 @@ is not published: half the GPUs each is assumed). G-GBS samples are generated an
 on (T-GBS is the optimizer's batch). The mean sequence (prompt + response) is published, the prompt
 is not: :data:`PROMPT_TOKENS` is assumed for OpenMathInstruct-2 problems in a chat template, the
 longest response is the maximum sequence less the prompt. verl rows: its full NCCL broadcast of the
-weights to disaggregated SGLang servers (push only). Mixture-of-experts rows (:data:`MOE_RUNS`):
+weights to disaggregated SGLang servers (push only). Mixture-of-experts rows (:mod:`calibration_moe`):
 NeMo-RL's DeepSeek-V3 and Qwen3-235B-A22B steps (v0.5 and v0.4), megatron-core's published Qwen3-235B
 pre-training step (the MoE training MFU is fitted on it) and SGLang's published DeepSeek-V3 decode step
 (a check of the decode model on an MoE server with EP and DP attention; FP8 weights read at 1 byte).
@@ -18,15 +18,17 @@ pre-training step (the MoE training MFU is fitted on it) and SGLang's published 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.planning.calibration_moe import MOE_RUNS
 from megatron_zcpo.planning.decode_rate import served_step_s
 from megatron_zcpo.planning.flops import H100_BF16_DENSE_FLOPS, forward_flops_per_token
 from megatron_zcpo.planning.memory_model import Layout, Workload
 from megatron_zcpo.planning.moe_costs import DEFAULT_EXPERT_IMBALANCE, all_to_all_bytes_per_token_layer
 from megatron_zcpo.planning.planner import plan_memory
+from megatron_zcpo.planning.published import NEMO_RL_V04, PublishedRun
+from megatron_zcpo.planning.published import nemo_run as _nemo
 from megatron_zcpo.planning.step_time import (
     INFINIBAND_NDR_BYTES_S,
     NVLINK4_BYTES_S,
@@ -39,8 +41,6 @@ from megatron_zcpo.planning.transitions import ipc_push_s, nccl_push_s
 
 BAND = 0.30  # every prediction within +-30% of its published figure
 PROMPT_TOKENS = 200  # assumed mean prompt of the NeMo-RL runs (not published)
-NEMO_RL_V05 = "NeMo-RL v0.5 performance summary (H100, BF16, Megatron)"
-NEMO_RL_V04 = "NeMo-RL v0.4 performance summary (H100, BF16, Megatron)"
 FINE_GRAINED_DECODE = (
     "the step is at the band's edge (0.70) and its throughput beyond it (1.42x): the decode reads "
     "Qwen3-30B-A3B's fine-grained experts (768 wide, about 8 tokens each per step at this batch) at the "
@@ -52,58 +52,6 @@ MOE_DECODE = (
     "vLLM's fused-MoE kernels of NeMo-RL v0.4: the same model's v0.5 rows (on-policy 198 s, half the "
     "generation TP; 1-step off 154 s) are within the band, these two are about twice as slow"
 )
-
-
-@dataclass(frozen=True)
-class PublishedRun:
-    """One published figure and the settings that reproduce it in our terms.
-
-    ``kind``: "step" (seconds per RL step), "push" (a disaggregated NCCL weight push), "refit"
-    (a colocated push), "train" (a pre-training step: ``samples`` sequences of ``max_sequence``
-    tokens on ``gpus`` GPUs with ``layout``'s expert parallelism) or "decode" (one decode step of a
-    serving benchmark: ``samples`` sequences at ``mean_sequence`` tokens of context on a server of
-    ``generation_tp`` GPUs with ``dp_attention`` groups and ``weight_bytes`` per parameter). For
-    steps: GPUs (``rollout_gpus`` 0: colocated), generation TP, training layout, samples, mean
-    sequence and its cap; ``fitted``: the row a constant was fitted on; ``known_out``: why the
-    prediction falls outside the band."""
-
-    name: str
-    source: str
-    preset: str
-    kind: str
-    published_s: float
-    gpus: int = 0
-    rollout_gpus: int = 0
-    generation_tp: int = 1
-    layout: Optional[Layout] = None
-    samples: int = 0
-    mean_sequence: float = 0.0
-    max_sequence: int = 0
-    overlap: bool = False
-    mem_fraction: float = 0.6  # NeMo-RL's vLLM gpu_memory_utilization in its GRPO recipes
-    fitted: str = ""
-    known_out: str = ""
-    published_tokens_per_s_per_gpu: Optional[float] = None
-    dp_attention: int = 1
-    weight_bytes: float = 2.0
-
-
-def _nemo(
-    name: str, preset: str, seconds: float, tokens_s: float, gpus: int, tp: int, layout: Layout, mean: float, **kw
-) -> PublishedRun:
-    return PublishedRun(
-        published_tokens_per_s_per_gpu=tokens_s,
-        name=name,
-        source=kw.pop("source", NEMO_RL_V05),
-        preset=preset,
-        kind="step",
-        published_s=seconds,
-        gpus=gpus,
-        generation_tp=tp,
-        layout=layout,
-        mean_sequence=mean,
-        **{"samples": 2048, "max_sequence": 4096, **kw},
-    )
 
 
 PUBLISHED_RUNS: List[PublishedRun] = [
@@ -268,190 +216,7 @@ PUBLISHED_RUNS: List[PublishedRun] = [
 ]
 
 
-# Mixture-of-experts rows (issue 44). NeMo-RL's DeepSeek-V3 and Qwen3-235B runs generate 512 samples
-# with sequences up to 1,536 / 8,192 tokens; their layouts' uneven pipeline stages (61 = 3 + 14 x 4 + 2,
-# 94 = 11 + 6 x 12 + 11) are assumed, and expert tensor parallelism 1 where EP x TP would exceed a stage.
-_DSV3 = Layout(
-    tensor_parallel=1,
-    pipeline_parallel=16,
-    data_parallel=16,
-    expert_parallel=16,
-    recompute="none",
-    first_stage_layers=3,
-    last_stage_layers=2,
-)
-_Q235_ON = Layout(
-    tensor_parallel=2,
-    context_parallel=2,
-    pipeline_parallel=8,
-    data_parallel=4,
-    expert_parallel=16,
-    expert_tensor_parallel=1,
-    recompute="none",
-    first_stage_layers=11,
-    last_stage_layers=11,
-)
-_Q235_OFF = Layout(
-    tensor_parallel=4,
-    pipeline_parallel=8,
-    data_parallel=4,
-    expert_parallel=16,
-    expert_tensor_parallel=1,
-    recompute="none",
-    first_stage_layers=11,
-    last_stage_layers=11,
-)
-_DS = dict(samples=512, max_sequence=1536)
-_Q235 = dict(samples=512, max_sequence=8192)
-_OFF = dict(overlap=True, mem_fraction=0.85)
-DSV3_OFF_POLICY = (
-    "DeepSeek-V3 1-step off-policy: the step is 1.6-2x the prediction, which generation (33 s on 256 GPUs) "
-    "and training (6 s) do not explain; NeMo-RL publishes no breakdown, and its on-policy step is predicted "
-    "within 20% only through a modelled refit of 88 s (the CUDA IPC rate fitted on a 70B refit): training or "
-    "the refit is off for this model, and no published measurement says which"
-)
-MOE_RUNS: List[PublishedRun] = [
-    PublishedRun(
-        "Qwen3-235B-A22B pre-training step, 256 GPUs",
-        "megatron-core MoE model zoo (Megatron-MoE-ModelZoo, Qwen3 best practice: H100 BF16, all-to-all "
-        "dispatcher, 24.2 s, 200 TFLOP/s per GPU)",
-        "Qwen3-235B-A22B",
-        "train",
-        24.2,
-        gpus=256,
-        layout=Layout(
-            tensor_parallel=2,
-            pipeline_parallel=32,
-            virtual_pipeline=3,
-            data_parallel=4,
-            expert_parallel=8,
-            expert_tensor_parallel=1,
-            recompute="selective",
-        ),
-        samples=2048,
-        max_sequence=4096,
-        fitted="the MoE training MFU (0.222; the step's all-to-alls over NVLink counted apart)",
-    ),
-    PublishedRun(
-        "DeepSeek-V3 decode step, 72 GPUs",
-        "SGLang team, lmsys.org 2025-05-05 (large-scale EP: 22,282 output tokens/s per node of 8 H100, 256 "
-        "sequences per GPU, KV cache 2,000 tokens, FP8 weights, DP attention, EP72)",
-        "DeepSeek-V3",
-        "decode",
-        256 / (22282 / 8),
-        generation_tp=72,
-        dp_attention=72,
-        samples=256 * 72,
-        mean_sequence=2000,
-        weight_bytes=1.0,
-    ),
-    _nemo("DeepSeek-V3 GRPO on-policy, 256 GPUs", "DeepSeek-V3", 134.0, 12.7, 256, 32, _DSV3, 744, **_DS),
-    _nemo(
-        "DeepSeek-V3 GRPO 1-step off-policy, 512 GPUs",
-        "DeepSeek-V3",
-        64.9,
-        13.1,
-        256,
-        32,
-        _DSV3,
-        738,
-        rollout_gpus=256,
-        known_out=DSV3_OFF_POLICY,
-        **_DS,
-        **_OFF,
-    ),
-    _nemo(
-        "Qwen3-235B-A22B GRPO on-policy, 128 GPUs",
-        "Qwen3-235B-A22B",
-        431.0,
-        54.1,
-        128,
-        16,
-        _Q235_ON,
-        5700,
-        fitted="the cross-node all-reduce of a decode step (two per layer, TP16 servers spanning two nodes)",
-        **_Q235,
-    ),
-    _nemo(
-        "Qwen3-235B-A22B GRPO 1-step off-policy, 256 GPUs",
-        "Qwen3-235B-A22B",
-        203.0,
-        58.7,
-        128,
-        8,
-        _Q235_OFF,
-        5707,
-        rollout_gpus=128,
-        **_Q235,
-        **_OFF,
-    ),
-    _nemo(
-        "Qwen3-30B-A3B GRPO 1-step off-policy, 32 GPUs",
-        "Qwen3-30B-A3B",
-        154.0,
-        1391.0,
-        16,
-        2,
-        Layout(tensor_parallel=1, pipeline_parallel=2, data_parallel=8, expert_parallel=8, recompute="none"),
-        3201,
-        rollout_gpus=16,
-        **_OFF,
-    ),
-    _nemo(
-        "v0.4: DeepSeek-V3 GRPO on-policy, 256 GPUs",
-        "DeepSeek-V3",
-        154.0,
-        11.0,
-        256,
-        32,
-        _DSV3,
-        745,
-        source=NEMO_RL_V04,
-        **_DS,
-    ),
-    _nemo(
-        "v0.4: DeepSeek-V3 GRPO 1-step off-policy, 512 GPUs",
-        "DeepSeek-V3",
-        77.9,
-        11.0,
-        256,
-        32,
-        _DSV3,
-        744,
-        rollout_gpus=256,
-        source=NEMO_RL_V04,
-        known_out=DSV3_OFF_POLICY,
-        **_DS,
-        **_OFF,
-    ),
-    _nemo(
-        "v0.4: Qwen3-235B-A22B GRPO on-policy, 128 GPUs",
-        "Qwen3-235B-A22B",
-        506.0,
-        45.7,
-        128,
-        16,
-        _Q235_ON,
-        5671,
-        source=NEMO_RL_V04,
-        **_Q235,
-    ),
-    _nemo(
-        "v0.4: Qwen3-235B-A22B GRPO 1-step off-policy, 256 GPUs",
-        "Qwen3-235B-A22B",
-        241.0,
-        52.2,
-        128,
-        8,
-        _Q235_OFF,
-        5691,
-        rollout_gpus=128,
-        source=NEMO_RL_V04,
-        **_Q235,
-        **_OFF,
-    ),
-]
-PUBLISHED_RUNS += MOE_RUNS
+PUBLISHED_RUNS += MOE_RUNS  # megatron_zcpo/planning/calibration_moe.py
 
 
 def _pretraining_step_s(run: PublishedRun, model: ModelConfig) -> float:
