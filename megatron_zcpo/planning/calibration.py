@@ -318,8 +318,9 @@ def calibration_table(model_of: Callable[[str], ModelConfig]) -> str:
             if tokens is not None and run.published_tokens_per_s_per_gpu
             else "-"
         )
+        digits = 4 if run.published_s < 1 else 1  # a decode step: milliseconds
         lines.append(
-            f"| {run.name} | {run.source} | {settings} | {seconds:,.1f} | {run.published_s:,.1f} | "
+            f"| {run.name} | {run.source} | {settings} | {seconds:,.{digits}f} | {run.published_s:,.{digits}f} | "
             f"{seconds / run.published_s:.2f} | {throughput} | {run.fitted or run.known_out or '-'} |"
         )
     return "\n".join(lines)
