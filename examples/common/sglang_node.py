@@ -32,6 +32,7 @@ import sys
 import time
 from typing import List, Optional
 
+from megatron_zcpo.megatron.lora import LoraConfig
 from megatron_zcpo.rollout.sglang.config import API_KEY_ENV, SGLangEngineConfig
 from megatron_zcpo.rollout.sglang.server import (
     SGLangLauncher,
@@ -125,12 +126,18 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
 
     with open(args.run_config) as handle:
         run = yaml.safe_load(handle)
-    client = SGLangEngineConfig(server_urls=["unset"], **(run["rollout"]["sglang"].get("client") or {}))
+    client = SGLangEngineConfig(
+        server_urls=["unset"],
+        quantization=run["rollout"].get("quantization"),  # FP8 + colocated: --enable-weights-cpu-backup
+        **(run["rollout"]["sglang"].get("client") or {}),
+    )
     new_tokens = max(run["rollout"]["max_new_tokens"], (run.get("eval") or {}).get("max_new_tokens") or 0)
     launch["enable_memory_saver"] = run["rollout"].get("placement") == "colocated"
     parallel = run.get("parallel") or {}
     groups = weight_update_groups(parallel.get("pipeline", 1), parallel.get("expert", 1), client)
-    return server_config_for_run(launch, client, run["data"]["max_prompt_length"], new_tokens, groups)
+    lora = (run.get("model") or {}).get("lora")
+    lora = LoraConfig(**lora) if lora else None  # push: adapter -> the servers' LoRA serving flags
+    return server_config_for_run(launch, client, run["data"]["max_prompt_length"], new_tokens, groups, lora)
 
 
 def planned_addresses(config: SGLangServerConfig) -> dict:

@@ -23,6 +23,8 @@ def load_plan_config(path: str, overrides=()) -> RunConfig:
     config = from_dict(RunConfig, apply_overrides(load_yaml(path), overrides))
     for section in PLANNED_SECTIONS:
         validate_tree(getattr(config, section), section)
+    if config.model.lora is not None:  # model.lora changes what is planned; the model's paths need not exist
+        validate_tree(config.model.lora, "model.lora")
     return config
 
 
@@ -215,6 +217,12 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
         rollout_dp_attention=rollout_dp_attention_of(args, config),
     )
     offloaded = ("parameters", "gradients", "optimizer_states", "reference_model")
+    lora = config.model.lora
+    adapter_bytes = None
+    if lora is not None and lora.push == "adapter":  # the adapter alone, bf16
+        from megatron_zcpo.planning.lora_costs import lora_parameters
+
+        adapter_bytes = 2 * lora_parameters(model, lora.rank, lora.targets)
     timing = predict_step_time(
         model,
         load,
@@ -225,6 +233,8 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
         overlap=config.rollout.overlap and not colocated,
         expert_imbalance=plan.workload.expert_imbalance,
         offloaded_bytes_per_gpu=sum(plan.components[key] for key in offloaded) if colocated else 0.0,
+        frozen_base=lora is not None,
+        adapter_push_bytes=adapter_bytes,
     )
     return timing, rate, source
 
@@ -359,6 +369,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if data_parallel and data_parallel > 1:
         print(f"(no --gpus: planned on {gpus} GPUs, the fewest on which this layout fits: DP{data_parallel})")
+    if config.model.lora is not None:
+        from megatron_zcpo.planning.lora_costs import lora_parameters
+
+        lora = config.model.lora
+        print(
+            f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {count(lora_parameters(model, lora.rank, lora.targets))} "
+            f"adapter parameters trained, the base frozen (no gradients or optimizer state), no reference weights "
+            f"(the base with the adapters off); push: {lora.push}"
+        )
     print(render_plan(plan))
     if colocated is not None:
         print(

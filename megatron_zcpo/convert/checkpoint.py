@@ -65,8 +65,9 @@ def _require_single_process() -> None:
         )
 
 
-def _tp1_layout(model: ModelConfig):
-    """megatron-core's TP=1/PP=1 sharded state dict of ``model``, as data-less templates.
+def _tp1_layout(model: ModelConfig, lora=None):
+    """megatron-core's TP=1/PP=1 sharded state dict of ``model``, as data-less templates (with
+    ``lora``, a LoraConfig: of its adapters alone, as a LoRA training checkpoint stores them).
 
     Returns ``(sharded_state_dict, pieces)``: the nested dict (factories applied, vocabulary
     tensors cut to the true vocabulary) and one :class:`_StoredPiece` per ShardedTensor in it,
@@ -75,24 +76,29 @@ def _tp1_layout(model: ModelConfig):
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+    from megatron_zcpo.megatron.lora import apply_lora, is_adapter_name
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
     from megatron_zcpo.megatron.weights import VOCAB_TENSORS, named_global_parameters
 
     _require_single_process()
     with torch.device("meta"):
         gpt = build_gpt_model(model, transformer_config(model, use_cpu_initialization=True), use_te=False)
+    if lora is not None:
+        apply_lora(gpt, lora, seed=0)  # meta adapters: only their shapes and keys are read
     parameters = {}
-    for name, param in named_global_parameters(gpt):
+    for name, param in named_global_parameters(gpt, adapters=lora is not None):
         parameters[id(param)] = name
         shape = tuple(param.shape)
         if name in VOCAB_TENSORS:
             shape = (model.vocab_size,) + shape[1:]
-        if shape != mapping.megatron_tensor_shape(name, model):
+        if lora is None and shape != mapping.megatron_tensor_shape(name, model):
             raise RuntimeError(
                 f"megatron-core parameter {name!r} has shape {shape}, the mapping expects "
                 f"{mapping.megatron_tensor_shape(name, model)}: convert/mapping.py is out of date"
             )
     sharded = gpt.sharded_state_dict()
+    if lora is not None:
+        sharded = {key: value for key, value in sharded.items() if is_adapter_name(key)}
     apply_factories(sharded)
     pieces: Dict[Tuple[str, Tuple[int, ...]], _StoredPiece] = {}
 
@@ -221,13 +227,14 @@ def save_streaming_checkpoint(
 
 
 def read_checkpoint_tensors(
-    ckpt_dir: str | os.PathLike, model: Optional[ModelConfig] = None
+    ckpt_dir: str | os.PathLike, model: Optional[ModelConfig] = None, lora=None
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Global Megatron tensors of a torch_dist checkpoint, one at a time, in model order.
 
     Works for any checkpoint of this model's parameters under megatron-core's sharded keys,
     whatever TP/PP saved it (padded vocabularies are cut to ``model.vocab_size``). ``model``
-    defaults to :func:`read_model_config`. Yields ``(name, tensor)`` in the stored dtype.
+    defaults to :func:`read_model_config`; with ``lora`` (a LoraConfig) the LoRA adapters of a
+    LoRA training checkpoint instead. Yields ``(name, tensor)`` in the stored dtype.
     Raises ``KeyError`` naming a tensor the checkpoint lacks. Needs :func:`setup_megatron` in
     a single process.
     """
@@ -235,7 +242,7 @@ def read_checkpoint_tensors(
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     model = model or read_model_config(ckpt_dir)
-    _, pieces = _tp1_layout(model)
+    _, pieces = _tp1_layout(model, lora)
     stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
     by_parameter: Dict[str, List[_StoredPiece]] = {}
     for piece in pieces.values():
@@ -243,9 +250,11 @@ def read_checkpoint_tensors(
             raise KeyError(f"checkpoint {ckpt_dir} has no tensor {piece.template.key!r} (Megatron {piece.parameter!r})")
         by_parameter.setdefault(piece.parameter, []).append(piece)
     strategy = TorchDistLoadShardedStrategy()
-    for name in mapping.megatron_tensor_names(model):
+    names = list(by_parameter) if lora is not None else mapping.megatron_tensor_names(model)
+    for name in names:
         parts = by_parameter[name]
-        full = torch.empty(mapping.megatron_tensor_shape(name, model), dtype=stored[parts[0].template.key].dtype)
+        shape = _global_shape(parts) if lora is not None else mapping.megatron_tensor_shape(name, model)
+        full = torch.empty(shape, dtype=stored[parts[0].template.key].dtype)
         targets = [_single_piece_target(piece, full) for piece in parts]
         loaded = dist_checkpointing.load(
             {i: request for i, (request, _) in enumerate(targets)},
@@ -256,6 +265,13 @@ def read_checkpoint_tensors(
         for i, (_, target) in enumerate(targets):
             target.copy_(loaded[i])  # a no-op when megatron loaded in place, as it does
         yield name, full
+
+
+def _global_shape(parts: List[_StoredPiece]) -> Tuple[int, ...]:
+    """The shape of the global parameter ``parts`` tile (an adapter's: [r, in] or [out, r], fc1's B
+    in two halves along its rows)."""
+    rows = sum(part.size[0] for part in parts)
+    return (rows,) + tuple(parts[0].size[1:])
 
 
 def _single_piece_target(piece: _StoredPiece, full: torch.Tensor):

@@ -428,6 +428,12 @@ def _hf_names_and_layout(name: str, model: ModelConfig) -> Tuple[Tuple[str, ...]
     )
 
 
+def hf_names_of(name: str, model: ModelConfig) -> Tuple[str, ...]:
+    """The Hugging Face tensors the global Megatron tensor ``name`` holds (fused ones: several; a
+    tied output layer: none); ``KeyError`` for a name ``model`` does not have."""
+    return _hf_names_and_layout(name, model)[0]
+
+
 def hf_tensor_names(model: ModelConfig) -> List[str]:
     """The Hugging Face tensor names a checkpoint of ``model`` holds, in model order."""
     return [hf for name in megatron_tensor_names(model) for hf in _hf_names_and_layout(name, model)[0]]
@@ -536,8 +542,16 @@ def megatron_to_hf_tensors(name: str, tensor: torch.Tensor, model: ModelConfig) 
     nothing. Raises ``KeyError`` for an unknown name, ``ValueError`` naming the tensor when its
     shape does not fit ``model``.
     """
-    hf_names, layout = _hf_names_and_layout(name, model)
     _check_shape(f"Megatron tensor {name!r}", tensor, megatron_tensor_shape(name, model), model)
+    return split_rows_like(name, tensor, model)
+
+
+def split_rows_like(name: str, tensor: torch.Tensor, model: ModelConfig) -> List[Tuple[str, torch.Tensor]]:
+    """Hugging Face ``(name, piece)`` pairs of ``tensor``, whose rows are laid out as those of the
+    global Megatron tensor ``name`` (any number of columns: the tensor itself, or a LoRA B of its
+    linear): fused q/k/v or gate/up rows split into fresh contiguous pieces, a renamed tensor as
+    given, nothing for a tied output layer."""
+    hf_names, layout = _hf_names_and_layout(name, model)
     if not hf_names:
         return []
     if layout == "copy":

@@ -112,6 +112,7 @@ _SCHEDULE_KEYWORDS = (
     "forward_only",
 )
 _PS = "megatron.core.parallel_state:"
+_LORA_NOT_READ = "not yet read against 0.19.2 (added with LoRA adapters)"
 
 MEGATRON_INTERNALS: Tuple[MegatronInternal, ...] = (
     # ----- model
@@ -393,6 +394,55 @@ MEGATRON_INTERNALS: Tuple[MegatronInternal, ...] = (
         "megatron/pipeline.py, megatron/attention.py",
         positional=("input_", "tensor_parallel_output_grad"),
         keywords=("group",),
+    ),
+    # ----- LoRA adapters (megatron/lora.py)
+    MegatronInternal(
+        "megatron.core.tensor_parallel:set_tensor_model_parallel_attributes",
+        "megatron/lora.py (the adapters' TP split, read by weights.py and the grad-norm's duplicate test)",
+        positional=("tensor", "is_parallel", "dim", "stride"),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
+        "megatron/lora.py (column-parallel adapter, no SP)",
+        positional=("input_",),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.tensor_parallel.mappings:reduce_from_tensor_model_parallel_region",
+        "megatron/lora.py (row-parallel adapter, no SP)",
+        positional=("input_",),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.tensor_parallel.mappings:reduce_scatter_to_sequence_parallel_region",
+        "megatron/lora.py (row-parallel adapter under SP)",
+        positional=("input_",),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.mlp:MLP",
+        "megatron/lora.py (dense MLPs get fc1/fc2 adapters, MoE layers none)",
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.mlp:apply_swiglu_sharded_factory",
+        "megatron/lora.py (fc1's adapter B saved as [gate; up] halves, like fc1's weight)",
+        positional=("original_sh_ten", "sharded_offsets", "singleton_local_shards"),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.utils:make_sharded_tensors_for_checkpoint",
+        "megatron/lora.py (the adapters' sharded state)",
+        positional=("state_dict", "prefix", "tensor_parallel_layers_axis_map", "sharded_offsets"),
+        keywords=("tp_group", "dp_cp_group"),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.transformer_block:TransformerBlock.forward",
+        "megatron/lora.py (the recompute fix's pre-hook reads hidden_states, passed by keyword by GPTModel)",
+        keywords=("hidden_states",),
+        changed_in_0_19=_LORA_NOT_READ,
     ),
     # ----- schedules, DDP, optimizer
     MegatronInternal(

@@ -17,7 +17,8 @@ holds the model to it). Term by term:
   2 x parameters (embedding excluded, output layer included; a mixture-of-experts model's *active*
   parameters) + causal attention 4 x layers x heads x head_dim x (sequence / 2); the experience
   pass (log-probs) is two forwards (policy and reference), the update a forward and a backward
-  (3 forwards), full recompute one forward more. ``TRAINING_MFU`` = 0.35 is not fitted: with it
+  (3 forwards; a LoRA policy's frozen base computes no weight gradients: 2), full recompute one
+  forward more. ``TRAINING_MFU`` = 0.35 is not fitted: with it
   NeMo-RL's dense rows (Qwen3-32B, Llama-3.1-8B, v0.4 and v0.5) come out within 0.85-1.10x of their
   published steps and its mixture-of-experts rows fast (0.52-0.84x, RESULTS explains). Under
   expert parallelism each MoE layer adds its token all-to-alls on the busiest rank
@@ -27,6 +28,8 @@ holds the model to it). Term by term:
 * transitions (:mod:`megatron_zcpo.planning.transitions`): the NCCL push (per pipeline stage and
   expert rank concurrently, or funnelled through rank 0), the colocated CUDA IPC push and the
   colocated offload / onload of the training state.
+  A LoRA adapter pushed alone (``adapter_push_bytes``) is costed as a push of its bytes (the fixed
+  part dominates; not calibrated on a published adapter refit).
 * step: disaggregated sequential = generation + training + push; overlapped (one step
   off-policy) = max(generation, training) + push; colocated = generation on all GPUs + training +
   offload / onload + IPC push (nothing overlaps: the same GPUs do both).
@@ -40,6 +43,7 @@ from typing import Optional
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.planning.decode_rate import H100_80GB_BYTES, generation_time
 from megatron_zcpo.planning.flops import H100_BF16_DENSE_FLOPS, forward_flops_per_token
+from megatron_zcpo.planning.lora_costs import BACKWARD_FORWARDS, FROZEN_BACKWARD_FORWARDS
 from megatron_zcpo.planning.moe_costs import (
     DEFAULT_EXPERT_IMBALANCE,
     all_to_all_bytes_per_token_layer,
@@ -226,10 +230,14 @@ def predict_step_time(
     overlap: bool = False,
     expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE,
     offloaded_bytes_per_gpu: float = 0.0,
+    frozen_base: bool = False,
+    adapter_push_bytes: Optional[float] = None,
 ) -> StepTime:
     """Seconds of one step's terms and modes (module docstring). ``overlap``: the disaggregated
     mode chosen (ignored when colocated); ``offloaded_bytes_per_gpu``: the training state a
-    colocated GPU moves to the host and back (parameters, gradients, optimizer, reference)."""
+    colocated GPU moves to the host and back (parameters, gradients, optimizer, reference);
+    ``frozen_base``: a LoRA policy (no weight gradients of the base); ``adapter_push_bytes``: a LoRA
+    adapter pushed alone, through rank 0, instead of the weights."""
     load.validate()
     cluster.validate()
     generation = generation_time(
@@ -249,12 +257,14 @@ def predict_step_time(
     )
     rollout = generation.seconds
     sequence = load.prompt_tokens + load.response_tokens
-    forwards = 2 + 3 + (1 if recompute == "full" else 0)
+    backward = FROZEN_BACKWARD_FORWARDS if frozen_base else BACKWARD_FORWARDS
+    forwards = 2 + 1 + backward + (1 if recompute == "full" else 0)
     flops = load.trained_sequences * sequence * forward_flops_per_token(model, sequence) * forwards
     exchange = all_to_all_s(model, load, cluster, expert_parallel, recompute, expert_imbalance)
     train = flops / (cluster.train_gpus * cluster.peak_flops * (cluster.mfu or training_mfu(model))) + exchange
-    funnel = nccl_push_s(2 * model.num_parameters)
-    per_stage = nccl_push_s(push_bytes_per_stage(model, pipeline_parallel, expert_parallel))
+    funnel = nccl_push_s(2 * model.num_parameters if adapter_push_bytes is None else adapter_push_bytes)
+    stage_bytes = push_bytes_per_stage(model, pipeline_parallel, expert_parallel)
+    per_stage = nccl_push_s(stage_bytes if adapter_push_bytes is None else adapter_push_bytes)
     sequential = rollout + train + per_stage
     overlapped = max(rollout, train) + per_stage
     offload = offload_onload_s(offloaded_bytes_per_gpu)

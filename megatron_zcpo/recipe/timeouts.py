@@ -294,7 +294,7 @@ def check_sglang_servers(config, model, engine) -> List[TimeoutCheck]:
     every server's context length against ``data.max_prompt_length + max_new_tokens``, seeds and
     load format (:meth:`SGLangEngine.check_servers`), then the timeout chain on the servers'
     real layout. Raises ``RolloutError`` / ``ValueError`` naming what to change."""
-    facts = engine.check_servers(config.data.max_prompt_length, longest_new_tokens(config))
+    facts = engine.check_servers(config.data.max_prompt_length, longest_new_tokens(config), config.model.lora)
     fractions = [fact.mem_fraction_static for fact in facts if fact.mem_fraction_static]
     servers = RolloutServers(
         count=len(facts),

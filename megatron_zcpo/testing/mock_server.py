@@ -19,7 +19,9 @@ corruption of a /generate answer at output position 1 (position 0 of a one-token
 "bad_token" (an id far outside any vocabulary), "nan_logprob", "positive_logprob" or
 "mismatched_ids" (``output_token_logprobs`` names another token).
 ``random_faults`` (a probability) adds a random "drop", "503" or "hang" to /generate requests
-(soak runs: benchmarks/soak.py), each appended to ``fault_log`` when given.
+(soak runs: benchmarks/soak.py), each appended to ``fault_log`` when given. LoRA serving
+(``enable_lora``, ``max_lora_rank``, ``lora_target_modules``: SGLang's launch flags) is
+:mod:`megatron_zcpo.testing.mock_lora`'s.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from megatron_zcpo.rollout.sglang.api import (
 from megatron_zcpo.rollout.sglang.client import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer
+from megatron_zcpo.testing.mock_lora import LoraEndpoints
 from megatron_zcpo.testing.mock_memory_saver import MEMORY_FAULTS, MemorySaverEndpoints
 
 CORRUPTIONS = ("bad_token", "nan_logprob", "positive_logprob", "mismatched_ids")
@@ -51,11 +54,12 @@ FAULTS = ("drop", "503", "hang", *CORRUPTIONS, *MEMORY_FAULTS)
 COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
-class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
+class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
-    ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
-    weight-update group (the mock joins with one process and counts as ``tp_size`` = 1).
+    ``tp_size`` is what ``/get_server_info`` reports: how many blobs ``/update_weights_from_tensor``
+    takes (TP rank k on ``gpus[k]``), and how many ranks it would take in a weight-update group (the
+    mock joins one with one process: only at ``tp_size`` 1).
     ``release``: the SGLang release whose API it speaks. ``events`` records (path, detail) of every
     request, for tests: detail "ok", a fault action, or the status a refused request got.
     Launch settings, as SGLang's flags: ``context_length`` (``--context-length``; None: the
@@ -66,7 +70,10 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
     collective request that arrived while another group's was in flight here. Colocated placement
     (:mod:`megatron_zcpo.testing.mock_memory_saver`): ``memory_saver`` (``--enable-memory-saver``),
     the ``gpus`` it occupies, each memory tag's bytes per GPU (``memory_sizes``) booked in ``ledger``
-    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault.
+    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault,
+    ``weights_cpu_backup`` (``--enable-weights-cpu-backup``), ``static_scales``: parameters the server
+    loaded from its checkpoint that no push carries (FP8's ``input_scale``), lost at a release of the
+    weights without the backup.
     """
 
     thread_name = "mock-sglang"
@@ -89,10 +96,16 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         api_key: Optional[str] = None,
         generate_delay_s: float = 0.0,
         memory_saver: bool = False,
-        gpus: Sequence[int] = (0,),
+        tp_size: int = 1,
+        gpus: Optional[Sequence[int]] = None,
         memory_sizes: Optional[Dict[str, int]] = None,
         ledger: Optional[MemoryLedger] = None,
         release_lag_s: float = 0.5,
+        enable_lora: bool = False,
+        max_lora_rank: Optional[int] = None,
+        lora_target_modules: Sequence[str] = (),
+        weights_cpu_backup: bool = False,
+        static_scales: Optional[Dict[str, Any]] = None,
     ):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
@@ -145,7 +158,14 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
             "/begin_weight_update": self._begin_session,
             "/end_weight_update": self._end_session,
         }
+        self.tp_size = tp_size
+        gpus = tuple(range(tp_size)) if gpus is None else tuple(gpus)
+        if len(gpus) != tp_size:
+            raise ValueError(f"gpus={gpus}: a server at tp_size {tp_size} has one GPU per TP rank")
         self._init_memory_saver(memory_saver, gpus, memory_sizes, ledger, release_lag_s)
+        self._init_lora(enable_lora, max_lora_rank, lora_target_modules)
+        self.weights_cpu_backup = weights_cpu_backup
+        self.static_scales = {name: tensor.clone() for name, tensor in (static_scales or {}).items()}
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -229,7 +249,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         from aiohttp import web
 
         body = await request.json()
-        refusal = self.memory_refusal("generate")
+        refusal = self.memory_refusal("generate") or self.lora_refusal(body)
         if refusal:
             return self._refuse(refusal)
         input_ids = body.get("input_ids")
@@ -257,7 +277,9 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         self.running_rids.add(rid)
         try:
             await asyncio.sleep(self.generate_delay_s)
-            results = await self._blocking(self._run_backend, self.backend.generate, prompts, params, 1)
+            results = await self._blocking(
+                self._run_backend, self._generate_with, body.get("lora_path"), prompts, params
+            )
         finally:
             self.running_rids.discard(rid)
         answers = []
@@ -284,6 +306,11 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         if request.get("corrupt"):
             _corrupt(answers[0], request["corrupt"])
         return web.json_response(answers if batch else answers[0])
+
+    def _generate_with(self, adapter: Optional[str], prompts, params):
+        """The backend's samples with ``adapter``'s weights (None: the base); under the backend lock."""
+        self.serve_adapter(adapter)
+        return self.backend.generate(prompts, params, 1)
 
     def _context_refusal(self, body) -> Optional[tuple]:
         """(400, SGLang's message) for a /generate prompt that does not fit the context length, or None."""
@@ -315,7 +342,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
     async def _health(self, request):
         from aiohttp import web
 
-        return web.Response(status=200)
+        status = self.health_generation(request)  # SGLang's /health and /health_generate run a token
+        return web.Response(status=status)
 
     async def _model_info(self, request):
         from aiohttp import web
@@ -335,7 +363,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
 
         return web.json_response(
             {
-                "tp_size": 1,
+                "tp_size": self.tp_size,
                 "dp_size": 1,
                 "version": self.release,
                 "context_length": self.context_length,
@@ -344,6 +372,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
                 "enable_deterministic_inference": self.deterministic_inference,
                 "sampling_backend": "pytorch" if self.deterministic_inference else "flashinfer",
                 "enable_memory_saver": self.memory_saver,
+                **self.lora_server_info(),
+                "enable_weights_cpu_backup": self.weights_cpu_backup,
             }
         )
 
@@ -404,6 +434,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
 
     async def _init_group(self, request):
         body = await request.json()
+        if self.tp_size != 1:
+            return self._result(False, f"the mock joins weight-update groups as one rank, not tp_size {self.tp_size}")
         try:
             group = await self._one_at_a_time(
                 request.path,
@@ -476,7 +508,9 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
 
     def _load(self, named_tensors, weight_version: Optional[str]) -> None:
         version = int(weight_version) if weight_version is not None else self.backend.weight_version()
-        self._run_backend(self.backend.update_weights, named_tensors, version)
+        # Under --enable-lora the adapted projections are renamed: SGLang's load_weights passes them over.
+        kept = ((name, tensor) for name, tensor in named_tensors if not self.skips_under_lora(name))
+        self._run_backend(self.backend.update_weights, kept, version)
         if weight_version is not None:
             self.served_version = str(weight_version)
 
@@ -518,6 +552,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--lora-target-modules", nargs="*", default=[])
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random /generate fault")
     parser.add_argument("--fault-log", default=None, help="append each random fault to this file")
     parser.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate answers no sooner")
@@ -549,6 +587,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         api_key=args.api_key,
         generate_delay_s=args.generate_delay_s,
         memory_saver=args.enable_memory_saver,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=args.lora_target_modules,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     server.start()
     stopped.wait()

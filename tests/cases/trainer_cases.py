@@ -148,6 +148,7 @@ def make_trainer(
     etp=None,
     train_overrides=None,
     first_stage_layers=None,
+    lora=None,
     **algorithm_overrides,
 ):
     from megatron_zcpo.algorithms import AlgorithmConfig
@@ -193,6 +194,7 @@ def make_trainer(
         ),
         initial_weights=policy,
         reference_weights=reference,
+        lora=lora,
     )
 
 

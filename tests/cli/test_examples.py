@@ -90,6 +90,8 @@ MODELS = {
     "qwen2.5-32b-code-tool-zcpo": QWEN25_32B,  # the Instruct model's config.json has the same architecture
     "llama-3.3-70b-zcpo": LLAMA33_70B,
     "qwen2.5-72b-zcpo": QWEN25_72B,
+    "llama-3.3-70b-lora-zcpo": LLAMA33_70B,
+    "qwen2.5-72b-lora-zcpo": QWEN25_72B,
     "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING,
     # mixture of experts: the hub's config.json fields (megatron_zcpo/convert/presets.py)
     "qwen3-30b-a3b-zcpo": preset_model_config("Qwen3-30B-A3B"),
@@ -105,6 +107,8 @@ QUOTED = {
     "qwen2.5-32b-code-tool-zcpo": (32, 57.25),
     "llama-3.3-70b-zcpo": (64, 59.03),
     "qwen2.5-72b-zcpo": (64, 60.73),
+    "llama-3.3-70b-lora-zcpo": (8, 56.65),
+    "qwen2.5-72b-lora-zcpo": (8, 58.31),
     "qwen3-4b-long-context-zcpo": (32, 61.39),
     "qwen3-30b-a3b-zcpo": (16, 65.93),
     "qwen3-235b-a22b-zcpo": (128, 75.57),
@@ -256,6 +260,19 @@ def test_layout_fits_80gb_h100_and_is_the_planners_suggestion(example, tmp_path)
     rollout_gpus, server_gpus = rollout_nodes(settings) * gpus_per_node, int(settings["ROLLOUT_TP"])
     assert rollout_nodes(settings) >= 1 and rollout_gpus % server_gpus == 0
     assert gpus_per_node % server_gpus == 0 or server_gpus % gpus_per_node == 0
+
+
+@pytest.mark.parametrize("example,quoted", [("qwen2.5-72b-lora-zcpo", 59.17), ("llama-3.3-70b-lora-zcpo", 57.50)])
+def test_lora_examples_train_on_four_gpus_where_the_full_weights_need_sixty_four(example, quoted, tmp_path):
+    """The fewest GPUs their config.yaml states: TP4 DP1 fits (TP2 would hold 72 GB of frozen weights alone)."""
+    config = run_config(example, tmp_path)
+    model = model_config_of(config)
+    layout, workload = plan_inputs(config, 4)
+    plan = plan_memory(model, layout, workload)
+    assert plan.fits and round(plan.total_bytes / GIB, 2) == quoted
+    assert workload.reference == "adapters_off" and plan.components["reference_model"] == 0
+    two = plan_memory(model, dataclasses.replace(layout, tensor_parallel=2, data_parallel=1), workload)
+    assert not two.fits
 
 
 def test_70b_eight_node_variant_fits_with_the_reference_offloaded(tmp_path):

@@ -88,6 +88,10 @@ def test_command_lines():
         "cache_aware",
         "--request-timeout-secs",
         "1800",
+        "--health-check-endpoint",  # the router's checks never generate: a liveness check
+        "/get_model_info",
+        "--health-check-interval-secs",
+        "60",
         "--worker-urls",
         "http://a:1",
         "http://b:2",

@@ -41,6 +41,9 @@ REQUEST_CLASSES = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
 }
 
 
@@ -57,6 +60,8 @@ ALIASES = {"tensor_parallel_size": "tp_size", "expert_parallel_size": "ep_size",
 KEYS = ["model_path", "host", "port", "tp_size", "ep_size", "context_length", "quantization", "dtype"]
 KEYS += ["mem_fraction_static", "random_seed", "enable_deterministic_inference", "attention_backend", "api_key"]
 KEYS += ["dp_size", "enable_dp_attention", "trust_remote_code", "nnodes", "node_rank", "dist_init_addr"]
+KEYS += ["enable_lora", "max_lora_rank", "lora_target_modules", "enable_memory_saver", "enable_weights_cpu_backup"]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _qwen_launch(release):
@@ -69,6 +74,10 @@ def _qwen_launch(release):
         api_key="k",
         ep_size=4,
         return_routed_experts=release_at_least(release, ROUTED_EXPERTS_RELEASE),
+        lora_rank=16,
+        lora_target_modules=LORA_TARGETS,
+        enable_memory_saver=True,  # colocated, FP8: the weights' host copy keeps the activation scales
+        enable_weights_cpu_backup=True,
     )
 
 
@@ -93,7 +102,7 @@ def parsed_launches(release):
     Qwen line (plain, with routed experts, with modelopt_fp8) and the 4 nodes of a DeepSeek-V3 server."""
     from megatron_zcpo.rollout.sglang.server import server_specs
 
-    argv = server_command(ServerSpec("node1", 30000, (0, 1, 2, 3)), _qwen_launch(release))[3:]  # after -m module
+    argv = server_command(ServerSpec("node1", 30000, (0, 1, 2, 3)), _qwen_launch(release))[3:]  # after python -m module
     spanning = server_specs(DEEPSEEK_LAUNCH, env={})[1]
     argvs = [argv, argv + ["--enable-return-routed-experts"], argv + ["--quantization", "modelopt_fp8"]]
     argvs += [server_command(spanning, DEEPSEEK_LAUNCH, node_rank=rank)[3:] for rank in range(4)]
@@ -130,6 +139,11 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release, parsed_lau
         "nnodes": 1,
         "node_rank": 0,
         "dist_init_addr": None,
+        "enable_lora": True,
+        "max_lora_rank": 16,
+        "lora_target_modules": LORA_TARGETS,
+        "enable_memory_saver": True,
+        "enable_weights_cpu_backup": True,
         **({"enable_return_routed_experts": True} if routed else {}),
     }
     # Routing replay needs a newer server (the pinned one refuses the flag); 0.5.3.post3 has no
@@ -191,6 +205,7 @@ def test_the_generate_bodies_we_send_pass_the_newest_releases_json_contract():
     assert len(server.bodies) == 4
     for body in server.bodies:
         contract.GenerateRequest.from_json_value(body)  # raises JsonContractError on a violation
+    contract.GenerateRequest.from_json_value({**body, "lora_path": "zcpo-lora-v3"})  # model.lora.push=adapter
     with pytest.raises(contract.JsonContractError, match="unknown field `seed`"):
         contract.GenerateRequest.from_json_value({**body, "sampling_params": {"seed": 1}})
 
