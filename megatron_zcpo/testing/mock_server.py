@@ -567,7 +567,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--node-rank", type=int, default=0, help="a server spanning nodes: this node's rank")
     args, _ = parser.parse_known_args(argv)
     stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # as SGLang (uvicorn) and the router stop on either
+        signal.signal(stop_signal, lambda *_: stopped.set())
     if args.node_rank > 0:  # as SGLang's: only a multi-node server's first node serves HTTP
         stopped.wait()
         return
