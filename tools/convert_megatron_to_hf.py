@@ -11,7 +11,9 @@ those stored with a converted checkpoint, for a training step those of the run's
 model.path (its config.yaml), or of --hf-files. --out is written whole into a fresh directory and
 renamed into place: a non-empty --out is refused unless --overwrite. --verify then loads the checkpoint
 in Megatron at --tp/--pp/--ep/--etp and compares its logits with transformers on the written
-directory (the max abs difference is printed last; exit 1 above --tolerance).
+directory (the max abs difference is printed last; exit 1 above --tolerance). DeepSeek-V3-class
+models come back in bf16 without quantization_config (their FP8 weights were dequantised on the way
+in), with the multi-token-prediction layers the way in kept (--mtp keep) and none when it dropped them.
 
 A LoRA run's step (model.lora: its weights/ holds the adapters and lora.json) is merged into its base:
 each adapted weight becomes W + (alpha/r) B A, computed in fp32 and cast to the stored dtype, the rest

@@ -2,8 +2,9 @@
 
 The train.sbatch scripts run it as one srun step with one task per rollout node; every task computes
 the same layout (megatron_zcpo.rollout.sglang.server.server_specs: ``gpus_per_node // tp_size``
-servers per node, ports ``base_port + i * port_stride``) and starts the processes that belong to
-its node, then supervises them until the step is signalled. ``--print`` prints the plan's addresses
+servers per node, ports ``base_port + i * port_stride``; a ``--tp-size`` above the node's GPUs:
+servers of several consecutive nodes) and starts the processes that belong to its node, then
+supervises them until the step is signalled. ``--print`` prints the plan's addresses
 instead: the server URLs as a JSON list on the first line and the router URL on the second, which
 the scripts pass to ``zcpo train`` as ``rollout.sglang.server_urls=[...]`` and
 ``rollout.sglang.router_url=...``.
@@ -89,6 +90,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quantization", default=None, help="e.g. modelopt_fp8 (with rollout.quantization=fp8)")
     parser.add_argument("--ep-size", type=int, default=1, help="MoE models: experts split over a server's TP ranks")
     parser.add_argument(
+        "--dp-attention",
+        type=int,
+        default=1,
+        help="attention data-parallel in this many groups of a server (SGLang's --enable-dp-attention --dp-size)",
+    )
+    parser.add_argument("--attention-backend", default=None, help="SGLang's --attention-backend (e.g. fa3)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="checkpoints with code (Kimi-K2's tokenizer)")
+    parser.add_argument(
         "--return-routed-experts",
         action="store_true",
         help="MoE routing replay: --enable-return-routed-experts (SGLang >= 0.5.7)",
@@ -116,6 +125,9 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
         context_length=args.context_length,
         quantization=args.quantization,
         ep_size=args.ep_size,
+        dp_attention=args.dp_attention,
+        attention_backend=args.attention_backend,
+        trust_remote_code=args.trust_remote_code,
         return_routed_experts=args.return_routed_experts,
         extra_args=args.extra_args.split(),
         router=True,

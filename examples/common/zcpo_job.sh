@@ -33,8 +33,9 @@
 # in append mode (#SBATCH --open-mode=append), so a requeued job's log continues the first attempt's.
 #
 # The sourcing script sets (each overridable from the environment): CONFIG, HF_MODEL, MEGATRON_CKPT,
-# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, ROLLOUT_TP, PLACEMENT (disaggregated
-# | colocated, default disaggregated). The training layout is CONFIG's parallel.* alone (change it there
+# TRAIN_DATA, EVAL_DATA (comma-separated files), RUN_DIR, TRAIN_NODES, ROLLOUT_TP (above the GPUs of a
+# node: servers spanning ROLLOUT_TP / GPUs-per-node nodes), PLACEMENT (disaggregated | colocated, default
+# disaggregated), CONVERT_ARGS (extra flags of the checkpoint conversion, e.g. "--mtp drop"). The training layout is CONFIG's parallel.* alone (change it there
 # or with ZCPO_OVERRIDES=parallel.tensor=N ...); the job trains on TRAIN_NODES x the GPUs per node,
 # DP = that / (TP*PP*CP). Runtime, also from the environment:
 #   CONTAINER_IMAGE   enroot/pyxis image (e.g. a .sqsh of the repository's Dockerfile); empty: use VENV
@@ -170,6 +171,7 @@ zcpo_job_main() {
     if [[ -n "${attach}" ]]; then
         log "rollout:  attaching to ${SGLANG_SERVER_URLS} (router: ${SGLANG_ROUTER_URL:-none})"
     else
+        (( ${#rollout_hosts[@]} * gpus_per_node % ROLLOUT_TP == 0 )) || die "${#rollout_hosts[@]} rollout nodes of ${gpus_per_node} GPUs do not split into servers of ROLLOUT_TP=${ROLLOUT_TP} GPUs"
         log "rollout:  ${rollout_list} ($(( ${#rollout_hosts[@]} * gpus_per_node / ROLLOUT_TP )) SGLang servers at TP${ROLLOUT_TP})"
     fi
 
@@ -212,9 +214,11 @@ zcpo_job_main() {
         local partial="${MEGATRON_CKPT}.partial-${SLURM_JOB_ID}"
         log "converting ${HF_MODEL} -> ${MEGATRON_CKPT}"
         rm -rf "${partial}"
+        local convert_args=()
+        read -r -a convert_args <<< "${CONVERT_ARGS:-}"
         run_step "${runtime[@]}" "${one_task[@]}" --nodelist="${train_hosts[0]}" --gpus-per-node="${gpus_per_node}" \
             --cpus-per-task="${cpus_per_node}" \
-            python tools/convert_hf_to_megatron.py --hf-dir "${HF_MODEL}" --out "${partial}"
+            python tools/convert_hf_to_megatron.py --hf-dir "${HF_MODEL}" --out "${partial}" "${convert_args[@]}"
         (( STEP_EXIT_CODE == 0 )) && [[ -z "${ZCPO_STOP_SIGNAL:-}" ]] || rm -rf "${partial}"
         check_step "the checkpoint conversion"
         if ! mv -T "${partial}" "${MEGATRON_CKPT}" 2>/dev/null; then

@@ -28,9 +28,10 @@ their partitioned matrix, fc1's B as [gate; up] like fc1's weight).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,7 +45,13 @@ _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    # multi-latent attention: TE fuses the latent norms into the up-projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
+# The routers' load-balancing correction bias (DeepSeek-V3's e_score_correction_bias): a float32
+# buffer megatron-core keeps (and may update) outside the optimizer, but a weight of the model.
+EXPERT_BIAS_SUFFIX = "router.expert_bias"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # megatron's SequentialMLP
 _TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP
@@ -108,16 +115,19 @@ def _split_group(name: str):
     )
 
 
-def named_global_parameters(model, adapters: bool = False) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+def named_global_parameters(model, adapters: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(global_name, local_parameter)`` for this rank's stage of a GPTModel (DDP-wrapped ok):
-    the base's parameters, or with ``adapters`` its LoRA adapters' instead.
+    the base's parameters and the routers' correction-bias buffers (``...mlp.router.expert_bias``,
+    float32 [experts]: weights of the model that the optimizer does not own), or with ``adapters``
+    its LoRA adapters' instead.
 
     With tied embeddings, the last pipeline stage's copy of the embedding (``output_layer.weight``)
     is reported under the embedding's global name. Experts carry their global index.
     """
     model = unwrap(model)
     offset, expert_offset = _layer_offset(model), _expert_offset(model)
-    for name, param in model.named_parameters():
+    biases = [(name, buffer) for name, buffer in model.named_buffers() if name.endswith(EXPERT_BIAS_SUFFIX)]
+    for name, param in list(model.named_parameters()) + biases:
         if is_adapter_name(name) != adapters:
             continue
         name = global_name(name, offset, expert_offset)
@@ -190,7 +200,28 @@ def load_global_state_dict(
                 f"{name}: shard shape {tuple(shard.shape)} (global {tuple(state_dict[name].shape)}) "
                 f"does not match the parameter's {tuple(param.shape)}"
             )
-        param.copy_(shard.to(param.dtype))
+        if name.endswith(EXPERT_BIAS_SUFFIX):  # float32 whatever the module's dtype, as megatron-core keeps it
+            param.data = shard.to(device=param.device, dtype=torch.float32).clone()
+        else:
+            param.copy_(shard.to(param.dtype))
+
+
+@contextlib.contextmanager
+def expert_biases_kept_in_float32(*models) -> Iterator[None]:
+    """Around a cast of whole models to 16 bits (megatron's ``Float16Module`` casts buffers too):
+    the routers' correction biases come back float32 with their exact values (megatron-core
+    restores the dtype only at the next forward, from the rounded values; a rounded bias moves
+    tokens near a tie to other experts). A model may be None (a LoRA run has no reference)."""
+    routers = [
+        (module, module.expert_bias.detach().clone())
+        for model in models
+        if model is not None
+        for module in unwrap(model).modules()
+        if getattr(module, "expert_bias", None) is not None
+    ]
+    yield
+    for module, bias in routers:
+        module.expert_bias.data = bias
 
 
 def _in_part(name: str, part: str) -> bool:
@@ -220,6 +251,8 @@ def iter_global_tensors(model, part: str = "all", merged: bool = False) -> Itera
             continue
         adapter = adapter_of.get(id(param))
         tensor = param.detach() if adapter is None else adapter.merged_weight()
+        if name.endswith(EXPERT_BIAS_SUFFIX):
+            tensor = tensor.float()
         _, tp_size, group = _split_group(name)
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
@@ -306,21 +339,34 @@ def unflatten_tensors(flat: torch.Tensor, metadata: Sequence[Tuple[Sequence[int]
     return out
 
 
+def no_partner(name: str) -> Optional[str]:
+    """No tensor must share a bucket with ``name`` (the default of :func:`bucket_tensors`)."""
+    return None
+
+
 def bucket_tensors(
-    named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[Tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    partner_of: Callable[[str], Optional[str]] = no_partner,
 ) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes
+    alone), never closing a list while a tensor named by ``partner_of`` of one in it (a later one of
+    the stream that must arrive with it) is still to come: that list grows past the limit."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: List[Tuple[str, torch.Tensor]] = []
-    size = 0
+    size, awaited = 0, set()
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not awaited:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
+        awaited.discard(name)
+        partner = partner_of(name)
+        if partner is not None:
+            awaited.add(partner)
     if bucket:
         yield bucket
 

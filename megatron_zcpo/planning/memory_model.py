@@ -350,17 +350,23 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
 
     QKV (with Qwen2's bias), output projection and the SwiGLU MLP are split over TP; the two RMSNorm
     weights, and Qwen3's per-head q/k RMSNorms (``head_dim`` each), are replicated on every TP rank.
-    Widths use ``head_dim`` (megatron's kv_channels), not hidden / heads. Mixture-of-experts models:
+    Widths use ``head_dim`` (megatron's kv_channels), not hidden / heads. Multi-latent attention
+    (DeepSeek-V3): its up- and output projections split over TP, its latent down-projections and
+    norms whole on every rank (:func:`~megatron_zcpo.megatron.deepseek.mla_parameter_split`). Mixture-of-experts models:
     the MLP is the layers' average of dense MLPs and routers (+ shared experts), see
     :func:`~megatron_zcpo.planning.moe_costs.non_expert_mlp_parameters`.
     """
     h = model.hidden_size
-    q = model.num_attention_heads * model.kv_channels
-    kv = 2 * model.num_key_value_heads * model.kv_channels
-    split = h * (q + kv) + q * h
-    if model.qkv_bias:
-        split += q + kv
-    replicated = 2 * h + (2 * model.kv_channels if model.qk_layernorm else 0)
+    if model.is_mla:
+        from megatron_zcpo.megatron.deepseek import mla_parameter_split
+
+        split, replicated = mla_parameter_split(model)
+        replicated += 2 * h
+    else:
+        q = model.num_attention_heads * model.kv_channels
+        kv = 2 * model.num_key_value_heads * model.kv_channels
+        split = h * (q + kv) + q * h + ((q + kv) if model.qkv_bias else 0)
+        replicated = 2 * h + (2 * model.kv_channels if model.qk_layernorm else 0)
     if model.is_moe:
         return int(split // tensor_parallel + replicated + non_expert_mlp_parameters(model, tensor_parallel))
     return (split + 3 * h * model.intermediate_size) // tensor_parallel + replicated
@@ -483,12 +489,20 @@ def model_layer_activation_bytes(
     whose tokens sequence parallelism splits) on the busiest expert-parallel rank, which receives
     ``expert_imbalance`` times the mean (1 without expert parallelism: every rank holds every expert)."""
 
+    heads = model.num_attention_heads
+    # multi-latent attention keeps K and V after the up-projection, per head head_dim + v_head_dim wide
+    kv_width = (
+        heads * (model.kv_channels + model.value_head_dim)
+        if model.is_mla
+        else 2 * model.num_key_value_heads * model.kv_channels
+    )
+
     def layer(ffn_hidden_size: int) -> float:
         return layer_activation_bytes(
             tokens,
             hidden_size=model.hidden_size,
-            query_width=model.num_attention_heads * model.kv_channels,
-            kv_width=2 * model.num_key_value_heads * model.kv_channels,
+            query_width=heads * model.kv_channels,
+            kv_width=kv_width,
             ffn_hidden_size=ffn_hidden_size,
             num_heads=model.num_attention_heads,
             tensor_parallel=layout.tensor_parallel,
@@ -496,14 +510,18 @@ def model_layer_activation_bytes(
             recompute=recompute,
         )
 
+    latents = 0.0  # multi-latent attention: the query and key/value latents and their norms' outputs
+    if model.is_mla and recompute != "full":
+        width = 2 * (model.q_lora_rank or 0) + 2 * model.kv_lora_rank + model.qk_rope_head_dim
+        latents = tokens * BYTES_BF16 * width / (layout.tensor_parallel if layout.sequence_parallel else 1)
     if not model.is_moe:
-        return layer(model.intermediate_size)
+        return layer(model.intermediate_size) + latents
     share = moe_layer_share(model)
     moe = layer(model.shared_expert_intermediate_size)
     if recompute != "full":
         imbalance = expert_imbalance if layout.expert_parallel > 1 else 1.0
         moe += tokens * moe_mlp_activation_bytes_per_token(model, imbalance) / layout.tensor_parallel
-    return (1 - share) * layer(model.intermediate_size) + share * moe
+    return (1 - share) * layer(model.intermediate_size) + share * moe + latents
 
 
 def layers_in_flight(

@@ -42,6 +42,8 @@ class ModelSource:
     ``lora``: train LoRA adapters on the frozen ``path`` instead of every weight (its keys:
     :class:`~megatron_zcpo.megatron.lora.LoraConfig`); the reference is then the base with the
     adapters off, so ``reference`` stays unset and no second model is loaded.
+    ``trust_remote_code``: load a tokenizer that is code shipped with the checkpoint (Moonlight's
+    and Kimi-K2's tiktoken tokenizers; transformers' ``trust_remote_code``).
     """
 
     path: Optional[str] = None
@@ -50,6 +52,7 @@ class ModelSource:
     architecture: Optional[ModelConfig] = None
     preset: Optional[str] = None
     lora: Optional[LoraConfig] = None
+    trust_remote_code: bool = False
 
     def validate(self) -> None:
         if (self.path is None) == (self.architecture is None):

@@ -135,6 +135,11 @@ def layout_problems(
         problems.append(
             f"parallel: TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} must divide the {world_size} {world_source}"
         )
+    if cp > 1 and model.is_mla:
+        problems.append(
+            f"parallel.context={cp}: context parallelism is not supported with multi-latent attention "
+            f"(the {model.family} model); use parallel.context=1"
+        )
     split = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # heads, query groups, MLP width
     undivided = [f"{field}={getattr(model, field)}" for field in split if getattr(model, field) % tp]
     if undivided:

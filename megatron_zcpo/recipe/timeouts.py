@@ -67,6 +67,7 @@ class RolloutServers:
     decode_tokens_per_s_per_gpu: Optional[float] = None
     gpu_memory_bytes: float = H100_80GB_BYTES
     known_hardware: bool = True
+    dp_attention: int = 1  # SGLang's DP-attention groups per server (1: plain tensor parallelism)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,9 @@ def predicted_durations(config, model, servers: RolloutServers) -> Dict[str, flo
     client, rollout = client_config(config), config.rollout
     prompt, response = MEAN_FRACTION * config.data.max_prompt_length, MEAN_FRACTION * rollout.max_new_tokens
     in_flight = in_flight_per_server(config, servers.count)
-    shape = dict(mem_fraction=servers.mem_fraction, gpu_memory_bytes=servers.gpu_memory_bytes)
+    shape = dict(
+        mem_fraction=servers.mem_fraction, gpu_memory_bytes=servers.gpu_memory_bytes, dp_attention=servers.dp_attention
+    )
     roofline = decode_roofline(model, prompt, response, servers.tp_size, max_batch=in_flight, **shape)
     rate = servers.decode_tokens_per_s_per_gpu or decode_tokens_per_s_per_gpu(
         model, prompt, response, servers.tp_size, max_batch=in_flight, **shape

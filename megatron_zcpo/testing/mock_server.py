@@ -534,7 +534,8 @@ def _corrupt(answer: Dict[str, Any], action: str) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     """``python -m megatron_zcpo.testing.mock_server --model-path DIR --port P``: a CPU stand-in for
     ``sglang.launch_server`` (other SGLang arguments are accepted and ignored) that serves the
-    Hugging Face checkpoint in DIR with the embedded engine until terminated."""
+    Hugging Face checkpoint in DIR with the embedded engine until terminated (on ``--node-rank`` > 0,
+    a multi-node server's other nodes, it only waits, as SGLang's serve no HTTP)."""
     import argparse
     import signal
 
@@ -563,7 +564,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=None,
         help="on exit, write the requests, weight updates and update overlaps to DIR/<port>.json",
     )
+    parser.add_argument("--node-rank", type=int, default=0, help="a server spanning nodes: this node's rank")
     args, _ = parser.parse_known_args(argv)
+    stopped = threading.Event()
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # as SGLang (uvicorn) and the router stop on either
+        signal.signal(stop_signal, lambda *_: stopped.set())
+    if args.node_rank > 0:  # as SGLang's: only a multi-node server's first node serves HTTP
+        stopped.wait()
+        return
     engine = EmbeddedEngine(model_config_from_hf(read_hf_config(args.model_path)), seed=args.random_seed)
     with SafetensorsCheckpoint(args.model_path) as checkpoint:
         engine.update_weights(((name, checkpoint.tensor(name)) for name in checkpoint.names()), version=0)
@@ -586,9 +594,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     server.start()
-    stopped = threading.Event()
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # as SGLang (uvicorn) and the router stop on either
-        signal.signal(stop_signal, lambda *_: stopped.set())
     stopped.wait()
     server.stop()
     if args.record_dir:

@@ -198,8 +198,11 @@ class PolicyTrainer:
             # fused op computes exact fp32 logits from bf16 operands, as the output layer would see.
             from megatron.core.transformer.module import Float16Module
 
-            policy = Float16Module(self.config, policy)
-            reference = Float16Module(self.config, reference) if reference is not None else None
+            from megatron_zcpo.megatron.weights import expert_biases_kept_in_float32
+
+            with expert_biases_kept_in_float32(policy, reference):
+                policy = Float16Module(self.config, policy)
+                reference = Float16Module(self.config, reference) if reference is not None else None
         if reference is not None:
             reference.eval()
             for param in reference.parameters():

@@ -129,13 +129,14 @@ def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tm
     settings = sbatch_settings(example)
     train_nodes = int(settings["TRAIN_NODES"])
     colocated = settings.get("PLACEMENT") == "colocated"
+    nodes_per_server = max(1, int(settings["ROLLOUT_TP"]) // 8)  # DeepSeek-V3's servers span 4 nodes
     converted_checkpoint(tmp_path, example, tiny_model)
     extra = {"REWARD_FUNCTION": REWARD} if "long-context" in example else {}
     done, hosts, steps = run_job(
         example,
         tmp_path,
         tiny_model,
-        train_nodes if colocated else train_nodes + 1,
+        train_nodes if colocated else train_nodes + nodes_per_server,
         ["train.steps=3"],
         FAKE_SRUN_TRAINING="record",
         ZCPO_OVERRIDES="train.seed=7",
@@ -154,7 +155,7 @@ def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tm
         assert [task["SLURM_NTASKS"] for task in step["tasks"]] == ["1"]
         assert step["tasks"][0]["SLURM_JOB_NUM_NODES"] == str(len(hosts))
     rollout_hosts = hosts if colocated else hosts[train_nodes:]
-    servers_per_node = 8 // int(settings["ROLLOUT_TP"])
+    servers_per_node = max(1, 8 // int(settings["ROLLOUT_TP"]))  # per first node of a server
     assert dry_run["tasks"][0]["SLURMD_NODENAME"] == hosts[0]
     train_gpus = train_nodes * 8
     assert train["command"][:3] == ["zcpo", "train", f"examples/{example}/config.yaml"]
@@ -163,7 +164,9 @@ def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tm
     config = load_run_config(train["command"][2], train["command"][3:])
     assert config.model.path == str(tmp_path / "ckpt")
     assert config.rollout.sglang.server_urls == [
-        f"http://{host}:{30000 + 10 * server}" for host in rollout_hosts for server in range(servers_per_node)
+        f"http://{host}:{30000 + 10 * server}"
+        for host in rollout_hosts[::nodes_per_server]
+        for server in range(servers_per_node)
     ]
     assert config.rollout.sglang.router_url == f"http://{rollout_hosts[0]}:29000"
     assert config.rollout.placement == ("colocated" if colocated else "disaggregated")
@@ -179,7 +182,7 @@ def test_the_job_as_shipped_reaches_training_with_every_check_passed(example, tm
     assert resolved.rollout.sglang.server_urls == config.rollout.sglang.server_urls
     # the SGLang step: one task per rollout node, on it; every server and the router answered
     assert [task["SLURMD_NODENAME"] for task in servers["tasks"]] == rollout_hosts
-    assert f"SGLang: {len(rollout_hosts) * servers_per_node + 1} endpoints healthy" in done.stdout
+    assert f"SGLang: {len(rollout_hosts) // nodes_per_server * servers_per_node + 1} endpoints healthy" in done.stdout
     # colocated: both steps share the GPUs (srun --overlap)
     assert ("overlap" in servers["options"], "overlap" in train["options"]) == (colocated, colocated)
     key = servers["env"]["ZCPO_SGLANG_API_KEY"]  # one fresh key per job, for the servers and the trainer

@@ -75,6 +75,16 @@ class SGLangServerConfig:
     ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
     :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
     ``mem_fraction_static`` for the weight pushes.
+
+    Large models (DeepSeek-V3 / Kimi-K2): a ``tp_size`` above the node's GPUs makes each server span
+    ``tp_size / gpus_per_node`` consecutive nodes (``--nnodes``, ``--node-rank``, ``--dist-init-addr``
+    on its first node's ``dist_init_port``; its URL is the first node's); ``dp_attention`` > 1 runs
+    the attention data-parallel in that many groups (``--enable-dp-attention --dp-size``: each group
+    keeps its own requests' KV cache, which multi-latent attention would otherwise copy to every GPU,
+    at the price of a copy of the attention weights per group); ``attention_backend`` is passed
+    whenever set (``fa3`` when deterministic inference needs one); ``trust_remote_code`` for
+    checkpoints whose tokenizer is code (Kimi-K2). The same flags in 0.5.3.post3 and 0.5.23 (checked
+    with both releases' parsers).
     ``lora_rank`` (``model.lora.push: adapter``): ``--enable-lora --max-lora-rank R
     --lora-target-modules ...`` (``lora_target_modules``, Hugging Face names), the servers then take
     the run's adapter by name; None: no LoRA serving (a merged push goes into the base).
@@ -112,6 +122,9 @@ class SGLangServerConfig:
     enable_weights_cpu_backup: bool = False
     gpu_memory_gib: float = 80.0
     communicator_mib: float = NCCL_COMMUNICATOR_MIB
+    dp_attention: int = 1
+    trust_remote_code: bool = False
+    dist_init_port: int = 29700
     lora_rank: Optional[int] = None
     lora_target_modules: List[str] = field(default_factory=list)
 
@@ -126,6 +139,11 @@ class SGLangServerConfig:
         for key in ("tp_size", "base_port", "port_stride", "router_port"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{prefix}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.dp_attention < 1 or self.tp_size % self.dp_attention:
+            raise ValueError(
+                f"{prefix}.dp_attention={self.dp_attention} must divide tp_size={self.tp_size} (SGLang's --dp-size "
+                f"groups of the attention; 1: off)"
+            )
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(
                 f"{prefix}.ep_size={self.ep_size} must be 1 or tp_size={self.tp_size} (SGLang splits a "
@@ -231,15 +249,22 @@ def without_expandable_segments(env: Mapping[str, str]) -> Dict[str, str]:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One SGLang server: where it runs, its HTTP port and the GPU ids it owns on its node."""
+    """One SGLang server: where it runs (``node``, which serves HTTP; a server spanning nodes runs on
+    all of ``hosts``, ``node`` first), its HTTP port and the GPU ids it owns on each of its nodes."""
 
     node: str
     port: int
     gpu_ids: tuple
+    hosts: tuple = ()
 
     @property
     def url(self) -> str:
         return f"http://{self.node}:{self.port}"
+
+    @property
+    def nodes(self) -> tuple:
+        """Every node the server runs on, its first (HTTP) node first."""
+        return self.hosts or (self.node,)
 
 
 def _gpus_per_node(config: SGLangServerConfig, env: Mapping[str, str]) -> int:
@@ -263,12 +288,9 @@ def server_specs(config: SGLangServerConfig, env: Optional[Mapping[str, str]] = 
         expand_slurm_nodelist(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else [_this_host(env)]
     )
     gpus = _gpus_per_node(config, env)
-    if config.tp_size > gpus:
-        raise ValueError(
-            f"rollout.servers.tp_size={config.tp_size} exceeds the {gpus} GPUs of a node "
-            f"(servers spanning nodes are not supported)"
-        )
     visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",") if env.get("CUDA_VISIBLE_DEVICES") else None
+    if config.tp_size > gpus:
+        return _multi_node_specs(config, nodes, gpus, visible)
     specs: List[ServerSpec] = []
     for node in nodes:
         for index in range(gpus // config.tp_size):
@@ -280,13 +302,34 @@ def server_specs(config: SGLangServerConfig, env: Optional[Mapping[str, str]] = 
     return specs
 
 
+def _multi_node_specs(config: SGLangServerConfig, nodes: List[str], gpus: int, visible) -> List[ServerSpec]:
+    """Servers of ``tp_size / gpus`` consecutive nodes each, every GPU of those nodes."""
+    if config.tp_size % gpus:
+        raise ValueError(
+            f"rollout.servers.tp_size={config.tp_size} spans nodes of {gpus} GPUs: it must be a multiple of {gpus}"
+        )
+    per_server = config.tp_size // gpus
+    if len(nodes) % per_server:
+        raise ValueError(
+            f"{len(nodes)} rollout nodes do not split into servers of {per_server} nodes (tp_size={config.tp_size})"
+        )
+    gpu_ids = tuple(visible) if visible else tuple(str(i) for i in range(gpus))
+    specs = [
+        ServerSpec(nodes[i], config.base_port, gpu_ids, tuple(nodes[i : i + per_server]))
+        for i in range(0, len(nodes), per_server)
+    ]
+    return specs[: config.num_servers] if config.num_servers is not None else specs
+
+
 def _this_host(env: Mapping[str, str]) -> str:
     return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Optional[str] = None) -> List[str]:
+def server_command(
+    spec: ServerSpec, config: SGLangServerConfig, api_key: Optional[str] = None, node_rank: int = 0
+) -> List[str]:
     """The ``python -m sglang.launch_server ...`` command line of one server (``api_key``: default
-    ``config.api_key``)."""
+    ``config.api_key``) on its ``node_rank``-th node (servers spanning nodes)."""
     command = [
         config.python,
         "-m",
@@ -312,6 +355,15 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
         command += ["--quantization", config.quantization]
     if config.enable_deterministic_inference:
         command += ["--enable-deterministic-inference", "--attention-backend", config.attention_backend or "fa3"]
+    elif config.attention_backend:
+        command += ["--attention-backend", config.attention_backend]
+    if len(spec.nodes) > 1:
+        command += ["--nnodes", str(len(spec.nodes)), "--node-rank", str(node_rank)]
+        command += ["--dist-init-addr", f"{spec.nodes[0]}:{config.dist_init_port}"]
+    if config.dp_attention > 1:
+        command += ["--enable-dp-attention", "--dp-size", str(config.dp_attention)]
+    if config.trust_remote_code:
+        command += ["--trust-remote-code"]
     if api_key or config.api_key:
         command += ["--api-key", api_key or config.api_key]
     if config.ep_size > 1:
@@ -406,12 +458,16 @@ class SGLangLauncher:
         """Spawn the processes that belong to this node."""
         os.makedirs(self.config.log_dir, exist_ok=True)
         for spec in self.specs:
-            if self._is_this_node(spec.node):
+            for rank, host in enumerate(spec.nodes):
+                if not self._is_this_node(host):
+                    continue
                 check_bind_address(spec.node)
                 env = dict(self.env, CUDA_VISIBLE_DEVICES=",".join(spec.gpu_ids))
                 if self.config.enable_memory_saver:
                     env = without_expandable_segments(env)
-                self._spawn(f"server-{spec.node}-{spec.port}", server_command(spec, self.config, self.api_key), env)
+                command = server_command(spec, self.config, self.api_key, node_rank=rank)
+                suffix = f"-node{rank}" if len(spec.nodes) > 1 else ""
+                self._spawn(f"server-{spec.node}-{spec.port}{suffix}", command, env)
         if self.config.router and self._is_this_node(self.specs[0].node):
             self._spawn(
                 "router",

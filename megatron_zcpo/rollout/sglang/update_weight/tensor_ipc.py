@@ -41,6 +41,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, 
 
 import torch
 
+from megatron_zcpo.convert.deepseek import sglang_load_partner
 from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.update_weight.session import session_members, weight_update_session
 from megatron_zcpo.utils.devices import cuda_device_uuid, has_cuda, slot_device
@@ -53,11 +54,12 @@ Bucket = Tuple[torch.Tensor, List[types.SimpleNamespace]]
 
 def flattened_buckets(stream: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int, device) -> Iterator[Bucket]:
     """(flat tensor [numel] on ``device``, metadata) per bucket of consecutive same-dtype tensors up to
-    ``bucket_bytes`` (a larger tensor is a bucket of its own); metadata as SGLang's
-    ``FlattenedTensorMetadata`` reads it (name, shape, dtype, start_idx, end_idx, numel), in stdlib
-    objects so the server unpickles them without our package."""
+    ``bucket_bytes`` (a larger tensor is a bucket of its own; a bucket awaiting a tensor SGLang must
+    load with one of its own, :func:`~megatron_zcpo.convert.deepseek.sglang_load_partner`, grows
+    past it); metadata as SGLang's ``FlattenedTensorMetadata`` reads it (name, shape, dtype,
+    start_idx, end_idx, numel), in stdlib objects so the server unpickles them without our package."""
     pending: List[Tuple[str, torch.Tensor]] = []
-    size = 0
+    size, awaited = 0, set()
 
     def flush():
         metadata, start = [], 0
@@ -79,11 +81,15 @@ def flattened_buckets(stream: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: 
 
     for name, tensor in stream:
         nbytes = tensor.numel() * tensor.element_size()
-        if pending and (tensor.dtype != pending[0][1].dtype or size + nbytes > bucket_bytes):
+        if pending and (tensor.dtype != pending[0][1].dtype or (size + nbytes > bucket_bytes and not awaited)):
             yield flush()
             pending, size = [], 0
         pending.append((name, tensor))
         size += nbytes
+        awaited.discard(name)
+        partner = sglang_load_partner(name)
+        if partner is not None:
+            awaited.add(partner)
     if pending:
         yield flush()
 
