@@ -402,6 +402,27 @@ def test_every_hyper_parameter_says_whether_it_is_the_papers_or_ours(path):
     assert not untagged, "hyper-parameters without [paper: ...] / [ours: ...]:\n" + "\n".join(untagged)
 
 
+def test_no_key_is_written_twice():
+    """The run config loader (yaml.safe_load) keeps the last of a repeated key and drops the first
+    silently: an example with a key twice says one thing and runs another."""
+    import yaml
+
+    def strict_mapping(loader, node):
+        keys = [loader.construct_object(key, deep=True) for key, _ in node.value]
+        repeated = sorted({str(key) for key in keys if keys.count(key) > 1})
+        if repeated:
+            raise yaml.constructor.ConstructorError(None, None, f"{repeated} written twice", node.start_mark)
+        return loader.construct_mapping(node, deep=True)
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, strict_mapping)
+    for path in sorted(EXAMPLES.glob("*/config.yaml")) + [ROOT / "megatron_zcpo" / "cli" / "demo.yaml"]:
+        with path.open() as stream:  # the error names the file and line
+            yaml.load(stream, Loader=StrictLoader)
+
+
 def load_sglang_node():
     spec = importlib.util.spec_from_file_location("sglang_node", EXAMPLES / "common" / "sglang_node.py")
     module = importlib.util.module_from_spec(spec)
