@@ -15,6 +15,7 @@ from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.planning.planner import GIB, plan_memory, suggest_layout
 from megatron_zcpo.recipe.config import load_run_config
 from megatron_zcpo.rollout.sglang.client import SGLangEngineConfig
+from megatron_zcpo.utils.config_loader import load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -403,24 +404,10 @@ def test_every_hyper_parameter_says_whether_it_is_the_papers_or_ours(path):
 
 
 def test_no_key_is_written_twice():
-    """The run config loader (yaml.safe_load) keeps the last of a repeated key and drops the first
-    silently: an example with a key twice says one thing and runs another."""
-    import yaml
-
-    def strict_mapping(loader, node):
-        keys = [loader.construct_object(key, deep=True) for key, _ in node.value]
-        repeated = sorted({str(key) for key in keys if keys.count(key) > 1})
-        if repeated:
-            raise yaml.constructor.ConstructorError(None, None, f"{repeated} written twice", node.start_mark)
-        return loader.construct_mapping(node, deep=True)
-
-    class StrictLoader(yaml.SafeLoader):
-        pass
-
-    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, strict_mapping)
+    """The run config loader refuses a repeated key (PyYAML alone keeps the last and drops the first
+    silently: an example with a key twice would say one thing and run another)."""
     for path in sorted(EXAMPLES.glob("*/config.yaml")) + [ROOT / "megatron_zcpo" / "cli" / "demo.yaml"]:
-        with path.open() as stream:  # the error names the file and line
-            yaml.load(stream, Loader=StrictLoader)
+        load_yaml(path)
 
 
 def load_sglang_node():
