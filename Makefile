@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install install-dev demo test gpu-check
+.PHONY: install install-dev demo test sglang-venvs gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,15 @@ install-dev: $(BIN)/python
 demo: install
 	$(BIN)/zcpo demo
 
+# The real SGLang 0.5.3.post3 and 0.5.23 servers of tests/rollout/sglang/real/ run from venvs made by the
+# recipe in ../shared/sglang-cpu (Debian's libnuma-dev included; minutes per release the first time, then
+# cached in ~/.cache/megatron_zcpo/test-packages/sglang-cpu, keyed by the recipe's checksums). Without the
+# recipe those tests skip; with ZCPO_REQUIRE_REAL_SGLANG=1 (CI's .ci/run) a venv that cannot be made fails.
+sglang-venvs: install-dev
+	$(BIN)/python -m megatron_zcpo.testing.real_sglang_server build
+
 # Exit code 5 means "no tests collected": not a failure of the suite.
-test: install-dev
+test: install-dev sglang-venvs
 	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3

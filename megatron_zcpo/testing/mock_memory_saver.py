@@ -3,26 +3,32 @@
 
 Mixed into :class:`megatron_zcpo.testing.mock_server.MockSGLangServer`. Behaviour follows SGLang
 0.5.3.post3 and 0.5.23 (see :mod:`megatron_zcpo.rollout.sglang.api`): tags per release (no tags:
-all of them), a resume of a tag that is not released fails, ``/update_weights_from_tensor`` reads
-blob ``tp_rank`` of ``serialized_named_tensors`` (flattened buckets or a list of (name, tensor)).
-Where SGLang would silently corrupt memory the mock fails the request with 400 and the reason
-(:class:`~megatron_zcpo.rollout.memory.MemoryPhaseError`): a generate or a weight update while
-the memory it needs is released or generation is paused, a release while requests run, a
-release or resume out of order. Without ``memory_saver`` SGLang's releases answer 200 and free
-nothing (its no-op adapter): so does the mock, and ``/get_server_info`` says
-``enable_memory_saver: false``. Faults (``faults[path]``): "late_release" (the release answers,
+all of them), ``/update_weights_from_tensor`` reads blob ``tp_rank`` of ``serialized_named_tensors``
+(flattened buckets or a list of (name, tensor)), ``/pause_generation`` aborts what runs and holds
+what arrives until ``/continue_generation``. Three requests kill the real server (its scheduler
+raises; the request gets no answer and later ones find nothing listening), and so they crash the
+mock: a ``/resume_memory_occupation`` of a tag that is not released (both releases), a
+``/release_memory_occupation`` while a request runs (0.5.23 asserts an idle server; 0.5.3.post3 answers
+and stops the running requests, which the mock ends as aborted), and tensors shared by file descriptor
+in ``/update_weights_from_tensor`` (both; the scheduler cannot fetch another process family's
+descriptors). Where SGLang would silently corrupt memory the mock fails
+the request with 400 and the reason (:class:`~megatron_zcpo.rollout.memory.MemoryPhaseError`): a
+generate or a weight update while the memory it needs is released, a release twice. Without
+``memory_saver`` SGLang's releases answer 200 and free nothing (its no-op adapter): so does the
+mock, and ``/get_server_info`` says ``enable_memory_saver: false``. Faults (``faults[path]``): "late_release" (the release answers,
 the memory is freed ``release_lag_s`` later), "502" (answered before anything happens), "die"
 (the server stops answering anything from this request on: died mid-update).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import threading
 from typing import Dict, Optional, Sequence
 
 from megatron_zcpo.rollout.memory import EngineMemory, MemoryLedger, MemoryPhaseError
-from megatron_zcpo.rollout.sglang.api import MEMORY_TAGS_BY_RELEASE
+from megatron_zcpo.rollout.sglang.api import MEMORY_TAGS_BY_RELEASE, PINNED_RELEASE
 
 MEMORY_FAULTS = ("late_release", "502", "die")
 
@@ -39,6 +45,9 @@ class MemorySaverEndpoints:
         release_lag_s: float,
     ) -> None:
         self.memory_saver, self.release_lag_s, self.paused, self.dead = memory_saver, release_lag_s, False, False
+        self.generation_allowed = asyncio.Event()  # cleared while paused: /generate waits on it
+        self.generation_allowed.set()
+        self.offload_tags: set = set()  # what SGLang's scheduler counts as released, saver or not
         tags = MEMORY_TAGS_BY_RELEASE[self.release]
         self.memory = EngineMemory(
             f"sglang:{self.port or id(self)}",
@@ -59,8 +68,6 @@ class MemorySaverEndpoints:
 
     def memory_refusal(self, action: str) -> Optional[str]:
         """Why ``action`` ("generate", "update_weights") must fail now, or None."""
-        if action == "generate" and self.paused:
-            return "generate while generation is paused (/continue_generation first)"
         if not self.memory_saver:
             return None
         try:
@@ -73,14 +80,23 @@ class MemorySaverEndpoints:
     def _refuse(message: str):
         from aiohttp import web
 
-        return web.json_response({"error": {"message": message, "type": "Bad Request", "code": 400}}, status=400)
+        return web.json_response({"error": {"message": message}}, status=400)
+
+    def _crash(self, request, reason: str):
+        """The scheduler raised: the server exits (this request gets no answer, later ones nothing)."""
+        self.crashed = reason
+        request.transport.close()
+        raise ConnectionResetError(f"mock server crashed: {reason}")
 
     async def _release_memory(self, request):
         from aiohttp import web
 
         body = (await request.json() if request.body_exists else None) or {}
-        if self.running_rids:  # 0.5.23 asserts it; 0.5.3.post3 would free the KV pool under them
-            return self._refuse("release_memory_occupation should be called only when server is idle.")
+        if self.running_rids:
+            if self.release != PINNED_RELEASE:  # its scheduler asserts an idle server
+                self._crash(request, "release_memory_occupation should be called only when server is idle.")
+            self.running_rids.clear()  # 0.5.3.post3 answers and stops them (their streams end unfinished)
+        self.offload_tags.update(body.get("tags") or self.memory.tags)
         if self.memory_saver:
             try:
                 self.memory.release(body.get("tags"), late=request.get("fault") == "late_release")
@@ -94,6 +110,10 @@ class MemorySaverEndpoints:
         from aiohttp import web
 
         body = (await request.json() if request.body_exists else None) or {}
+        tags = body.get("tags") or self.memory.tags
+        if any(tag not in self.offload_tags for tag in tags):  # offload_tags.remove(tag): KeyError
+            self._crash(request, f"resume_memory_occupation of {sorted(set(tags) - self.offload_tags)}, not released")
+        self.offload_tags.difference_update(tags)
         if self.memory_saver:
             try:
                 self.memory.resume(body.get("tags"))
@@ -105,13 +125,15 @@ class MemorySaverEndpoints:
         from aiohttp import web
 
         self.paused = True
-        self.running_rids.clear()  # 0.5.3.post3 aborts what runs
+        self.generation_allowed.clear()
+        self.running_rids.clear()  # both releases abort what runs (0.5.23's default mode "abort")
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def _continue(self, request):
         from aiohttp import web
 
         self.paused = False
+        self.generation_allowed.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _update_from_tensor(self, request):
@@ -126,6 +148,8 @@ class MemorySaverEndpoints:
         blobs = body["serialized_named_tensors"]
         if len(blobs) != 1:  # one blob per TP rank; the mock is one rank
             return self._result(False, f"serialized_named_tensors has {len(blobs)} blobs for tp_size 1")
+        if b"rebuild_storage_fd" in base64.b64decode(blobs[0], validate=True):
+            self._crash(request, "a tensor shared by file descriptor: the descriptor cannot be fetched")
 
         def load():
             from multiprocessing.reduction import ForkingPickler

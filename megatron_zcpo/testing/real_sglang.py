@@ -187,8 +187,11 @@ class RealRouter:
 
     def __enter__(self) -> RealRouter:
         from megatron_zcpo.rollout.sglang.server import SGLangServerConfig, router_command
+        from megatron_zcpo.utils.runtime import free_port
 
-        launch = SGLangServerConfig(model_path="-", router_port=self.port, router_policy="round_robin")
+        launch = SGLangServerConfig(
+            model_path="-", router_port=self.port, router_metrics_port=free_port(), router_policy="round_robin"
+        )
         command = router_command(self.worker_urls, launch, "127.0.0.1", self.api_key)  # the launcher's own line
         env = dict(os.environ, PYTHONPATH=str(router_package(self.version)))
         self._process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

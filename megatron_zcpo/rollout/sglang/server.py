@@ -38,6 +38,24 @@ from megatron_zcpo.utils.slurm import expand_slurm_nodelist
 # /init_weights_update_group on your cluster and set rollout.sglang.launch.communicator_mib.
 NCCL_COMMUNICATOR_MIB = 288.0
 MIN_MEM_FRACTION_STATIC = 0.3  # below it the launch refuses: the pushes' memory leaves SGLang too little
+DEVICES = ("cuda", "cpu")
+# The CPU profile (``device: cpu``; docs/SGLANG.md, "SGLang on a CPU"): what SGLang 0.5.3.post3 and 0.5.23
+# need to serve on a CPU without a GPU, with the CPU kernel of ../shared/sglang-cpu. torch_native is the
+# attention backend that runs there; no CUDA graphs; no warm-up request (its generation is minutes of
+# a loaded 2-core machine); a KV pool of 8,192 tokens (sized from host memory it is ~14x slower to
+# decode); and the scheduler sleeps when idle (it polls, ~30% of a core, otherwise).
+CPU_PROFILE_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--max-total-tokens",
+    "8192",
+    "--sleep-on-idle",
+)
+CPU_PROFILE_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 
 
 @dataclass
@@ -56,7 +74,10 @@ class SGLangServerConfig:
     server command. ``server_module`` / ``router_module`` can point at stand-ins (tests).
     ``api_key``: ``--api-key`` of every server and the router (None: a fresh random key per
     launcher, :attr:`SGLangLauncher.api_key`). ``router_request_timeout_s``: the router's
-    ``--request-timeout-secs`` (the client's ``router_timeout_s``).
+    ``--request-timeout-secs`` (the client's ``router_timeout_s``). ``router_metrics_port``: the router's
+    ``--prometheus-port`` (None: ``router_port + 1``): sglang-router 0.2.0 and 0.3.2 bind their metrics to
+    0.0.0.0:29000 unless told otherwise, so a router on the default port 29000 exits with "Address already
+    in use".
     ``enable_deterministic_inference``: per-request seeds are used (the client's
     ``sampling_seeds``); SGLang then needs ``attention_backend`` among
     :data:`~megatron_zcpo.rollout.sglang.api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
@@ -68,6 +89,15 @@ class SGLangServerConfig:
     ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
     :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
     ``mem_fraction_static`` for the weight pushes.
+    ``device``: "cuda", or "cpu" for SGLang's CPU build (tests and CPU-only machines): the CPU
+    profile's flags (:data:`CPU_PROFILE_ARGS`) and environment (:data:`CPU_PROFILE_ENV`), one server
+    of ``tp_size`` processes per node unless ``gpus_per_node`` says more, no GPU memory to reserve for
+    the pushes (the weight-update group is gloo there), and neither deterministic inference
+    (torch_native attention cannot) nor the memory saver (CUDA only).
+    Every server runs with ``--skip-tokenizer-init``: the client sends token ids and reads token
+    ids, so a server needs no tokenizer (a checkpoint's tokenizer files need not load in the
+    server's transformers), no detokenizer pass, and releases before 0.5.4.post3 return no prompt
+    tokens in front of ``output_ids`` (docs/SGLANG.md).
     """
 
     model_path: str
@@ -87,6 +117,7 @@ class SGLangServerConfig:
     extra_args: List[str] = field(default_factory=list)
     router: bool = True
     router_port: int = 29000
+    router_metrics_port: Optional[int] = None
     router_policy: str = "cache_aware"
     log_dir: str = "sglang_logs"
     python: str = sys.executable
@@ -100,9 +131,22 @@ class SGLangServerConfig:
     enable_memory_saver: bool = False
     gpu_memory_gib: float = 80.0
     communicator_mib: float = NCCL_COMMUNICATOR_MIB
+    device: str = "cuda"
 
     def validate(self, prefix: str = "rollout.servers") -> None:
         """Raise ``ValueError`` naming the offending key."""
+        if self.device not in DEVICES:
+            raise ValueError(f"{prefix}.device={self.device!r}: choose from {DEVICES}")
+        if self.device == "cpu":
+            for key, why in (
+                (
+                    "enable_deterministic_inference",
+                    "SGLang's torch_native attention, the one a CPU runs, is not deterministic",
+                ),
+                ("enable_memory_saver", "SGLang's memory saver (torch_memory_saver) needs CUDA"),
+            ):
+                if getattr(self, key):
+                    raise ValueError(f"{prefix}.{key}=true with {prefix}.device=cpu: {why}")
         if not self.model_path:
             raise ValueError(f"{prefix}.model_path must name a Hugging Face model directory")
         for key in ("tp_size", "base_port", "port_stride", "router_port"):
@@ -162,6 +206,8 @@ def server_config_for_run(
         "api_key": client.api_key,
     }
     config = SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
+    if config.device == "cpu":  # host memory: no NCCL communicator, the bucket is an ordinary tensor
+        return config
     groups = weight_groups if client.weight_sync == "distributed" else 0
     reserve = weight_update_reserve_bytes(groups, client.bucket_bytes, config.communicator_mib)
     fraction = config.mem_fraction_static - reserve / (config.gpu_memory_gib * 2**30)
@@ -208,6 +254,8 @@ class ServerSpec:
 def _gpus_per_node(config: SGLangServerConfig, env: Mapping[str, str]) -> int:
     if config.gpus_per_node:
         return config.gpus_per_node
+    if config.device == "cpu":  # one server per node
+        return config.tp_size
     if env.get("SLURM_GPUS_ON_NODE"):
         return int(env["SLURM_GPUS_ON_NODE"])
     if env.get("CUDA_VISIBLE_DEVICES"):
@@ -268,7 +316,10 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
         config.dtype,
         "--random-seed",
         str(config.random_seed),
+        "--skip-tokenizer-init",
     ]
+    if config.device == "cpu":
+        command += CPU_PROFILE_ARGS
     if config.context_length:
         command += ["--context-length", str(config.context_length)]
     if config.quantization:
@@ -303,6 +354,8 @@ def router_command(
         config.router_policy,
         "--request-timeout-secs",
         str(int(config.router_request_timeout_s)),
+        "--prometheus-port",
+        str(config.router_metrics_port or config.router_port + 1),
         "--worker-urls",
         *worker_urls,
     ]
@@ -360,6 +413,8 @@ class SGLangLauncher:
             if self._is_this_node(spec.node):
                 check_bind_address(spec.node)
                 env = dict(self.env, CUDA_VISIBLE_DEVICES=",".join(spec.gpu_ids))
+                if self.config.device == "cpu":
+                    env.update(CPU_PROFILE_ENV)
                 if self.config.enable_memory_saver:
                     env = without_expandable_segments(env)
                 self._spawn(f"server-{spec.node}-{spec.port}", server_command(spec, self.config, self.api_key), env)

@@ -19,6 +19,7 @@ from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
     FLATTENED_BUCKETS_SINCE,
     NEWEST_CHECKED_RELEASE,
+    OUTPUT_IDS_WITHOUT_PROMPT_SINCE,
     PINNED_RELEASE,
     ROUTED_EXPERTS_RELEASE,
     ROUTER_KEY_CHECK_PATH,
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 class ServerFacts:
     """What one server reports: its URL, GPUs (``tp_size``), SGLang ``version``, the most prompt +
     new tokens it serves in full (``served_tokens``, None if unknown), whether it uses per-request
-    seeds (``deterministic``) and its ``mem_fraction_static`` (None if unknown)."""
+    seeds (``deterministic``), its ``mem_fraction_static`` (None if unknown) and whether it runs
+    without a tokenizer (``skip_tokenizer_init``)."""
 
     url: str
     tp_size: int
@@ -46,6 +48,7 @@ class ServerFacts:
     served_tokens: Optional[int]
     deterministic: bool
     mem_fraction_static: Optional[float]
+    skip_tokenizer_init: bool = True
 
     @classmethod
     def from_server_info(cls, url: str, info: Dict[str, Any]) -> ServerFacts:
@@ -58,6 +61,7 @@ class ServerFacts:
             served_tokens=served_tokens(info),
             deterministic=bool(info.get("enable_deterministic_inference")),
             mem_fraction_static=None if fraction is None else float(fraction),
+            skip_tokenizer_init=bool(info.get("skip_tokenizer_init")),
         )
 
 
@@ -105,6 +109,14 @@ def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_
             f"load format of /update_weights_from_distributed exists from {FLATTENED_BUCKETS_SINCE} on; an older "
             f"server ignores it and waits for tensors one by one, so the push hangs; set "
             f"{KEY}.flattened_buckets=false"
+        )
+    if not facts.skip_tokenizer_init and not release_at_least(facts.version, OUTPUT_IDS_WITHOUT_PROMPT_SINCE):
+        problems.append(
+            f"{facts.url} runs SGLang {facts.version!r} with its tokenizer: releases before "
+            f"{OUTPUT_IDS_WITHOUT_PROMPT_SINCE} return up to 5 prompt tokens in front of the generated ones in "
+            f"output_ids (their detokenizer's window), so every sample would be rejected; launch it with "
+            f"--skip-tokenizer-init (rollout.sglang.launch and examples/common/sglang_node.py do) or use "
+            f"SGLang >= {OUTPUT_IDS_WITHOUT_PROMPT_SINCE}"
         )
     if config.return_routed_experts and not release_at_least(facts.version, ROUTED_EXPERTS_RELEASE):
         problems.append(

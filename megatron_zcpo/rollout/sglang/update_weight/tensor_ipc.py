@@ -12,8 +12,8 @@ handles the servers closed and ``empty_cache`` hands the block back before the n
 last bucket carries ``flush_cache`` and ``weight_version``. The device UUID replaces the device
 index in every handle (SGLang's ``monkey_patch_torch_reductions``, used when SGLang imports here),
 as the servers see other CUDA_VISIBLE_DEVICES. IPC handles are only valid on the sender's node:
-servers elsewhere need the disk transport. Without CUDA the same bodies carry shared-memory
-handles of CPU tensors (the mock server's tests). SGLang >= 0.5.21 takes the buckets only inside a
+servers elsewhere need the disk transport. Without CUDA the same bodies carry CPU tensors in shared-memory
+files (SGLang on a CPU, the mock server). SGLang >= 0.5.21 takes the buckets only inside a
 begin/end weight-update session, like the distributed transport's.
 """
 
@@ -71,13 +71,24 @@ def flattened_buckets(
 
 
 def serialize_for_server(obj) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: base64 of a ForkingPickler dump."""
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: base64 of a ForkingPickler dump.
+
+    CPU tensors go as files in shared memory (torch's "file_system" sharing strategy, for this dump only):
+    under the default "file_descriptor" strategy the receiver must fetch a descriptor from this process
+    over a socket guarded by this process family's key, which an SGLang server's scheduler does not hold:
+    it raises, and the whole server dies (0.5.3.post3 and 0.5.23 on a CPU; docs/SGLANG.md).
+    """
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with ForkingPickler)
+    import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(obj)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buffer).dump(obj)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
