@@ -9,8 +9,9 @@ cannot drift apart). The mock server (:mod:`megatron_zcpo.testing.mock_server`) 
   ``max_new_tokens``, {type, matched} at a stop token, {type, message, status_code, err_type} when
   aborted. Releases before ``OUTPUT_IDS_WITHOUT_PROMPT_SINCE`` with their tokenizer put up to 5 prompt
   tokens in front of ``output_ids`` (:func:`served_output_ids`).
-- Refusals: a body that does not validate is 400 ``{"object": "error", "message"}`` (FastAPI's, turned
-  400 by SGLang); a request over the context length 400 ``{"error": {"message"}}``; an unknown
+- Refusals: a body that does not validate is 400 ``{"object": "error", "message", "type", "param",
+  "code"}`` (FastAPI's 422, turned 400 by SGLang); a request over the context length 400
+  ``{"error": {"message"}}`` (0.5.3.post3 at prompt + max_new_tokens >= context, 0.5.23 at > context); an unknown
   ``sampling_params`` key 400 ``{"error": "<string>"}`` from 0.5.23's JSON contract, but 500
   "Internal Server Error" from 0.5.3.post3 (its SamplingParams raises a TypeError); ``sampling_seed``
   null is 400 on 0.5.3.post3 and the default seed on 0.5.23 (:func:`sampling_refusal`).
@@ -87,6 +88,7 @@ def finish_reason(kind: str, output_ids: Sequence[int]) -> Dict[str, Any]:
 def generate_answer(
     release: str,
     *,
+    logprobs_asked: bool,
     rid: str,
     prompt_ids: Sequence[int],
     output_ids: List[int],
@@ -95,7 +97,8 @@ def generate_answer(
     weight_version: str,
     tokenizer: bool,
 ) -> Dict[str, Any]:
-    """One ``/generate`` answer (``return_logprob``) of release ``release`` with :data:`META_KEYS`."""
+    """One ``/generate`` answer of release ``release`` with :data:`META_KEYS` (the log-prob keys only when
+    ``logprobs_asked``: the request's ``return_logprob``)."""
     values = {
         "id": rid,
         "finish_reason": finish_reason(finish, output_ids),
@@ -116,7 +119,7 @@ def generate_answer(
     }
     answer: Dict[str, Any] = {
         "output_ids": served_output_ids(release, prompt_ids, output_ids, tokenizer),
-        "meta_info": {key: values[key] for key in META_KEYS[release]},
+        "meta_info": {key: values[key] for key in META_KEYS[release] if logprobs_asked or "logprobs" not in key},
     }
     if tokenizer:  # the mock has no tokenizer: an empty text where SGLang sends the decoded one
         answer = {"text": "", **answer}
@@ -138,9 +141,9 @@ def sampling_refusal(release: str, sampling: Dict[str, Any]) -> Optional[Tuple[i
     return None
 
 
-def validation_error(reason: str) -> Dict[str, str]:
+def validation_error(reason: str) -> Dict[str, Any]:
     """The body of SGLang's 400 for a request body that does not validate (FastAPI's 422, as SGLang turns it)."""
-    return {"object": "error", "message": reason}
+    return {"object": "error", "message": reason, "type": "Bad Request", "param": None, "code": 400}
 
 
 def context_error(message: str) -> Dict[str, Dict[str, str]]:

@@ -134,6 +134,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         self.sessions = release_at_least(release, WEIGHT_UPDATE_SESSIONS_SINCE)  # the release's protocol
         self.session_open = False
         self.int32_seeds = release == PINNED_RELEASE  # 0.5.3.post3's seed packing (0.5.23: int64)
+        # prompt + max_new_tokens == context: refused by 0.5.3.post3 (>=), served by 0.5.23 (> context)
+        self.total_slack = 0 if release == PINNED_RELEASE else 1
         self.crashed: Optional[str] = None  # why the scheduler died (every request is then dropped)
         self._backend_lock = threading.Lock()
         self._handlers = {
@@ -287,6 +289,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
             routed = body.get("return_routed_experts") and completion.routed_experts is not None
             answer = mock_answers.generate_answer(
                 self.release,
+                logprobs_asked=bool(body.get("return_logprob")),
                 rid=rid,
                 prompt_ids=prompt,
                 output_ids=completion.output_ids,
@@ -314,11 +317,12 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
                 refusal = (
                     f"The input ({len(prompt)} tokens) is longer than the model's context length ({context} tokens)."
                 )
-            elif max_new_tokens is not None and len(prompt) + max_new_tokens >= context:
+            elif max_new_tokens is not None and len(prompt) + max_new_tokens >= context + self.total_slack:
                 refusal = (
                     f"Requested token count exceeds the model's maximum context length of {context} tokens. "
                     f"You requested a total of {len(prompt) + max_new_tokens} tokens: {len(prompt)} tokens "
-                    f"from the input messages and {max_new_tokens} tokens for the completion."
+                    f"from the input messages and {max_new_tokens} tokens for the completion. Please reduce the "
+                    f"number of tokens in the input messages or the completion to fit within the limit."
                 )
             elif len(prompt) >= self.max_req_len - 5:
                 refusal = (

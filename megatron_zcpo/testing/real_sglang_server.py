@@ -261,10 +261,12 @@ class AttachedServer(RealSGLangServer):
         return self._url
 
     def alive(self) -> bool:
+        """Whether it answers (``/get_model_info``: ``/health`` generates, and waits while memory is released)."""
         import urllib.request
 
+        request = urllib.request.Request(self.url + "/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"})
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=10) as answer:
+            with urllib.request.urlopen(request, timeout=10) as answer:
                 return answer.status == 200
         except OSError:
             return False

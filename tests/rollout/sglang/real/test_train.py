@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatron_zcpo.rollout.engine import SamplingParams
-from megatron_zcpo.rollout.placement import TRAINER_PARTS, ColocatedPhases, release_for_training
+from megatron_zcpo.rollout.placement import ColocatedPhases, release_for_training
 from megatron_zcpo.rollout.sglang.api import PINNED_RELEASE, memory_tags
 from megatron_zcpo.testing.real_sglang import PackageUnavailable, RealRouter, router_package
 from megatron_zcpo.utils.runtime import free_port
@@ -40,9 +40,10 @@ def test_zcpo_train_two_steps_with_overlap(real_server, release, model_dir, tmp_
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "rollout/reward_mean" in r}
     assert sorted(steps) == [1, 2] and all("update/grad_norm" in r for r in steps.values())
+    assert [steps[s]["rollout/staleness_max"] for s in (1, 2)] == [0.0, 1.0]  # step 2 trained on v0's rollout
     assert "rejected" not in done.stderr
-    with real_server.engine() as engine:
-        assert engine.weight_version() == 2  # the trainer's last push
+    with real_server.engine() as engine:  # version 1 came before step 2's rollout; nothing generates after step 2
+        assert engine.weight_version() == 1
 
 
 class HostTrainer:
@@ -82,8 +83,7 @@ def test_colocated_phases_against_the_real_endpoints(real_server, release, model
             assert completion.weight_version == step and completion.finish_reason in ("length", "stop")
             outputs.append(completion.output_ids)
             phases.to_train()
-        assert real_server.alive() and outputs[0] != outputs[1]
-        assert phases.history == ["train"] + ["update", "generate", "train"] * 2
-        assert trainer.offloaded == set() and sorted(TRAINER_PARTS) == ["grads", "optimizer", "params"]
+        assert phases.history == ["train"] + ["update", "generate", "train"] * 2 and not trainer.offloaded
         phases.to_update()  # the server ends with its memory resumed (other tests share it)
         phases.to_generate()
+    assert real_server.alive() and outputs[0] != outputs[1]
