@@ -8,10 +8,10 @@ all of them), ``/update_weights_from_tensor`` reads blob ``tp_rank`` of ``serial
 what arrives until ``/continue_generation``. Three requests kill the real server (its scheduler
 raises; the request gets no answer and later ones find nothing listening), and so they crash the
 mock: a ``/resume_memory_occupation`` of a tag that is not released (both releases), a
-``/release_memory_occupation`` while a request runs (0.5.23 asserts an idle server; 0.5.3.post3 answers
-and stops the running requests, which the mock ends as aborted), and tensors shared by file descriptor
-in ``/update_weights_from_tensor`` (both; the scheduler cannot fetch another process family's
-descriptors). Where SGLang would silently corrupt memory the mock fails
+``/release_memory_occupation`` while a request runs (0.5.23 asserts an idle server; 0.5.3.post3 answers,
+and its request ran on to its end in one try, stopped unfinished in another: the mock lets it run), and
+tensors shared by file descriptor in ``/update_weights_from_tensor`` (both; the scheduler cannot fetch
+another process family's descriptors). Where SGLang would silently corrupt memory the mock fails
 the request with 400 and the reason (:class:`~megatron_zcpo.rollout.memory.MemoryPhaseError`): a
 generate or a weight update while the memory it needs is released, a release twice. Without
 ``memory_saver`` SGLang's releases answer 200 and free nothing (its no-op adapter): so does the
@@ -92,10 +92,8 @@ class MemorySaverEndpoints:
         from aiohttp import web
 
         body = (await request.json() if request.body_exists else None) or {}
-        if self.running_rids:
-            if self.release != PINNED_RELEASE:  # its scheduler asserts an idle server
-                self._crash(request, "release_memory_occupation should be called only when server is idle.")
-            self.running_rids.clear()  # 0.5.3.post3 answers and stops them (their streams end unfinished)
+        if self.running_rids and self.release != PINNED_RELEASE:  # 0.5.23's scheduler asserts an idle server
+            self._crash(request, "release_memory_occupation should be called only when server is idle.")
         self.offload_tags.update(body.get("tags") or self.memory.tags)
         if self.memory_saver:
             try:

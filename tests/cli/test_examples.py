@@ -397,6 +397,19 @@ def test_sglang_node_plans_two_tp4_servers_per_rollout_node():
     assert addresses["router_url"] == "http://gpu05:29000"
 
 
+def test_sglang_node_starts_cpu_servers_with_the_cpu_profile():
+    """--device cpu: SGLang's CPU build, one server per node, the CPU profile's flags and environment (what
+    tests/rollout/sglang/real/ starts through the same launcher)."""
+    from megatron_zcpo.rollout.sglang.server import CPU_PROFILE_ARGS, SGLangLauncher, server_command
+
+    sglang_node = load_sglang_node()
+    args = ["--model-path", "/m", "--nodes", "n1", "--tp-size", "1", "--gpus-per-node", "1", "--device", "cpu"]
+    config = sglang_node.server_config(sglang_node.parse_args(args))
+    [spec] = SGLangLauncher(config, env={}).specs
+    command = server_command(spec, config)
+    assert " ".join(CPU_PROFILE_ARGS) in " ".join(command) and "--skip-tokenizer-init" in command
+
+
 @pytest.mark.parametrize(
     "script", sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*/*.s*") if p.suffix in (".sbatch", ".sh"))
 )
