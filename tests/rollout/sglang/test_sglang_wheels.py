@@ -69,6 +69,7 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release):
     argv = server_command(ServerSpec("node1", 30000, (0, 1, 2, 3)), config)[3:]  # after python -m module
     keys = ["model_path", "host", "port", "tp_size", "ep_size", "context_length", "quantization", "dtype"]
     keys += ["mem_fraction_static", "random_seed", "enable_deterministic_inference", "attention_backend", "api_key"]
+    keys += ["skip_tokenizer_init"]
     aliases = {"tensor_parallel_size": "tp_size", "expert_parallel_size": "ep_size"}  # 0.5.3.post3's dests
     argvs = [argv, argv + ["--enable-return-routed-experts"], argv + ["--quantization", "modelopt_fp8"]]
     try:
@@ -92,6 +93,7 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release):
         "enable_deterministic_inference": True,
         "attention_backend": "fa3",
         "api_key": "k",
+        "skip_tokenizer_init": True,
         **({"enable_return_routed_experts": True} if routed else {}),
     }
     # Routing replay needs a newer server (the pinned one refuses the flag); 0.5.3.post3 has no

@@ -127,12 +127,12 @@ def test_flush_is_refused_while_a_request_runs(real_server, release):
 
 def pause_story(url, key, running_finish):
     """Pause while a request runs (``running_finish()``: its finish reason, once it ended), send one while
-    paused (still unanswered 3 s later), continue: (the running one's finish reason, the held one's answer)."""
+    paused (still unanswered 2 s later), continue: (the running one's finish reason, the held one's answer)."""
     assert call(url, "/pause_generation", {}, key=key)[0] == 200
     held = {}
     thread = threading.Thread(target=lambda: held.update(answer=call(url, "/generate", generate([3]), key=key)))
     thread.start()
-    time.sleep(3.0)
+    time.sleep(2.0)  # an answer takes well under a second
     assert thread.is_alive()  # held, not refused
     assert call(url, "/continue_generation", {}, key=key)[0] == 200
     thread.join(120)

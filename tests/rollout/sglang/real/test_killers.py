@@ -56,11 +56,17 @@ def send(url, key, killer, release):
 
 
 def dead(server, timeout: float = 120.0) -> bool:
-    """Whether the server's processes exit within ``timeout`` (SGLang waits 5 s before it ends them)."""
+    """Whether the server stops listening within ``timeout`` (SGLang ends its processes 5 s after the
+    scheduler died; its crash diagnostics may keep the last one a while longer: the test stops it)."""
     deadline = time.monotonic() + timeout
-    while server.alive() and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        try:
+            if call(server.url, "/get_model_info", key=server.api_key, timeout=10)[0] == "closed":
+                return True
+        except TimeoutError:  # accepted but not answered: dying
+            pass
         time.sleep(1.0)
-    return not server.alive()
+    return False
 
 
 KILLERS = [
@@ -83,7 +89,6 @@ def test_a_killing_request_kills_the_real_server_and_the_mock(shared_servers, re
             running.wait_running()
         real = send(server.url, server.api_key, killer, release)
         assert real[0] in ("closed", "timeout") and dead(server), (real, server.log_tail())
-        assert call(server.url, "/flush_cache", {}, key=server.api_key)[0] == "closed"
     finally:
         server.stop()
     with MockSGLangServer(ScriptedEngine(), release=release) as mock:
