@@ -23,13 +23,16 @@ install-dev: $(BIN)/python
 demo: install
 	$(BIN)/zcpo demo
 
-# Debian/Ubuntu packages the tests use (as root, else through sudo): bubblewrap, the code tool's sandbox;
-# libnuma-dev, which the CPU kernel of the real SGLang servers (tests/rollout/sglang/real/) links.
+# Debian/Ubuntu packages the tests use (as root, else through sudo): bubblewrap, the code tool's
+# sandbox; libnuma-dev, which the CPU kernel of the real SGLang servers (tests/rollout/sglang/real/)
+# links; Slurm 22.05 and munge, the real one-machine cluster of the job tests (tools/install_slurm.sh:
+# their services stay off).
 system-packages:
 	@missing=""; command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
 	dpkg -s libnuma-dev >/dev/null 2>&1 || missing="$$missing libnuma-dev"; \
 	[ -z "$$missing" ] || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing; }
+	@tools/install_slurm.sh
 
 # The real SGLang 0.5.3.post3 and 0.5.23 servers of tests/rollout/sglang/real/ run from venvs made by the
 # recipe in ../shared/sglang-cpu (minutes per release the first time, then cached in
@@ -38,9 +41,10 @@ system-packages:
 sglang-venvs: install-dev system-packages
 	$(BIN)/python -m megatron_zcpo.testing.real_sglang_server build
 
-# Exit code 5 means "no tests collected": not a failure of the suite.
+# Exit code 5 means "no tests collected": not a failure of the suite. ZCPO_REQUIRE_SLURM: the
+# real-Slurm tests fail instead of skipping when Slurm is missing.
 test: install-dev system-packages sglang-venvs
-	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	ZCPO_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3
 # is the default PYTHON; elsewhere: make gpu-check PYTHON=.venv/bin/python). Without a GPU it runs
