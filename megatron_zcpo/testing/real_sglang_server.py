@@ -240,7 +240,7 @@ class RealSGLangServer:
             return "".join(log.readlines()[-lines:])
 
     def stop(self) -> None:
-        """Stop the server's process group (SIGTERM, then SIGKILL)."""
+        """Stop the server's process group (the launcher's SIGINT, then SIGKILL after 10 s)."""
         self.launcher.stop(grace_s=10.0)
 
     def __enter__(self) -> RealSGLangServer:

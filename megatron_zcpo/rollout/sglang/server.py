@@ -554,10 +554,13 @@ class SGLangLauncher:
         return "\n".join(report)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every process group, then SIGKILL what is left after ``grace_s``."""
+        """SIGINT every process group, then SIGKILL what is left after ``grace_s``. SIGINT, not SIGTERM:
+        servers started from a process that blocks Slurm's stop signals (``zcpo train`` under a job,
+        ``sglang_node.py``) inherit a blocked SIGTERM; SGLang, its router and the mocks stop on SIGINT
+        (the real 0.5.23 server: tests/rollout/sglang/real/test_killers.py)."""
         for process in self.processes.values():
             if process.poll() is None:
-                _signal_group(process, signal.SIGTERM)
+                _signal_group(process, signal.SIGINT)
         deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             try:
