@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install install-dev system-packages demo test gpu-check
+.PHONY: install install-dev system-packages sglang-venvs demo test gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,16 +24,26 @@ demo: install
 	$(BIN)/zcpo demo
 
 # Debian/Ubuntu packages the tests use (as root, else through sudo): bubblewrap, the code tool's
-# sandbox; Slurm 22.05 and munge, the real one-machine cluster of the job tests (tools/install_slurm.sh:
+# sandbox; libnuma-dev, which the CPU kernel of the real SGLang servers (tests/rollout/sglang/real/)
+# links; Slurm 22.05 and munge, the real one-machine cluster of the job tests (tools/install_slurm.sh:
 # their services stay off).
 system-packages:
-	@command -v bwrap >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap; }
+	@missing=""; command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	dpkg -s libnuma-dev >/dev/null 2>&1 || missing="$$missing libnuma-dev"; \
+	[ -z "$$missing" ] || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing; }
 	@tools/install_slurm.sh
+
+# The real SGLang 0.5.3.post3 and 0.5.23 servers of tests/rollout/sglang/real/ run from venvs made by the
+# recipe in ../shared/sglang-cpu (minutes per release the first time, then cached in
+# ~/.cache/megatron_zcpo/test-packages/sglang-cpu, keyed by the recipe's checksums). Without the recipe
+# those tests skip; with ZCPO_REQUIRE_REAL_SGLANG=1 (CI's .ci/run) a venv that cannot be made fails.
+sglang-venvs: install-dev system-packages
+	$(BIN)/python -m megatron_zcpo.testing.real_sglang_server build
 
 # Exit code 5 means "no tests collected": not a failure of the suite. ZCPO_REQUIRE_SLURM: the
 # real-Slurm tests fail instead of skipping when Slurm is missing.
-test: install-dev system-packages
+test: install-dev system-packages sglang-venvs
 	ZCPO_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3

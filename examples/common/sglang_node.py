@@ -104,6 +104,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--extra-args", default="", help="appended to every server command line (one string)")
     parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: SGLang's CPU build with the launcher's CPU profile (docs/SGLANG.md; with --gpus-per-node 1)",
+    )
+    parser.add_argument(
         "--print",
         dest="show",
         action="store_true",
@@ -130,6 +136,7 @@ def server_config(args: argparse.Namespace) -> SGLangServerConfig:
         trust_remote_code=args.trust_remote_code,
         return_routed_experts=args.return_routed_experts,
         extra_args=args.extra_args.split(),
+        device=args.device,
         router=True,
         router_port=args.router_port,
         log_dir=args.log_dir,

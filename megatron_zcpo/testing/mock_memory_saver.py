@@ -3,18 +3,23 @@
 
 Mixed into :class:`megatron_zcpo.testing.mock_server.MockSGLangServer`. Behaviour follows SGLang
 0.5.3.post3 and 0.5.23 (see :mod:`megatron_zcpo.rollout.sglang.api`): tags per release (no tags:
-all of them), a resume of a tag that is not released fails, ``/update_weights_from_tensor`` reads
-blob k of ``serialized_named_tensors`` (flattened buckets or a list of (name, tensor)) as TP rank k
-on ``gpus[k]`` does, seeing the server's GPUs (:mod:`megatron_zcpo.testing.fake_cuda_ipc`): a handle
-of a GPU the server cannot see kills it, as SGLang's ``Invalid device_uuid`` does, and one of
-another of its GPUs is recorded in ``foreign_opens``.
+all of them), ``/update_weights_from_tensor`` reads blob k of ``serialized_named_tensors`` (flattened
+buckets or a list of (name, tensor)) as TP rank k on ``gpus[k]`` does, seeing the server's GPUs
+(:mod:`megatron_zcpo.testing.fake_cuda_ipc`): a handle of a GPU the server cannot see kills it, as
+SGLang's ``Invalid device_uuid`` does, and one of another of its GPUs is recorded in ``foreign_opens``.
+``/pause_generation`` aborts what runs and holds what arrives until ``/continue_generation``.
+Three more requests kill the real server (its scheduler raises; the request gets no answer and later
+ones find nothing listening), and so they crash the mock: a ``/resume_memory_occupation`` of a tag
+that is not released (both releases), a ``/release_memory_occupation`` while a request runs (0.5.23
+asserts an idle server; 0.5.3.post3 answers, and its request ran on to its end in one try, stopped
+unfinished in another: the mock lets it run), and tensors shared by file descriptor in
+``/update_weights_from_tensor`` (both; the scheduler cannot fetch another process family's descriptors).
 Where SGLang would silently corrupt memory the mock fails the request with 400 and the reason
 (:class:`~megatron_zcpo.rollout.memory.MemoryPhaseError`): a generate or a weight update while
-the memory it needs is released or generation is paused, a ``/continue_generation`` while the
-memory a generation needs is released, a release while requests run, a release or resume out of
-order, a generate after a release of the weights erased the parameters no push carries
-(``static_scales``: FP8's activation scales; SGLang keeps only buffers across a release, 0.5.23
-``managers/scheduler_components/weight_updater.py:478``, unless launched with
+the memory it needs is released, a ``/continue_generation`` while the memory a generation needs is
+released, a release or resume out of order, a generate after a release of the weights erased the
+parameters no push carries (``static_scales``: FP8's activation scales; SGLang keeps only buffers
+across a release, 0.5.23 ``managers/scheduler_components/weight_updater.py:478``, unless launched with
 ``--enable-weights-cpu-backup``). SGLang's health checks generate a token (``/health``, ``/health_generate``, both releases):
 on released memory the mock dies (``crashed``), as the server would, and while paused it answers
 503, as the server does after its 20 s. Without ``memory_saver`` SGLang's releases answer 200 and free
@@ -26,12 +31,14 @@ the memory is freed ``release_lag_s`` later), "502" (answered before anything ha
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import pickle
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_zcpo.rollout.memory import NEEDS, WEIGHTS, EngineMemory, MemoryLedger, MemoryPhaseError
-from megatron_zcpo.rollout.sglang.api import MEMORY_TAGS_BY_RELEASE
+from megatron_zcpo.rollout.sglang.api import MEMORY_TAGS_BY_RELEASE, PINNED_RELEASE
 
 MEMORY_FAULTS = ("late_release", "502", "die")
 
@@ -48,6 +55,9 @@ class MemorySaverEndpoints:
         release_lag_s: float,
     ) -> None:
         self.memory_saver, self.release_lag_s, self.paused, self.dead = memory_saver, release_lag_s, False, False
+        self.generation_allowed = asyncio.Event()  # cleared while paused: /generate waits on it
+        self.generation_allowed.set()
+        self.offload_tags: set = set()  # what SGLang's scheduler counts as released, saver or not
         self.foreign_opens: List[Tuple[int, int]] = []  # (TP rank, the other GPU whose memory it opened)
         tags = MEMORY_TAGS_BY_RELEASE[self.release]
         self.memory = EngineMemory(
@@ -69,8 +79,6 @@ class MemorySaverEndpoints:
 
     def memory_refusal(self, action: str) -> Optional[str]:
         """Why ``action`` ("generate", "update_weights") must fail now, or None."""
-        if action == "generate" and self.paused:
-            return "generate while generation is paused (/continue_generation first)"
         if not self.memory_saver:
             return None
         try:
@@ -86,14 +94,21 @@ class MemorySaverEndpoints:
     def _refuse(message: str):
         from aiohttp import web
 
-        return web.json_response({"error": {"message": message, "type": "Bad Request", "code": 400}}, status=400)
+        return web.json_response({"error": {"message": message}}, status=400)
+
+    def _crash(self, request, reason: str):
+        """The scheduler raised: the server exits (this request gets no answer, later ones nothing)."""
+        self.crashed = reason
+        request.transport.close()
+        raise ConnectionResetError(f"mock server crashed: {reason}")
 
     async def _release_memory(self, request):
         from aiohttp import web
 
         body = (await request.json() if request.body_exists else None) or {}
-        if self.running_rids:  # 0.5.23 asserts it; 0.5.3.post3 would free the KV pool under them
-            return self._refuse("release_memory_occupation should be called only when server is idle.")
+        if self.running_rids and self.release != PINNED_RELEASE:  # 0.5.23's scheduler asserts an idle server
+            self._crash(request, "release_memory_occupation should be called only when server is idle.")
+        self.offload_tags.update(body.get("tags") or self.memory.tags)
         if self.memory_saver:
             try:
                 released = self.memory.release(body.get("tags"), late=request.get("fault") == "late_release")
@@ -110,6 +125,10 @@ class MemorySaverEndpoints:
         from aiohttp import web
 
         body = (await request.json() if request.body_exists else None) or {}
+        tags = body.get("tags") or self.memory.tags
+        if any(tag not in self.offload_tags for tag in tags):  # offload_tags.remove(tag): KeyError
+            self._crash(request, f"resume_memory_occupation of {sorted(set(tags) - self.offload_tags)}, not released")
+        self.offload_tags.difference_update(tags)
         if self.memory_saver:
             try:
                 self.memory.resume(body.get("tags"))
@@ -121,7 +140,8 @@ class MemorySaverEndpoints:
         from aiohttp import web
 
         self.paused = True
-        self.running_rids.clear()  # 0.5.3.post3 aborts what runs
+        self.generation_allowed.clear()
+        self.running_rids.clear()  # both releases abort what runs (0.5.23's default mode "abort")
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     def health_generation(self, request) -> int:
@@ -130,9 +150,7 @@ class MemorySaverEndpoints:
         runs on freed memory and the server dies; else 200."""
         released = self._released_for_generation()
         if released and not self.paused:
-            self.crashed = f"{request.path} generated a token while {released} released (illegal memory access)"
-            request.transport.close()
-            raise ConnectionResetError(self.crashed)
+            self._crash(request, f"{request.path} generated a token while {released} released (illegal memory access)")
         return 503 if self.paused else 200
 
     def _released_for_generation(self) -> list:
@@ -148,6 +166,7 @@ class MemorySaverEndpoints:
         if released:  # SGLang would let the parked and the next requests run on the freed memory
             return self._refuse(f"continue_generation while {released} released: requests would run on freed memory")
         self.paused = False
+        self.generation_allowed.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _update_from_tensor(self, request):
@@ -162,14 +181,14 @@ class MemorySaverEndpoints:
         blobs = body["serialized_named_tensors"]
         if len(blobs) != self.tp_size:  # one blob per TP rank
             return self._result(False, f"serialized_named_tensors has {len(blobs)} blobs for tp_size {self.tp_size}")
+        if any(b"rebuild_storage_fd" in base64.b64decode(blob, validate=True) for blob in blobs):
+            self._crash(request, "a tensor shared by file descriptor: the descriptor cannot be fetched")
         from megatron_zcpo.testing.fake_cuda_ipc import HandleError
 
         try:
             received = [self._open_blob(rank, blob) for rank, blob in enumerate(blobs)]
         except HandleError as err:  # SGLang raises in its scheduler, uncaught: the server dies
-            self.crashed = f"/update_weights_from_tensor: {err}"
-            request.transport.close()
-            raise ConnectionResetError(self.crashed) from None
+            self._crash(request, f"/update_weights_from_tensor: {err}")
         except (ValueError, pickle.UnpicklingError, EOFError) as err:
             return self._result(False, f"Failed to update weights: {err!r}")
 

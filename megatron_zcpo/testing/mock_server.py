@@ -5,12 +5,16 @@ It speaks the API of one SGLang release (:mod:`megatron_zcpo.rollout.sglang.api`
 of MoE models when its backend records them): with an ``api_key`` a request without it
 answers 401 (the /health paths excepted); every request is then validated against that
 release's endpoint table, so an unknown path answers 404, another method 405 and a body with a
-missing, unknown or mistyped field 400, as SGLang does (stricter on unknown fields). It behaves
-like the pinned release where a run depends on it (see that module's docstring): a prompt that
-does not fit the context length is refused with 400 and ``max_new_tokens`` cut as SGLang's
-scheduler cuts it; per-request seeds are used only with ``deterministic_inference``; weight
-updates are served one at a time. ``/get_server_info`` reports what the client checks at
-start-up. It serves /generate from a backend engine (e.g. :class:`EmbeddedEngine`), each answer
+missing, unknown or mistyped field 400, as SGLang does (stricter on unknown top-level fields, which
+SGLang ignores). It behaves like the release where a run depends on it (see that module's
+docstring): a prompt that does not fit the context length is refused with 400 and
+``max_new_tokens`` cut as SGLang's scheduler cuts it; per-request seeds are used only with
+``deterministic_inference``; weight updates are served one at a time; a ``/generate`` that arrives
+while generation is paused waits for ``/continue_generation``, and one running when a pause or an
+abort arrives answers with finish reason "abort". Answers, refusals and messages are the
+release's own (:mod:`megatron_zcpo.testing.mock_answers`, held against the real servers), the
+prompt tokens in front of ``output_ids`` included (0.5.3.post3 without ``skip_tokenizer_init``).
+``/get_server_info`` reports what the client checks at start-up. It serves /generate from a backend engine (e.g. :class:`EmbeddedEngine`), each answer
 no sooner than ``generate_delay_s`` (cluster time scales in CI), loads pushed weights into it
 (received by broadcast in a weight-update group, or read from safetensors on disk), and can
 misbehave on purpose: ``faults`` maps an endpoint path to actions used by its next requests, in
@@ -44,6 +48,7 @@ from megatron_zcpo.rollout.sglang.api import (
 )
 from megatron_zcpo.rollout.sglang.client import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
+from megatron_zcpo.testing import mock_answers
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer
 from megatron_zcpo.testing.mock_lora import LoraEndpoints
 from megatron_zcpo.testing.mock_memory_saver import MEMORY_FAULTS, MemorySaverEndpoints
@@ -65,7 +70,9 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
     Launch settings, as SGLang's flags: ``context_length`` (``--context-length``; None: the
     model's, ``model_context_length``), ``max_total_num_tokens`` (the KV pool),
     ``deterministic_inference`` (``--enable-deterministic-inference``: per-request seeds are
-    used), ``api_key`` (``--api-key``). ``weight_updates`` logs ("start" | "end", path, group) of
+    used), ``api_key`` (``--api-key``), ``skip_tokenizer_init`` (``--skip-tokenizer-init``, as the launchers
+    start SGLang; false: the answers carry ``text`` and, on 0.5.3.post3, prompt tokens in front of
+    ``output_ids``). ``weight_updates`` logs ("start" | "end", path, group) of
     the weight updates in the order served; ``update_overlaps`` the (group, other group) of every
     collective request that arrived while another group's was in flight here. Colocated placement
     (:mod:`megatron_zcpo.testing.mock_memory_saver`): ``memory_saver`` (``--enable-memory-saver``),
@@ -101,6 +108,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         memory_sizes: Optional[Dict[str, int]] = None,
         ledger: Optional[MemoryLedger] = None,
         release_lag_s: float = 0.5,
+        skip_tokenizer_init: bool = True,
         enable_lora: bool = False,
         max_lora_rank: Optional[int] = None,
         lora_target_modules: Sequence[str] = (),
@@ -124,6 +132,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
             deterministic_inference,
             api_key,
         )
+        self.tokenizer = not skip_tokenizer_init
         # SGLang's scheduler: max_req_len = min(context - 1, KV pool - 1), max_req_input_len = max_req_len - 5
         self.max_req_len = min((context_length or model_context_length) - 1, max_total_num_tokens - 1)
         self.max_total_num_tokens, self.generate_delay_s = max_total_num_tokens, generate_delay_s
@@ -138,6 +147,8 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         self.sessions = release_at_least(release, WEIGHT_UPDATE_SESSIONS_SINCE)  # the release's protocol
         self.session_open = False
         self.int32_seeds = release == PINNED_RELEASE  # 0.5.3.post3's seed packing (0.5.23: int64)
+        # prompt + max_new_tokens == context: refused by 0.5.3.post3 (>=), served by 0.5.23 (> context)
+        self.total_slack = 0 if release == PINNED_RELEASE else 1
         self.crashed: Optional[str] = None  # why the scheduler died (every request is then dropped)
         self._backend_lock = threading.Lock()
         self._handlers = {
@@ -193,9 +204,14 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
                 body = await request.json()
             except ValueError:
                 body = "<not JSON>"
+        if path == "/generate" and isinstance(body, dict) and isinstance(body.get("sampling_params"), dict):
+            answered = mock_answers.sampling_refusal(self.release, body["sampling_params"])
+            if answered is not None:
+                self.events.append((path, str(answered[0])))
+                if isinstance(answered[1], str):
+                    return web.Response(status=answered[0], text=answered[1])
+                return web.json_response(answered[1], status=answered[0])
         refused = check_request(request.method, path, body, self.release)
-        if refused is None and path == "/generate" and isinstance(body, dict):
-            refused = self._context_refusal(body)
         if refused is not None:
             status, reason = refused
             self.events.append((path, str(status)))
@@ -203,7 +219,12 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
                 return web.json_response({"detail": "Not Found"}, status=404)
             if status == 405:
                 return web.json_response({"detail": "Method Not Allowed"}, status=405)
-            return web.json_response({"error": {"message": reason, "type": "Bad Request", "code": 400}}, status=400)
+            return web.json_response(mock_answers.validation_error(reason), status=400)
+        if path == "/generate" and isinstance(body, dict):
+            too_long = self._context_refusal(body)
+            if too_long is not None:
+                self.events.append((path, "400"))
+                return web.json_response(mock_answers.context_error(too_long[1]), status=400)
         queue = self.faults.get(path)
         action = queue.pop(0) if queue else None
         if action is None and path == "/generate" and self._random.random() < self.random_faults:
@@ -238,10 +259,10 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
             return fn(*args)
 
     @staticmethod
-    def _result(success: bool, message: str):
+    def _result(success: bool, message: str, **more):
         from aiohttp import web
 
-        return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+        return web.json_response({"success": success, "message": message, **more}, status=200 if success else 400)
 
     # -- endpoints -----------------------------------------------------------------------------
 
@@ -249,6 +270,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         from aiohttp import web
 
         body = await request.json()
+        await self.generation_allowed.wait()  # SGLang holds a request that arrives while paused
         refusal = self.memory_refusal("generate") or self.lora_refusal(body)
         if refusal:
             return self._refuse(refusal)
@@ -258,11 +280,9 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         batch = isinstance(input_ids[0], list)
         prompts = input_ids if batch else [input_ids]
         sampling = dict(body.get("sampling_params") or {})
-        seed = sampling.get("sampling_seed", 42)
+        seed = 42 if sampling.get("sampling_seed") is None else sampling["sampling_seed"]  # SGLang's default
         if self.deterministic_inference and self.int32_seeds and not -SEED_LIMIT <= seed < SEED_LIMIT:
-            self.crashed = f"scheduler: sampling_seed {seed} cannot be converted to type int32 without overflow"
-            request.transport.close()
-            raise ConnectionResetError(self.crashed)
+            self._crash(request, f"scheduler: sampling_seed {seed} cannot be converted to type int32 without overflow")
         max_new_tokens = sampling.get("max_new_tokens", 128)
         params = SamplingParams(
             temperature=sampling.get("temperature", 1.0),
@@ -281,28 +301,26 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
                 self._run_backend, self._generate_with, body.get("lora_path"), prompts, params
             )
         finally:
+            # a pause or an abort that arrived meanwhile cleared it: SGLang ends the request as aborted
+            aborted = rid not in self.running_rids
             self.running_rids.discard(rid)
         answers = []
-        for [completion] in results:
+        for prompt, [completion] in zip(prompts, results):
             routed = body.get("return_routed_experts") and completion.routed_experts is not None
-            answers.append(
-                {
-                    "text": "",
-                    "output_ids": completion.output_ids,
-                    "meta_info": {
-                        "id": rid,
-                        "finish_reason": {"type": completion.finish_reason},
-                        "prompt_tokens": len(completion.prompt_ids),
-                        "completion_tokens": len(completion.output_ids),
-                        "cached_tokens": 0,
-                        "output_token_logprobs": [
-                            [lp, tok, None] for lp, tok in zip(completion.output_logprobs, completion.output_ids)
-                        ],
-                        "weight_version": self.served_version,
-                        **({"routed_experts": encode_routed_experts(completion.routed_experts)} if routed else {}),
-                    },
-                }
+            answer = mock_answers.generate_answer(
+                self.release,
+                logprobs_asked=bool(body.get("return_logprob")),
+                rid=rid,
+                prompt_ids=prompt,
+                output_ids=completion.output_ids,
+                logprobs=completion.output_logprobs,
+                finish="abort" if aborted else completion.finish_reason,
+                weight_version=self.served_version,
+                tokenizer=self.tokenizer,
             )
+            if routed:
+                answer["meta_info"]["routed_experts"] = encode_routed_experts(completion.routed_experts)
+            answers.append(answer)
         if request.get("corrupt"):
             _corrupt(answers[0], request["corrupt"])
         return web.json_response(answers if batch else answers[0])
@@ -324,11 +342,12 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
                 refusal = (
                     f"The input ({len(prompt)} tokens) is longer than the model's context length ({context} tokens)."
                 )
-            elif max_new_tokens is not None and len(prompt) + max_new_tokens >= context:
+            elif max_new_tokens is not None and len(prompt) + max_new_tokens >= context + self.total_slack:
                 refusal = (
                     f"Requested token count exceeds the model's maximum context length of {context} tokens. "
                     f"You requested a total of {len(prompt) + max_new_tokens} tokens: {len(prompt)} tokens "
-                    f"from the input messages and {max_new_tokens} tokens for the completion."
+                    f"from the input messages and {max_new_tokens} tokens for the completion. Please reduce the "
+                    f"number of tokens in the input messages or the completion to fit within the limit."
                 )
             elif len(prompt) >= self.max_req_len - 5:
                 refusal = (
@@ -374,6 +393,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
                 "enable_memory_saver": self.memory_saver,
                 **self.lora_server_info(),
                 "enable_weights_cpu_backup": self.weights_cpu_backup,
+                "skip_tokenizer_init": not self.tokenizer,
             }
         )
 
@@ -385,9 +405,8 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
     async def _flush_cache(self, request):
         from aiohttp import web
 
-        if self.running_rids:
-            return web.Response(status=400, text="Cache not flushed: requests are running.\n")
-        return web.Response(status=200, text="Cache flushed.\n")
+        status, text = mock_answers.flush_answer(self.release, bool(self.running_rids))
+        return web.Response(status=status, text=text)
 
     async def _abort_request(self, request):
         from aiohttp import web
@@ -396,6 +415,8 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         self.aborted_rids.add("*" if body.get("abort_all") else body.get("rid"))
         if body.get("abort_all"):
             self.running_rids.clear()  # SGLang ends every running request
+        else:
+            self.running_rids.discard(body.get("rid"))
         return web.Response(status=200)
 
     async def _one_at_a_time(self, path: str, group: Optional[str], fn, *args):
@@ -428,9 +449,9 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
             await self._one_at_a_time(
                 request.path, None, self._load_checkpoint, body["model_path"], body.get("weight_version")
             )
-        except (OSError, KeyError, ValueError) as err:
-            return self._result(False, f"Failed to update weights: {err}")
-        return self._result(True, "Succeeded to update model weights.")
+        except (OSError, KeyError, ValueError) as err:  # SGLang's message when it cannot read the checkpoint
+            return self._result(False, f"Failed to get weights iterator: {err}.", num_paused_requests=0)
+        return self._result(True, "Succeeded to update model weights.", num_paused_requests=0)
 
     async def _init_group(self, request):
         body = await request.json()
@@ -552,6 +573,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=None)
     parser.add_argument("--lora-target-modules", nargs="*", default=[])
@@ -588,6 +610,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         api_key=args.api_key,
         generate_delay_s=args.generate_delay_s,
         memory_saver=args.enable_memory_saver,
+        skip_tokenizer_init=args.skip_tokenizer_init,
         enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank,
         lora_target_modules=args.lora_target_modules,

@@ -270,12 +270,11 @@ class RealRouter:
         launch = SGLangServerConfig(
             model_path="-",
             router_port=self.port,
+            router_metrics_port=free_port(),  # its metrics exporter binds 29000 on every interface by default
             router_policy="round_robin",
             router_health_check_interval_s=self.health_check_interval_s,
         )
         command = router_command(self.worker_urls, launch, "127.0.0.1", self.api_key)  # the launcher's own line
-        # its metrics exporter binds a fixed port (29000) on every interface: a free one beside other routers
-        command += ["--prometheus-port", str(free_port())]
         env = dict(os.environ, PYTHONPATH=str(router_package(self.version)))
         self._process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60

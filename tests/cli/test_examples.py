@@ -213,7 +213,7 @@ def test_the_servers_train_sbatch_starts_agree_with_the_config_and_the_pinned_sg
     )
     client = SGLangEngineConfig(server_urls=["http://x:1"], router_url="http://r:2", **config.rollout.sglang.client)
     command = server_command(ServerSpec("gpu05", 30000, ("0",)), launch)
-    flags = dict(zip(command[3::2], command[4::2]))
+    flags = {flag: value for flag, value in zip(command, command[1:]) if flag.startswith("--") and value[:2] != "--"}
     assert (flags["--host"], flags["--api-key"]) == ("gpu05", "per-job-key")
     router = router_command(["http://gpu05:30000"], launch, "gpu05")
     assert int(router[router.index("--request-timeout-secs") + 1]) == client.router_timeout_s > client.request_timeout_s
@@ -426,6 +426,19 @@ def test_sglang_node_plans_two_tp4_servers_per_rollout_node():
     assert len(addresses["server_urls"]) == 8
     assert addresses["server_urls"][:2] == ["http://gpu05:30000", "http://gpu05:30010"]
     assert addresses["router_url"] == "http://gpu05:29000"
+
+
+def test_sglang_node_starts_cpu_servers_with_the_cpu_profile():
+    """--device cpu: SGLang's CPU build, one server per node, the CPU profile's flags and environment (what
+    tests/rollout/sglang/real/ starts through the same launcher)."""
+    from megatron_zcpo.rollout.sglang.server import CPU_PROFILE_ARGS, SGLangLauncher, server_command
+
+    sglang_node = load_sglang_node()
+    args = ["--model-path", "/m", "--nodes", "n1", "--tp-size", "1", "--gpus-per-node", "1", "--device", "cpu"]
+    config = sglang_node.server_config(sglang_node.parse_args(args))
+    [spec] = SGLangLauncher(config, env={}).specs
+    command = server_command(spec, config)
+    assert " ".join(CPU_PROFILE_ARGS) in " ".join(command) and "--skip-tokenizer-init" in command
 
 
 @pytest.mark.parametrize(

@@ -163,6 +163,11 @@ ROUTER_GENERATE_FIELDS = (
     "model",
 )
 ROUTED_EXPERTS_RELEASE = "0.5.7"  # the first release that returns routed experts (train.routing_replay=rollout)
+# The first release whose output_ids are the generated tokens alone with the tokenizer loaded: before it the
+# detokenizer hands back its incremental-decoding window (up to 5 prompt tokens, then the output) as
+# output_ids (detokenizer_manager.py: output_ids=recv_obj.decode_ids in 0.5.3.post3 .. 0.5.4.post2).
+# --skip-tokenizer-init bypasses the detokenizer in every release.
+OUTPUT_IDS_WITHOUT_PROMPT_SINCE = "0.5.4.post3"
 RELEASES = (PINNED_RELEASE, NEWEST_CHECKED_RELEASE)  # the tested range's ends (setup.py's extra admits it)
 ROUTER_RELEASES = ("0.2.0", "0.3.2")  # sglang-router: the oldest supported and the newest (run in CI)
 # Renamed endpoints, the pinned release's name first (both releases still answer it).
@@ -204,7 +209,7 @@ SAMPLING_FIELDS: Dict[str, Callable[[Any], bool]] = {
     "skip_special_tokens": _BOOL,
     "spaces_between_special_tokens": _BOOL,
     "no_stop_trim": _BOOL,
-    "sampling_seed": _INT,
+    "sampling_seed": _optional(_INT),  # null: 0.5.23's default seed; 0.5.3.post3 refuses it (400)
     "frequency_penalty": _number,
     "presence_penalty": _number,
     "repetition_penalty": _number,

@@ -40,6 +40,24 @@ from megatron_zcpo.utils.slurm import expand_slurm_nodelist
 # /init_weights_update_group on your cluster and set rollout.sglang.launch.communicator_mib.
 NCCL_COMMUNICATOR_MIB = 288.0
 MIN_MEM_FRACTION_STATIC = 0.3  # below it the launch refuses: the pushes' memory leaves SGLang too little
+DEVICES = ("cuda", "cpu")
+# The CPU profile (``device: cpu``; docs/SGLANG.md, "SGLang on a CPU"): what SGLang 0.5.3.post3 and 0.5.23
+# need to serve on a CPU without a GPU, with the CPU kernel of ../shared/sglang-cpu. torch_native is the
+# attention backend that runs there; no CUDA graphs; no warm-up request (its generation is minutes of
+# a loaded 2-core machine); a KV pool of 8,192 tokens (sized from host memory it is ~14x slower to
+# decode); and the scheduler sleeps when idle (it polls, ~30% of a core, otherwise).
+CPU_PROFILE_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--max-total-tokens",
+    "8192",
+    "--sleep-on-idle",
+)
+CPU_PROFILE_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 
 
 @dataclass
@@ -60,7 +78,9 @@ class SGLangServerConfig:
     launcher, :attr:`SGLangLauncher.api_key`). ``router_request_timeout_s``: the router's
     ``--request-timeout-secs`` (the client's ``router_timeout_s``); its periodic worker checks ask
     :data:`~megatron_zcpo.rollout.sglang.api.ROUTER_HEALTH_CHECK_PATH` (never a generation) every
-    ``router_health_check_interval_s``.
+    ``router_health_check_interval_s``. ``router_metrics_port``: the router's ``--prometheus-port``
+    (None: ``router_port + 1``): sglang-router 0.2.0 and 0.3.2 bind their metrics to 0.0.0.0:29000
+    unless told otherwise, so a router on the default port 29000 exits with "Address already in use".
     ``enable_deterministic_inference``: per-request seeds are used (the client's
     ``sampling_seeds``); SGLang then needs ``attention_backend`` among
     :data:`~megatron_zcpo.rollout.sglang.api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
@@ -75,6 +95,15 @@ class SGLangServerConfig:
     ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
     :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
     ``mem_fraction_static`` for the weight pushes.
+    ``device``: "cuda", or "cpu" for SGLang's CPU build (tests and CPU-only machines): the CPU
+    profile's flags (:data:`CPU_PROFILE_ARGS`) and environment (:data:`CPU_PROFILE_ENV`), one server
+    of ``tp_size`` processes per node unless ``gpus_per_node`` says more, no GPU memory to reserve for
+    the pushes (the weight-update group is gloo there), and neither deterministic inference
+    (torch_native attention cannot) nor the memory saver (CUDA only).
+    Every server runs with ``--skip-tokenizer-init``: the client sends token ids and reads token
+    ids, so a server needs no tokenizer (a checkpoint's tokenizer files need not load in the
+    server's transformers), no detokenizer pass, and releases before 0.5.4.post3 return no prompt
+    tokens in front of ``output_ids`` (docs/SGLANG.md).
 
     Large models (DeepSeek-V3 / Kimi-K2): a ``tp_size`` above the node's GPUs makes each server span
     ``tp_size / gpus_per_node`` consecutive nodes (``--nnodes``, ``--node-rank``, ``--dist-init-addr``
@@ -107,6 +136,7 @@ class SGLangServerConfig:
     extra_args: List[str] = field(default_factory=list)
     router: bool = True
     router_port: int = 29000
+    router_metrics_port: Optional[int] = None
     router_policy: str = "cache_aware"
     log_dir: str = "sglang_logs"
     python: str = sys.executable
@@ -122,6 +152,7 @@ class SGLangServerConfig:
     enable_weights_cpu_backup: bool = False
     gpu_memory_gib: float = 80.0
     communicator_mib: float = NCCL_COMMUNICATOR_MIB
+    device: str = "cuda"
     dp_attention: int = 1
     trust_remote_code: bool = False
     dist_init_port: int = 29700
@@ -130,6 +161,18 @@ class SGLangServerConfig:
 
     def validate(self, prefix: str = "rollout.servers") -> None:
         """Raise ``ValueError`` naming the offending key."""
+        if self.device not in DEVICES:
+            raise ValueError(f"{prefix}.device={self.device!r}: choose from {DEVICES}")
+        if self.device == "cpu":
+            for key, why in (
+                (
+                    "enable_deterministic_inference",
+                    "SGLang's torch_native attention, the one a CPU runs, is not deterministic",
+                ),
+                ("enable_memory_saver", "SGLang's memory saver (torch_memory_saver) needs CUDA"),
+            ):
+                if getattr(self, key):
+                    raise ValueError(f"{prefix}.{key}=true with {prefix}.device=cpu: {why}")
         if not self.model_path:
             raise ValueError(f"{prefix}.model_path must name a Hugging Face model directory")
         if self.lora_rank is not None and (self.lora_rank < 1 or not self.lora_target_modules):
@@ -217,6 +260,8 @@ def server_config_for_run(
                 "scales no push carries; leave it unset"
             )
         config = dataclasses.replace(config, enable_weights_cpu_backup=True)
+    if config.device == "cpu":  # host memory: no NCCL communicator, the bucket is an ordinary tensor
+        return config
     groups = weight_groups if client.weight_sync == "distributed" else 0
     reserve = weight_update_reserve_bytes(groups, client.bucket_bytes, config.communicator_mib)
     fraction = config.mem_fraction_static - reserve / (config.gpu_memory_gib * 2**30)
@@ -270,6 +315,8 @@ class ServerSpec:
 def _gpus_per_node(config: SGLangServerConfig, env: Mapping[str, str]) -> int:
     if config.gpus_per_node:
         return config.gpus_per_node
+    if config.device == "cpu":  # one server per node
+        return config.tp_size
     if env.get("SLURM_GPUS_ON_NODE"):
         return int(env["SLURM_GPUS_ON_NODE"])
     if env.get("CUDA_VISIBLE_DEVICES"):
@@ -348,7 +395,10 @@ def server_command(
         config.dtype,
         "--random-seed",
         str(config.random_seed),
+        "--skip-tokenizer-init",
     ]
+    if config.device == "cpu":
+        command += CPU_PROFILE_ARGS
     if config.context_length:
         command += ["--context-length", str(config.context_length)]
     if config.quantization:
@@ -400,6 +450,8 @@ def router_command(
         config.router_policy,
         "--request-timeout-secs",
         str(int(config.router_request_timeout_s)),
+        "--prometheus-port",
+        str(config.router_metrics_port or config.router_port + 1),
         "--health-check-endpoint",
         ROUTER_HEALTH_CHECK_PATH,
         "--health-check-interval-secs",
@@ -463,6 +515,8 @@ class SGLangLauncher:
                     continue
                 check_bind_address(spec.node)
                 env = dict(self.env, CUDA_VISIBLE_DEVICES=",".join(spec.gpu_ids))
+                if self.config.device == "cpu":
+                    env.update(CPU_PROFILE_ENV)
                 if self.config.enable_memory_saver:
                     env = without_expandable_segments(env)
                 command = server_command(spec, self.config, self.api_key, node_rank=rank)
@@ -500,10 +554,13 @@ class SGLangLauncher:
         return "\n".join(report)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every process group, then SIGKILL what is left after ``grace_s``."""
+        """SIGINT every process group, then SIGKILL what is left after ``grace_s``. SIGINT, not SIGTERM:
+        servers started from a process that blocks Slurm's stop signals (``zcpo train`` under a job,
+        ``sglang_node.py``) inherit a blocked SIGTERM; SGLang, its router and the mocks stop on SIGINT
+        (the real 0.5.23 server: tests/rollout/sglang/real/test_killers.py)."""
         for process in self.processes.values():
             if process.poll() is None:
-                _signal_group(process, signal.SIGTERM)
+                _signal_group(process, signal.SIGINT)
         deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             try:

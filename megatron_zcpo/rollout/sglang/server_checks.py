@@ -19,6 +19,7 @@ from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
     FLATTENED_BUCKETS_SINCE,
     NEWEST_CHECKED_RELEASE,
+    OUTPUT_IDS_WITHOUT_PROMPT_SINCE,
     PINNED_RELEASE,
     ROUTED_EXPERTS_RELEASE,
     ROUTER_KEY_CHECK_PATH,
@@ -40,8 +41,8 @@ class ServerFacts:
     new tokens it serves in full (``served_tokens``, None if unknown), whether it uses per-request
     seeds (``deterministic``), its ``mem_fraction_static`` (None if unknown), its LoRA serving
     (``lora_rank``: ``--max-lora-rank`` under ``--enable-lora``, None without; ``lora_target_modules``),
-    and whether it releases memory on request (``memory_saver``) keeping a host copy of its weights
-    (``weights_cpu_backup``)."""
+    whether it releases memory on request (``memory_saver``) keeping a host copy of its weights
+    (``weights_cpu_backup``), and whether it runs without a tokenizer (``skip_tokenizer_init``)."""
 
     url: str
     tp_size: int
@@ -53,6 +54,7 @@ class ServerFacts:
     lora_target_modules: Tuple[str, ...] = ()
     memory_saver: bool = False
     weights_cpu_backup: bool = False
+    skip_tokenizer_init: bool = True
 
     @classmethod
     def from_server_info(cls, url: str, info: Dict[str, Any]) -> ServerFacts:
@@ -69,6 +71,7 @@ class ServerFacts:
             lora_target_modules=tuple(info.get("lora_target_modules") or ()),
             memory_saver=bool(info.get("enable_memory_saver")),
             weights_cpu_backup=bool(info.get("enable_weights_cpu_backup")),
+            skip_tokenizer_init=bool(info.get("skip_tokenizer_init")),
         )
 
 
@@ -144,6 +147,14 @@ def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_
             f"load format of /update_weights_from_distributed exists from {FLATTENED_BUCKETS_SINCE} on; an older "
             f"server ignores it and waits for tensors one by one, so the push hangs; set "
             f"{KEY}.flattened_buckets=false"
+        )
+    if not facts.skip_tokenizer_init and not release_at_least(facts.version, OUTPUT_IDS_WITHOUT_PROMPT_SINCE):
+        problems.append(
+            f"{facts.url} runs SGLang {facts.version!r} with its tokenizer: releases before "
+            f"{OUTPUT_IDS_WITHOUT_PROMPT_SINCE} return up to 5 prompt tokens in front of the generated ones in "
+            f"output_ids (their detokenizer's window), so every sample would be rejected; launch it with "
+            f"--skip-tokenizer-init (rollout.sglang.launch and examples/common/sglang_node.py do) or use "
+            f"SGLang >= {OUTPUT_IDS_WITHOUT_PROMPT_SINCE}"
         )
     if config.quantization == "fp8" and facts.memory_saver and not facts.weights_cpu_backup:
         problems.append(

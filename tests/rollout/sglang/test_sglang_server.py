@@ -71,7 +71,9 @@ def test_command_lines():
     )
     command = server_command(ServerSpec("n1", 30010, tuple("01234567")), config)
     assert command[:3] == ["python", "-m", "sglang.launch_server"]
-    flags = dict(zip(command[3::2], command[4::2]))
+    assert "--skip-tokenizer-init" in command  # every launch: token ids in, token ids out
+    valued = [arg for arg in command[3:] if arg != "--skip-tokenizer-init"]
+    flags = dict(zip(valued[::2], valued[1::2]))
     assert flags["--model-path"] == "/ckpt/qwen" and flags["--port"] == "30010" and flags["--tp-size"] == "8"
     assert flags["--quantization"] == "modelopt_fp8" and flags["--context-length"] == "20480"
     assert command[-1] == "--enable-fp32-lm-head"
@@ -88,6 +90,8 @@ def test_command_lines():
         "cache_aware",
         "--request-timeout-secs",
         "1800",
+        "--prometheus-port",  # not the routers' default 29000, the router's own port here
+        "29001",
         "--health-check-endpoint",  # the router's checks never generate: a liveness check
         "/get_model_info",
         "--health-check-interval-secs",

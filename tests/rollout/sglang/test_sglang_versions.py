@@ -166,3 +166,20 @@ def test_a_server_outside_the_tested_range_is_named_in_a_warning():
 
     assert untested_version(facts(PINNED_RELEASE)) is None and untested_version(facts("0.5.23.post1")) is None
     assert "0.5.24" in untested_version(facts("0.5.24")) and "0.5.2" in untested_version(facts("0.5.2"))
+
+
+@pytest.mark.parametrize("release", [PINNED_RELEASE, NEWEST_CHECKED_RELEASE])
+def test_a_server_with_its_tokenizer_puts_prompt_tokens_in_front_before_0_5_4_post3(release):
+    """Launched without --skip-tokenizer-init, 0.5.3.post3 answers output_ids behind up to 5 prompt tokens
+    (the real one: tests/rollout/sglang/real/test_doubles.py): the start-up check refuses it naming the
+    flag, and its answers would all be rejected. 0.5.23 answers the generated tokens alone."""
+    with MockSGLangServer(ScriptedEngine(), release=release, skip_tokenizer_init=False) as server:
+        with SGLangEngine(_config(server.url, max_rejected_fraction=1.0)) as engine:
+            [[completion]] = engine.generate([[1, 2, 3, 4, 5, 6, 7]], SamplingParams(max_new_tokens=3))
+            if release == PINNED_RELEASE:
+                with pytest.raises(RolloutError, match="0.5.3.post3.* with its tokenizer.*--skip-tokenizer-init"):
+                    engine.check_servers(8, 4)
+                assert completion.output_ids == [] and "3 log-probs for 8 tokens" in completion.info["rejected"]
+            else:
+                engine.check_servers(8, 4)
+                assert completion.output_ids == [8, 9, 10]

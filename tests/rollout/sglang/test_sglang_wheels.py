@@ -61,6 +61,7 @@ KEYS = ["model_path", "host", "port", "tp_size", "ep_size", "context_length", "q
 KEYS += ["mem_fraction_static", "random_seed", "enable_deterministic_inference", "attention_backend", "api_key"]
 KEYS += ["dp_size", "enable_dp_attention", "trust_remote_code", "nnodes", "node_rank", "dist_init_addr"]
 KEYS += ["enable_lora", "max_lora_rank", "lora_target_modules", "enable_memory_saver", "enable_weights_cpu_backup"]
+KEYS += ["skip_tokenizer_init"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -144,6 +145,7 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release, parsed_lau
         "lora_target_modules": LORA_TARGETS,
         "enable_memory_saver": True,
         "enable_weights_cpu_backup": True,
+        "skip_tokenizer_init": True,
         **({"enable_return_routed_experts": True} if routed else {}),
     }
     # Routing replay needs a newer server (the pinned one refuses the flag); 0.5.3.post3 has no

@@ -121,17 +121,26 @@ def reduce_tensor_by_device_uuid(tensor: torch.Tensor):
 def serialize_for_server(obj, reduce_tensor: Callable = reduce_tensor_by_device_uuid) -> str:
     """What SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` makes (base64 of a
     ForkingPickler dump), its tensors reduced by ``reduce_tensor`` (default: handles naming devices by
-    UUID, as SGLang's patched reductions would)."""
+    UUID, as SGLang's patched reductions would).
+
+    CPU tensors go as files in shared memory (torch's "file_system" sharing strategy, for this dump only):
+    under the default "file_descriptor" strategy the receiver must fetch a descriptor from this process
+    over a socket guarded by this process family's key, which an SGLang server's scheduler does not hold:
+    it raises, and the whole server dies (0.5.3.post3 and 0.5.23 on a CPU; docs/SGLANG.md).
+    """
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # registers torch's storage reductions with ForkingPickler
 
-    if not has_cuda():  # host tensors as shared-memory files any process opens (torch's fd passing needs a link back)
-        torch.multiprocessing.set_sharing_strategy("file_system")
     buffer = io.BytesIO()
     pickler = ForkingPickler(buffer)
     pickler.dispatch_table = {**pickler.dispatch_table, torch.Tensor: reduce_tensor, torch.nn.Parameter: reduce_tensor}
-    pickler.dump(obj)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        pickler.dump(obj)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
