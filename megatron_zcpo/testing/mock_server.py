@@ -42,6 +42,7 @@ from megatron_zcpo.rollout.sglang.api import (
 )
 from megatron_zcpo.rollout.sglang.client import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
+from megatron_zcpo.testing.mock_continuous import ContinuousBatchingEndpoints
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer
 from megatron_zcpo.testing.mock_memory_saver import MEMORY_FAULTS, MemorySaverEndpoints
 
@@ -51,7 +52,7 @@ FAULTS = ("drop", "503", "hang", *CORRUPTIONS, *MEMORY_FAULTS)
 COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
-class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
+class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
     ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
@@ -67,6 +68,9 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
     (:mod:`megatron_zcpo.testing.mock_memory_saver`): ``memory_saver`` (``--enable-memory-saver``),
     the ``gpus`` it occupies, each memory tag's bytes per GPU (``memory_sizes``) booked in ``ledger``
     (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault.
+    ``continuous``: /generate runs on the backend's asynchronous requests, concurrent ones sharing its
+    batches, and /pause_generation holds or aborts them as the release does
+    (:mod:`megatron_zcpo.testing.mock_continuous`; asynchronous rollouts).
     """
 
     thread_name = "mock-sglang"
@@ -93,6 +97,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         memory_sizes: Optional[Dict[str, int]] = None,
         ledger: Optional[MemoryLedger] = None,
         release_lag_s: float = 0.5,
+        continuous: bool = False,
     ):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
@@ -146,6 +151,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
             "/end_weight_update": self._end_session,
         }
         self._init_memory_saver(memory_saver, gpus, memory_sizes, ledger, release_lag_s)
+        self._init_continuous(continuous)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -229,6 +235,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         from aiohttp import web
 
         body = await request.json()
+        if self.continuous:  # held while paused, as both releases hold it
+            await self._open_event().wait()
         refusal = self.memory_refusal("generate")
         if refusal:
             return self._refuse(refusal)
@@ -257,7 +265,10 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
         self.running_rids.add(rid)
         try:
             await asyncio.sleep(self.generate_delay_s)
-            results = await self._blocking(self._run_backend, self.backend.generate, prompts, params, 1)
+            if self.continuous:
+                results = await self._complete_continuously(prompts, params, rid)
+            else:
+                results = await self._blocking(self._run_backend, self.backend.generate, prompts, params, 1)
         finally:
             self.running_rids.discard(rid)
         answers = []
@@ -277,6 +288,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
                             [lp, tok, None] for lp, tok in zip(completion.output_logprobs, completion.output_ids)
                         ],
                         "weight_version": self.served_version,
+                        **self.answer_versions(completion),
                         **({"routed_experts": encode_routed_experts(completion.routed_experts)} if routed else {}),
                     },
                 }
@@ -355,7 +367,7 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
     async def _flush_cache(self, request):
         from aiohttp import web
 
-        if self.running_rids:
+        if self.flush_refused():
             return web.Response(status=400, text="Cache not flushed: requests are running.\n")
         return web.Response(status=200, text="Cache flushed.\n")
 
@@ -364,6 +376,8 @@ class MockSGLangServer(MemorySaverEndpoints, BackgroundHTTPServer):
 
         body = await request.json()
         self.aborted_rids.add("*" if body.get("abort_all") else body.get("rid"))
+        if self.continuous:
+            self._abort_continuous(None if body.get("abort_all") else body.get("rid"))
         if body.get("abort_all"):
             self.running_rids.clear()  # SGLang ends every running request
         return web.Response(status=200)

@@ -45,6 +45,13 @@ from megatron_zcpo.rollout.sglang.api import MODEL_INFO_PATHS, ROUTER_READY_PATH
 from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 from megatron_zcpo.rollout.sglang.http import RETRYABLE, SGLangHTTP, SGLangHTTPError
 from megatron_zcpo.rollout.sglang.memory_saver import MemorySaverClient
+from megatron_zcpo.rollout.sglang.partial import (
+    PausableGeneration,
+    continuation_sampling,
+    join_segments,
+    parse_weight_version,
+    token_versions,
+)
 from megatron_zcpo.rollout.sglang.server_pool import ServersLostError
 from megatron_zcpo.rollout.sglang.update_weight import weight_update_for
 
@@ -73,14 +80,6 @@ def sglang_sampling_params(params: SamplingParams, seed: Optional[int] = None) -
     return sampling
 
 
-def parse_weight_version(value: Any) -> int:
-    """A served weight version as an int; SGLang's initial "default" (or anything non-numeric) is -1."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return -1
-
-
 def completion_from_sglang(
     prompt_ids: Sequence[int], response: Dict[str, Any], *, vocab_size: Optional[int] = None, server: str = "?"
 ) -> Completion:
@@ -94,9 +93,11 @@ def completion_from_sglang(
     """
     try:
         meta = response["meta_info"]
-        output_ids = [int(t) for t in response["output_ids"]]
-        entries = meta["output_token_logprobs"]
         finish = meta["finish_reason"]
+        aborted = (finish.get("type") if isinstance(finish, dict) else finish) == "abort"
+        # a request aborted before its prefill answers without tokens (SGLang's "Abort before prefill")
+        output_ids = [int(t) for t in ((response.get("output_ids") or []) if aborted else response["output_ids"])]
+        entries = (meta.get("output_token_logprobs") or []) if aborted else meta["output_token_logprobs"]
         logprobs, logprob_ids = [float(entry[0]) for entry in entries], [int(entry[1]) for entry in entries]
     except (KeyError, TypeError, IndexError, ValueError) as err:
         raise RolloutError(
@@ -109,13 +110,14 @@ def completion_from_sglang(
     reason = finish.get("type") if isinstance(finish, dict) else finish
     if reason not in ("stop", "length", "abort"):
         raise RolloutError(f"/generate response {meta.get('id')} from {server}: unknown finish_reason {finish!r}")
-    version = meta.get("weight_version")
+    version = None if meta.get("weight_version") is None else parse_weight_version(meta["weight_version"])
     return Completion(
         prompt_ids=list(prompt_ids),
         output_ids=output_ids,
         output_logprobs=logprobs,
         finish_reason=reason,
-        weight_version=None if version is None else parse_weight_version(version),
+        weight_version=version,
+        output_versions=token_versions(meta, len(output_ids), version) if meta.get("weight_versions") else None,
         info=info,
         routed_experts=None
         if meta.get("routed_experts") is None
@@ -144,7 +146,7 @@ def encode_routed_experts(routed: torch.Tensor) -> str:
     return base64.b64encode(routed.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
 
 
-class SGLangEngine(MemorySaverClient, RolloutEngine):
+class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
     """The trainer's handle on a set of SGLang servers (launched by :mod:`sglang_server`, or given).
 
     ``on_shutdown`` runs at :meth:`shutdown` (e.g. the launcher's termination of the servers).
@@ -159,6 +161,7 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         self._closed = False
         self.rejected_samples = 0  # answers rejected by the output checks, over the engine's life
         self._memory_tags: Optional[Tuple[str, ...]] = None  # the servers' memory-saver tags, asked once
+        self._init_pausable()
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -212,8 +215,11 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
                 f"rollout.sglang.client.rollout_timeout_s = {self.config.rollout_timeout_s} s"
             ) from None
 
-    async def _generate_all(self, prompts, params: SamplingParams, n: int, affinity=None) -> List[List[Completion]]:
-        limit = asyncio.Semaphore(self.config.max_concurrency)
+    async def _generate_all(
+        self, prompts, params: SamplingParams, n: int, affinity=None, limit: Optional[asyncio.Semaphore] = None
+    ) -> List[List[Completion]]:
+        """Every sample of ``prompts``, at most ``max_concurrency`` requests at once (or ``limit``'s)."""
+        limit = limit or asyncio.Semaphore(self.config.max_concurrency)
         given_up = asyncio.Event()  # set by the first request that fails: queued ones do not start
         tasks = []
         for i, prompt in enumerate(prompts):
@@ -245,13 +251,51 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         limit: asyncio.Semaphore,
         given_up: asyncio.Event,
         server_key: int,
-    ) -> Completion:
+    ) -> Optional[Completion]:
+        """Sample ``index``: its /generate request, sent again from the tokens it has each time a pause of
+        ours aborted it (:mod:`megatron_zcpo.rollout.sglang.partial`), the answers laid end to end."""
+        segments: List[Completion] = []
+        while True:
+            produced = [t for segment in segments for t in segment.output_ids]
+            answer = await self._generate_segment(
+                index,
+                [*prompt, *produced],
+                continuation_sampling(sampling, len(produced), len(segments)) if segments else sampling,
+                limit,
+                given_up,
+                server_key,
+            )
+            if answer is None:
+                return None
+            segment, epoch = answer
+            if "rejected" in segment.info:
+                return rejected_completion(prompt, segment.info["rejected"], segment.info)
+            segments.append(segment)
+            remaining = sampling["max_new_tokens"] - len(produced) - len(segment.output_ids)
+            if segment.finish_reason == "abort" and self._paused_since(epoch):
+                if remaining > 0:
+                    continue
+                segment.finish_reason = "length"  # aborted exactly at its budget
+            return join_segments(prompt, segments)
+
+    async def _generate_segment(
+        self,
+        index: int,
+        input_ids,
+        sampling: Dict[str, Any],
+        limit: asyncio.Semaphore,
+        given_up: asyncio.Event,
+        server_key: int,
+    ) -> Optional[Tuple[Completion, int]]:
+        """One /generate request of sample ``index`` once generation is not paused: its Completion (a
+        rejected one when lost) and the pause epoch it was sent in; None when the call gave up first."""
         async with limit:
+            epoch = await self._wait_until_open()
             if given_up.is_set():  # the call failed: this request never starts (and raises nothing that
                 return None  # could reach the caller before the failure's own error)
             payload = {
                 "rid": uuid.uuid4().hex,
-                "input_ids": [int(t) for t in prompt],
+                "input_ids": [int(t) for t in input_ids],
                 "sampling_params": sampling,
                 "return_logprob": True,
                 "stream": False,
@@ -272,14 +316,14 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
                 raise
             except RolloutError as error:  # lost (retries spent, or refused): costs this prompt's group
                 await asyncio.shield(self._http.abort_quietly(payload["rid"]))
-                return rejected_completion(prompt, f"request {index} lost: {error}", {"rid": payload["rid"]})
+                return rejected_completion(input_ids, f"request {index} lost: {error}", {"rid": payload["rid"]}), epoch
             except BaseException:
                 given_up.set()
                 await asyncio.shield(self._http.abort_quietly(payload["rid"]))
                 raise
         if isinstance(response, list):  # a batch answer; we send one prompt per request
             response = response[0]
-        return completion_from_sglang(prompt, response, vocab_size=self.config.vocab_size, server=url)
+        return completion_from_sglang(input_ids, response, vocab_size=self.config.vocab_size, server=url), epoch
 
     async def _request_on_a_server(self, index: int, payload, before_retry, server_key: int) -> Tuple[str, Any]:
         """(url, answer) of /generate request ``index``: moved to another server while servers are lost.

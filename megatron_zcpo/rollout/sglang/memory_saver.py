@@ -1,4 +1,4 @@
-"""The SGLang engine's memory-saver requests (colocated placement): release, resume, pause and continue.
+"""The SGLang engine's memory-saver requests (colocated placement): release and resume.
 
 Mixed into :class:`megatron_zcpo.rollout.sglang.client.SGLangEngine` (its ``_http``, ``config``,
 ``flush_cache`` and ``_check_open``); the protocol per release is in :mod:`megatron_zcpo.rollout.sglang.api`
@@ -11,8 +11,9 @@ from typing import Optional, Sequence, Tuple
 
 
 class MemorySaverClient:
-    """``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation`` and
-    ``/continue_generation`` on every server in rotation (a server that fails after its retries leaves it)."""
+    """``/release_memory_occupation`` and ``/resume_memory_occupation`` on every server in rotation (a
+    server that fails after its retries leaves it); pause and continue are
+    :class:`~megatron_zcpo.rollout.sglang.partial.PausableGeneration`'s."""
 
     _memory_tags: Optional[Tuple[str, ...]]
 
@@ -44,14 +45,3 @@ class MemorySaverClient:
         # explicit tags: a release that knows more (cuda_graph) must not release what we never resume
         body = {"tags": list(tags if tags is not None else self.memory_tags())}
         self._http.run(self._http.on_servers_in_rotation("POST", path, body, timeout=self.config.update_timeout_s))
-
-    def pause_generation(self) -> None:
-        """``/pause_generation`` on every server in rotation (before a weight update)."""
-        self._check_open()
-        # an empty body: 0.5.23 requires one (its mode defaults to "abort", as 0.5.3.post3 always does)
-        self._http.run(self._http.on_servers_in_rotation("POST", "/pause_generation", {}))
-
-    def continue_generation(self) -> None:
-        """``/continue_generation`` on every server in rotation."""
-        self._check_open()
-        self._http.run(self._http.on_servers_in_rotation("POST", "/continue_generation", {}))
