@@ -69,3 +69,44 @@ def test_a_response_paused_across_a_push_continues_token_for_token(
     assert max(abs(a - b) for a, b in zip(sample.output_logprobs[split:], fresh.output_logprobs)) < 1e-5
     reference.shutdown()
     backend.engine.shutdown()
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "retract"])
+def test_a_server_lost_while_paused_is_survived(tmp_path, two_policies, pause_mode):
+    """The server holding a partial response dies during the push: "abort" continues the response on the
+    other server from the tokens it had; "retract" loses those tokens (they were on the dead server) and
+    the request starts again on the other one. Either way the sample completes, at the new version."""
+    old, new = two_policies
+    dying, surviving = RecordingBackend(_engine(old)), RecordingBackend(_engine(old))
+    reached = _pause_after(dying.engine, 5)
+    prompt = _random_prompts(1, seed=8)[0]
+    a = MockSGLangServer(dying, release="0.5.23", continuous=True)
+    b = MockSGLangServer(surviving, release="0.5.23", continuous=True)
+    a.start(), b.start()
+    config = _config(
+        a.url,
+        server_urls=[a.url, b.url],
+        weight_sync="disk",
+        weight_dir=str(tmp_path),
+        pause_mode=pause_mode,
+        max_retries=1,
+        request_timeout_s=5.0,
+    )
+    with SGLangEngine(config) as client:
+        client.update_weights(iter(old.items()), 0)
+        future = client.submit(prompt, SamplingParams(**GREEDY), n=1)  # request 0 goes to a
+        assert reached.wait(60)
+        client.pause_generation()
+        a.stop()
+        client.update_weights(iter(new.items()), 1)  # a fails it and leaves the rotation
+        client.continue_generation()
+        [sample] = future.result(timeout=120)
+        assert list(client._http.pool.lost) == [a.url]
+    b.stop()
+    if pause_mode == "abort":
+        assert sample.output_versions[:6] == [0] * 6 and set(sample.output_versions[6:]) == {1}
+        assert surviving.inputs == [prompt + sample.output_ids[:6]]
+    else:
+        assert set(sample.output_versions) == {1} and surviving.inputs == [prompt]
+    for backend in (dying, surviving):
+        backend.engine.shutdown()
