@@ -261,7 +261,10 @@ def behaviour_token_weights(rank, world, modes):
     """The importance weights the update's loss receives when each response's tokens came from two weight
     versions: behaviour log-probs set to the trainer's own minus log 3 on a response's first half and plus
     log 4 on its second (per-token ratios 3 and 1/4). Returns {mode: [(weights the loss got [T], the
-    trainer's old log-probs [T], the behaviour log-probs [T])]} per trainable sample of the first mini-batch."""
+    trainer's old log-probs [T], the behaviour log-probs [T])]} per trainable sample of the first mini-batch,
+    and under "calibration" (ZCPO's coefficients [N] of those samples with the two-version behaviour, the same
+    samples' coefficients on-policy, their group ids [N])."""
+    import dataclasses
     import math
 
     import torch
@@ -280,6 +283,12 @@ def behaviour_token_weights(rank, world, modes):
             sample.rollout_logprobs = (old - shift).float().tolist()
         step.experience = experience
         step.coefficients, step.stats = trainer.calibrate(samples, experience)
+        on_policy = [dataclasses.replace(sample, rollout_logprobs=None) for sample in samples]
+        results["calibration"] = (
+            step.coefficients,
+            trainer.calibrate(on_policy, experience)[0],
+            torch.tensor([sample.group_id for sample in samples]),
+        )
         seen = {}
 
         def capture(inputs, seen=seen, trainer=trainer):

@@ -1,6 +1,7 @@
 """Off-policy corrections per token: the update weighs each token against the log-prob of the policy that
 sampled it (a response's tokens may come from several weight versions), never the trainer's recomputed one."""
 
+import pytest
 import torch
 
 from megatron_zcpo.testing import run_distributed
@@ -9,13 +10,30 @@ from megatron_zcpo.training.update import importance_weights
 from tests.cases import trainer_cases
 
 
-def test_the_update_weighs_tokens_against_their_own_behaviour_logprobs():
+@pytest.fixture(scope="module")
+def two_version_step():
+    """One spawned trainer's answers for responses sampled by two weight versions (see the case)."""
+    return run_distributed(trainer_cases.behaviour_token_weights, 1, ("truncate", "icepop"))[0]
+
+
+def test_the_update_weighs_tokens_against_their_own_behaviour_logprobs(two_version_step):
     """Per-token ratios 3 then 1/4 within each response (two versions): truncated IS keeps 3 and clamps
     1/4 to 0.5; IcePop keeps 3 and zeroes 1/4. The trainer's recomputed log-probs would give 1 everywhere."""
-    results = run_distributed(trainer_cases.behaviour_token_weights, 1, ("truncate", "icepop"))[0]
-    assert all(len(samples) >= 3 for samples in results.values())
-    for mode, samples in results.items():
-        _check(mode, samples)
+    for mode in ("truncate", "icepop"):
+        assert len(two_version_step[mode]) >= 3
+        _check(mode, two_version_step[mode])
+
+
+def test_zcpo_calibrates_a_group_of_several_versions_under_the_current_policy(two_version_step):
+    """The README's statement: a group whose samples (and tokens) came from several weight versions is
+    calibrated as one group, on the rewards and the drift the experience pass measures under the current
+    policy; the behaviour policy never enters the coefficients (equal to on-policy ones) and each group's
+    coefficients still sum to 0."""
+    off_policy, on_policy, groups = two_version_step["calibration"]
+    torch.testing.assert_close(off_policy, on_policy, atol=0, rtol=0)
+    for group in groups.unique():
+        assert abs(float(off_policy[groups == group].double().sum())) < 1e-6
+    assert off_policy.abs().sum() > 0
 
 
 def _check(mode, samples):
