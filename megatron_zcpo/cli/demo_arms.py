@@ -43,6 +43,15 @@ ARMS: Dict[str, Tuple[dict, str]] = {
         "ZCPO without length normalisation of the drift",
     ),
     "zcpo-no-gate": ({"algorithm": {"name": "zcpo", "gate": False}}, "ZCPO without the tied-group gate"),
+    # The rollout modes (README, "On-policy (default), overlapped or asynchronous rollouts").
+    "zcpo-overlap": (
+        {"algorithm": {"name": "zcpo"}, "rollout": {"mode": "overlap"}},
+        "ZCPO with overlapped rollouts (one step off-policy)",
+    ),
+    "zcpo-async": (
+        {"algorithm": {"name": "zcpo"}, "rollout": {"mode": "async"}},
+        "ZCPO with asynchronous rollouts (max_staleness 1, responses continued across pushes)",
+    ),
 }
 DEFAULT_ARMS = "dapo,dapo-k3,zcpo"
 # Keys the demo sets for every run itself: an arm that moved them would not be the demo's run.
