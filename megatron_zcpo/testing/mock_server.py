@@ -40,7 +40,7 @@ from megatron_zcpo.rollout.sglang.api import (
     needs_api_key,
     release_at_least,
 )
-from megatron_zcpo.rollout.sglang.client import encode_routed_experts
+from megatron_zcpo.rollout.sglang.generate_io import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 from megatron_zcpo.testing.mock_continuous import ContinuousBatchingEndpoints
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer

@@ -19,8 +19,12 @@ checked); every endpoint, field and status code used here is listed, per release
   uint8 broadcast (SGLang with sgl-project/sglang#13824, merged 2025-11-24; not in v0.5.3);
 - ``POST /begin_weight_update`` {} and ``POST /end_weight_update`` {} around every push to servers
   reporting SGLang 0.5.21 or newer (they refuse distributed updates outside such a session).
+- ``POST /pause_generation`` and ``POST /continue_generation`` around a push while requests run
+  (asynchronous rollouts: :mod:`megatron_zcpo.rollout.sglang.partial`).
 Each returns {success, message} with 200, or 400 with the reason. The HTTP plumbing lives in
-:mod:`megatron_zcpo.rollout.sglang.http`, the weight transports in :mod:`megatron_zcpo.rollout.sglang.update_weight`.
+:mod:`megatron_zcpo.rollout.sglang.http`, a request's body and answer in
+:mod:`megatron_zcpo.rollout.sglang.generate_io`, the weight transports in
+:mod:`megatron_zcpo.rollout.sglang.update_weight`.
 """
 
 from __future__ import annotations
@@ -40,110 +44,22 @@ from megatron_zcpo.rollout.engine import (
     SamplingParams,
     validate_prompts,
 )
-from megatron_zcpo.rollout.output_checks import engine_output_problem, rejected_completion, rejected_messages
-from megatron_zcpo.rollout.sglang.api import MODEL_INFO_PATHS, ROUTER_READY_PATH, SEED_LIMIT
+from megatron_zcpo.rollout.output_checks import rejected_completion, rejected_messages
+from megatron_zcpo.rollout.sglang.api import MODEL_INFO_PATHS, ROUTER_READY_PATH
 from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
+from megatron_zcpo.rollout.sglang.generate_io import (
+    completion_from_sglang,
+    parse_weight_version,
+    request_seed,
+    sglang_sampling_params,
+)
 from megatron_zcpo.rollout.sglang.http import RETRYABLE, SGLangHTTP, SGLangHTTPError
 from megatron_zcpo.rollout.sglang.memory_saver import MemorySaverClient
-from megatron_zcpo.rollout.sglang.partial import (
-    PausableGeneration,
-    continuation_sampling,
-    join_segments,
-    parse_weight_version,
-    token_versions,
-)
+from megatron_zcpo.rollout.sglang.partial import PausableGeneration, continuation_sampling, join_segments
 from megatron_zcpo.rollout.sglang.server_pool import ServersLostError
 from megatron_zcpo.rollout.sglang.update_weight import weight_update_for
 
 logger = logging.getLogger(__name__)
-
-
-def request_seed(seed: int, index: int) -> int:
-    """The ``sampling_seed`` of request ``index`` of a call seeded ``seed``: ``seed + index`` wrapped into
-    [0, 2**31) (SGLang 0.5.3.post3 packs seeds as int32; a larger one crashes its scheduler)."""
-    return (int(seed) + index) % SEED_LIMIT
-
-
-def sglang_sampling_params(params: SamplingParams, seed: Optional[int] = None) -> Dict[str, Any]:
-    """SGLang's ``sampling_params`` for ``params`` (``seed`` becomes ``sampling_seed``)."""
-    sampling = {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "max_new_tokens": params.max_new_tokens,
-        "stop_token_ids": list(params.stop_token_ids),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,
-    }
-    if seed is not None:
-        sampling["sampling_seed"] = int(seed)
-    return sampling
-
-
-def completion_from_sglang(
-    prompt_ids: Sequence[int], response: Dict[str, Any], *, vocab_size: Optional[int] = None, server: str = "?"
-) -> Completion:
-    """A :class:`Completion` from one /generate answer of ``server``.
-
-    Raises ``RolloutError`` on a malformed answer. An answer with wrong content (token ids
-    outside ``[0, vocab_size)``, NaN or positive log-probs, ids that disagree with
-    ``output_token_logprobs``) becomes a rejected completion (see
-    :func:`megatron_zcpo.rollout.output_checks.rejected_completion`) whose message names the
-    server, the request and the position.
-    """
-    try:
-        meta = response["meta_info"]
-        finish = meta["finish_reason"]
-        aborted = (finish.get("type") if isinstance(finish, dict) else finish) == "abort"
-        # a request aborted before its prefill answers without tokens (SGLang's "Abort before prefill")
-        output_ids = [int(t) for t in ((response.get("output_ids") or []) if aborted else response["output_ids"])]
-        entries = (meta.get("output_token_logprobs") or []) if aborted else meta["output_token_logprobs"]
-        logprobs, logprob_ids = [float(entry[0]) for entry in entries], [int(entry[1]) for entry in entries]
-    except (KeyError, TypeError, IndexError, ValueError) as err:
-        raise RolloutError(
-            f"malformed /generate response from {server} (bad or missing {err}): {str(response)[:300]}"
-        ) from None
-    info = {"rid": meta.get("id"), "cached_tokens": meta.get("cached_tokens"), "server": server}
-    problem = engine_output_problem(output_ids, logprobs, logprob_ids, vocab_size)
-    if problem is not None:
-        return rejected_completion(prompt_ids, f"server {server}, request {meta.get('id')}: {problem}", info)
-    reason = finish.get("type") if isinstance(finish, dict) else finish
-    if reason not in ("stop", "length", "abort"):
-        raise RolloutError(f"/generate response {meta.get('id')} from {server}: unknown finish_reason {finish!r}")
-    version = None if meta.get("weight_version") is None else parse_weight_version(meta["weight_version"])
-    return Completion(
-        prompt_ids=list(prompt_ids),
-        output_ids=output_ids,
-        output_logprobs=logprobs,
-        finish_reason=reason,
-        weight_version=version,
-        output_versions=token_versions(meta, len(output_ids), version) if meta.get("weight_versions") else None,
-        info=info,
-        routed_experts=None
-        if meta.get("routed_experts") is None
-        else decode_routed_experts(
-            meta["routed_experts"], len(prompt_ids) + len(output_ids) - 1, f"{server}, request {meta.get('id')}"
-        ),
-    )
-
-
-def decode_routed_experts(encoded: str, tokens: int, where: str = "?") -> torch.Tensor:
-    """SGLang's ``meta_info.routed_experts`` (base64 of int32 [tokens, layers, top-k], the experts of
-    every input token: prompt and output but the last) as int32 [tokens, layers * top-k].
-    Raises ``RolloutError`` naming ``where`` when it does not hold ``tokens`` rows."""
-    import base64
-
-    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
-    if tokens <= 0 or flat.numel() % tokens:
-        raise RolloutError(f"routed experts from {where}: {flat.numel()} ids do not split into {tokens} tokens")
-    return flat.reshape(tokens, -1)
-
-
-def encode_routed_experts(routed: torch.Tensor) -> str:
-    """The inverse of :func:`decode_routed_experts`: base64 of the int32 bytes (as SGLang sends them)."""
-    import base64
-
-    return base64.b64encode(routed.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
 
 
 class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):

@@ -27,37 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
-from megatron_zcpo.rollout.engine import Completion, RolloutError, SamplingParams
+from megatron_zcpo.rollout.engine import Completion, SamplingParams
 
 PAUSE_MODES = ("auto", "abort", "retract")
 RETRACT_SINCE = "0.5.23"  # the first release read with /pause_generation {mode: retract} and weight_versions spans
 _SEGMENT_SEED_STRIDE = 1_000_003  # seeds of a sample's successive segments never meet
-
-
-def parse_weight_version(value: Any) -> int:
-    """A served weight version as an int; SGLang's initial "default" (or anything non-numeric) is -1."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return -1
-
-
-def token_versions(meta: Dict[str, Any], count: int, served: Optional[int]) -> Optional[List[int]]:
-    """The weight version of each of an answer's ``count`` output tokens: from SGLang 0.5.23's
-    ``meta_info.weight_versions`` spans when present, else ``served`` (its ``weight_version``) for
-    all; None when neither is known."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return None if served is None else [served] * count
-    versions: List[Optional[int]] = [None] * count
-    for span in spans:
-        for position in range(int(span["start"]), min(int(span["end"]), count)):
-            versions[position] = parse_weight_version(span["version"])
-    if any(v is None for v in versions):
-        raise RolloutError(f"weight_versions spans {spans} do not cover the {count} output tokens")
-    return versions  # type: ignore[return-value]
 
 
 def join_segments(prompt: Sequence[int], segments: Sequence[Completion]) -> Completion:
