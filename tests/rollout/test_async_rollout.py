@@ -66,6 +66,10 @@ def _run(rollout, engine, weights, steps, trained, check):
             for completion in group:
                 assert all(step - v <= rollout.max_staleness for v in completion.token_versions), completion
         check(taken.metrics, rollout)
+        # admission: a group admitted at version v may be trained up to step v + k, so taken + outstanding
+        # never exceeds (v + k + 1) x B plus dynamic sampling's surplus (ceil(B x 0.5) = 2)
+        outstanding = taken.metrics["async/groups_in_flight"] + taken.metrics["async/groups_ready"]
+        assert taken.metrics["async/taken_total"] + outstanding <= (step + rollout.max_staleness + 1) * B + 2
         trained.extend(record.uid for record in taken.records)
         _push(engine, rollout, weights[(step + 1) % 2], step + 1)
 

@@ -1,6 +1,7 @@
 """The embedded engine's asynchronous requests: batched like generate(), held across a weight push and
 continued token for token from what they had, every token with its version and behaviour log-prob."""
 
+import functools
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from tests.rollout.test_embedded import MODEL, _random_prompts
 GREEDY = dict(temperature=0.0, max_new_tokens=24)
 
 
+@functools.cache  # built once per process, whichever module's fixture asks first
 def _weights(seed):
     torch.manual_seed(seed)
     model = build_hf_causal_lm(MODEL)
