@@ -55,9 +55,9 @@ def test_a_lone_config_json_is_enough(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"{QUOTED['llama-3.3-70b-zcpo'][1]:.2f}" in text and "rollout mode: sequential, on-policy" in text
     # model.path pointing at a directory that holds only config.json works as well
-    config = load_plan_config(LLAMA_EXAMPLE, [f"model.path={model_dir}", "rollout.overlap=true"])
-    assert model_config_of(config) == LLAMA33_70B and config.rollout.mode == "overlap"  # the older key, read
-    assert main(["plan", LLAMA_EXAMPLE, "--gpus", "64", f"model.path={model_dir}", "rollout.overlap=true"]) == 0
+    config = load_plan_config(LLAMA_EXAMPLE, [f"model.path={model_dir}", "rollout.mode=overlap"])
+    assert model_config_of(config) == LLAMA33_70B and config.rollout.mode == "overlap"
+    assert main(["plan", LLAMA_EXAMPLE, "--gpus", "64", f"model.path={model_dir}", "rollout.mode=overlap"]) == 0
     assert "rollout mode: overlapped" in capsys.readouterr().out
 
 
@@ -86,7 +86,7 @@ def test_the_asynchronous_step_amortises_the_longest_response(capsys):
 
 def test_planned_sections_are_still_validated():
     with pytest.raises(Exception, match="rollout.max_staleness"):
-        load_plan_config(QWEN_EXAMPLE, ["rollout.overlap=true", "rollout.max_staleness=0"])
+        load_plan_config(QWEN_EXAMPLE, ["rollout.mode=overlap", "rollout.max_staleness=0"])
 
 
 def test_step_time_terms_by_hand():
@@ -148,7 +148,7 @@ def test_the_examples_quote_the_predicted_step_time(example, gpus, preset, capsy
     comments = (EXAMPLES / example / "config.yaml").read_text()
     assert f"modelled {answer['decode_tokens_per_s_per_gpu']:,.0f} generated tokens/s per rollout GPU" in comments
     assert f"= {timing['sequential_s']:,.0f} s" in comments
-    assert f"rollout.overlap=true (one step off-policy) {timing['overlapped_s']:,.0f} s" in comments
+    assert f"rollout.mode=overlap (one step off-policy) {timing['overlapped_s']:,.0f} s" in comments
 
 
 def _plan_json(capsys, *extra):

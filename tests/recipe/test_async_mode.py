@@ -74,7 +74,14 @@ def test_async_runs_bound_staleness_resume_their_producer_and_pause_sglang(tmp_p
     common = dict(parallel={"tensor": 1}, train={"steps": 2}, eval={"at_start": False, "at_end": False})
     (tmp_path / "embedded").mkdir()
     (tmp_path / "sglang").mkdir()
-    embedded = write_config(tmp_path / "embedded", tiny_model, rollout=rollout, checkpoint={"keep_last": 3}, **common)
+    # evaluations after steps 1 and 2 score beside the producer (the reward pool serves one thread at a time)
+    embedded = write_config(
+        tmp_path / "embedded",
+        tiny_model,
+        rollout=rollout,
+        checkpoint={"keep_last": 3},
+        **{**common, "eval": {"every": 1, "at_start": False, "at_end": False}},
+    )
     # weights through the disk: the server double lives in the trainer's process (no second process group)
     client = {"weight_sync": "disk", "weight_dir": str(tmp_path / "weights"), "max_concurrency": 8}
     sglang = write_config(
@@ -94,6 +101,7 @@ def test_async_runs_bound_staleness_resume_their_producer_and_pause_sglang(tmp_p
     assert counts["admitted"] == counts["taken"] + outstanding + sum(
         counts[f"dropped_{why}"] for why in ("tied", "invalid", "stale")
     )
+    assert (tmp_path / "embedded" / "run" / "eval" / "step_000001.json").exists()
     records = _records(tmp_path / "embedded" / "run")
     assert sorted(records) == [1, 2, 3]
     for step, record in records.items():
