@@ -28,6 +28,11 @@ ENV PIP_NO_CACHE_DIR=1 \
 # The torch the image came with; the last step checks that nothing replaced it.
 RUN python -c "import torch; print(torch.__version__)" > /opt/base-torch-version
 
+# bubblewrap: the code tool's sandbox (tools.registry.*.kind: code runs model-written code under it;
+# Ubuntu 24.04's package, 0.9.0). Inside a container it needs new namespaces: Docker's default seccomp
+# profile refuses them (docker run --security-opt seccomp=unconfined); enroot/pyxis containers allow them.
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap && rm -rf /var/lib/apt/lists/*
+
 # ---------------------------------------------------------------------------------------------
 # megatron-core 0.16.1: the release the whole test suite runs on (megatron_zcpo/megatron/compat.py
 # lists every megatron-core internal we use and checks them; the last step below runs that check).

@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install install-dev demo test gpu-check
+.PHONY: install install-dev system-packages demo test gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ install-dev: $(BIN)/python
 demo: install
 	$(BIN)/zcpo demo
 
+# Debian/Ubuntu packages the tests use: bubblewrap, the code tool's sandbox (as root, else through sudo).
+system-packages:
+	@command -v bwrap >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap; }
+
 # Exit code 5 means "no tests collected": not a failure of the suite.
-test: install-dev
+test: install-dev system-packages
 	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3

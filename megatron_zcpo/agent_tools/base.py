@@ -6,7 +6,7 @@ import abc
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,16 @@ class Tool(abc.ABC):
     """A named tool: ``run(arguments)`` returns what the tool's turn shows (any str, int or float)."""
 
     name: str = "tool"
+    # A tool that ends its own calls within this many seconds (the code tool): the registry waits that
+    # long, plus a margin for the end of its processes, even past tools.timeout_s. None: it may hang.
+    time_limit_s: Optional[float] = None
 
     @abc.abstractmethod
     def run(self, arguments: Any) -> Any:
         """The tool's result for ``arguments`` (a dict from a JSON call, or a string); may raise."""
+
+    def check(self) -> None:  # noqa: B027 - a tool that needs nothing of the host has nothing to check
+        """Raise, saying what is missing, when the tool cannot work here (run once at start-up)."""
 
 
 def as_result_text(value: Any, max_chars: int) -> ToolResult:

@@ -25,8 +25,10 @@ class ToolsConfig:
     timeout_s, max_result_chars: a call's time limit, and the longest result kept (longer ones are cut).
     max_workers: tool calls run at once.
     registry: {name: {kind: calculator | python | code, ...options}}; python: ``function`` =
-        "pkg.module:function" called with the call's arguments; code: ``timeout_s``, ``memory_mb``,
-        ``network`` (false: no network where ``unshare -n`` works).
+        "pkg.module:function" called with the call's arguments; code: model-written Python run under
+        bubblewrap (:class:`~megatron_zcpo.agent_tools.sandbox.CodeTool` lists its options: limits,
+        ``network``, ``packages``, ``env``, ``isolation``; its own ``timeout_s`` bounds its calls: the
+        registry waits for it past ``timeout_s`` here, so that no process of a call outlives the call).
     """
 
     enabled: bool = False

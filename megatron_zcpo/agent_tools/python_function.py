@@ -44,6 +44,10 @@ _OPERATORS: Dict[type, Callable[[Any, Any], Any]] = {
     ast.Div: operator.truediv,
 }
 MAX_CALCULATOR_DIGITS = 60  # larger intermediate results are refused (a product tower would not end)
+# What an expression may hold. Checked before Python's parser sees it: the parser warns (SyntaxWarning,
+# printed on the trainer's stderr) about string escapes and numbers run into names ("1if"), and with
+# only these characters neither can be written.
+_CALCULATOR_CHARACTERS = frozenset("0123456789+-*/%()._eE \t")
 
 
 def calculate(expression: Any = None, **arguments: Any) -> Any:
@@ -70,6 +74,9 @@ def calculate(expression: Any = None, **arguments: Any) -> Any:
             raise ValueError("the result is too large")
         return result
 
+    unknown = sorted(set(expression) - _CALCULATOR_CHARACTERS)
+    if unknown:
+        raise ValueError(f"the calculator does not know {''.join(unknown)[:20]!r} (numbers, + - * / // %, parentheses)")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as error:

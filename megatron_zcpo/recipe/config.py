@@ -295,6 +295,15 @@ class RunConfig:
             )
         if self.tools.enabled and self.train.routing_replay != "none":
             raise ValueError("tools.enabled: multi-turn rollouts do not support train.routing_replay (set it to none)")
+        held_out = self.eval.data
+        if self.tools.enabled and held_out is not None:
+            for key in ("chat_template", "enable_thinking"):
+                if getattr(held_out, key) != getattr(self.data, key):
+                    raise ValueError(
+                        f"eval.data.{key}={getattr(held_out, key)!r} differs from data.{key}="
+                        f"{getattr(self.data, key)!r}: with tools.enabled one tool-turn format follows both "
+                        "(the tool turns are rendered as the prompts are)"
+                    )
         if self.tools.enabled and self.tools.max_total_tokens <= self.data.max_prompt_length:
             raise ValueError(
                 f"tools.max_total_tokens={self.tools.max_total_tokens} must exceed data.max_prompt_length="

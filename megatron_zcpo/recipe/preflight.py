@@ -76,7 +76,8 @@ def startup_problems(config, *, world_size: Optional[int] = None, memory_check: 
     [] when none. Writes nothing (``zcpo train --dry-run`` runs it as it is).
 
     Loads the tokenizer, the model's config, the training (and evaluation) data; imports the
-    reward function and calls it once on the first record; checks the layout on ``world_size``
+    reward function and calls it once on the first record; with ``tools.enabled``, builds every
+    tool, runs one call of each code tool in its sandbox and renders the tool turn; checks the layout on ``world_size``
     processes (default: one model-parallel replica) as a rank would (:func:`~megatron_zcpo.recipe.layout_checks.layout_problems`; memory
     against this node's GPU when it has one and ``memory_check``); probes that the run and
     checkpoint directories can be written. Cheap (no model weights are read, no GPU is touched).
@@ -121,6 +122,19 @@ def startup_problems(config, *, world_size: Optional[int] = None, memory_check: 
         problems += layout
         if not any(problem.startswith(("parallel.expert", "parallel.tensor")) for problem in layout):
             problems += _trainer_expert_problems(config, model)
+    if config.tools.enabled:  # a code tool without its isolation (bubblewrap) is refused here, by name
+        from megatron_zcpo.agent_tools.registry import tool_problems
+        from megatron_zcpo.rollout.multi_turn import ToolTurnTemplate, check_text_tokenisation
+
+        problems += tool_problems(config.tools)
+        if tokenizer is not None:
+            data, role = config.data, config.tools.result_role
+            _check(
+                problems,
+                "tools.result_role",
+                lambda: ToolTurnTemplate.from_chat_template(tokenizer, role, data.chat_template, data.enable_thinking),
+            )
+            _check(problems, "model.tokenizer", lambda: check_text_tokenisation(tokenizer))
     _check(problems, "logging.run_dir", lambda: check_checkpoint_dir(config.logging.run_dir))
     _check(problems, "checkpoint.dir", lambda: check_checkpoint_dir(config.checkpoint_dir))
     return problems

@@ -184,7 +184,7 @@ def make_engine(config: RunConfig, model_config, tokenizer):
     if not config.tools.enabled:
         return engine
     from megatron_zcpo.agent_tools.registry import ToolRegistry
-    from megatron_zcpo.rollout.multi_turn import MultiTurnEngine
+    from megatron_zcpo.rollout.multi_turn import MultiTurnEngine, ToolTurnTemplate
 
     try:
         context = model_config.max_position_embeddings
@@ -192,7 +192,11 @@ def make_engine(config: RunConfig, model_config, tokenizer):
             raise ValueError(
                 f"tools.max_total_tokens={config.tools.max_total_tokens} exceeds the model's context ({context})"
             )
-        return MultiTurnEngine(engine, ToolRegistry.from_config(config.tools), tokenizer, config.tools)
+        data = config.data  # tool turns in the prompts' format (eval.data must agree: RunConfig.validate)
+        template = ToolTurnTemplate.from_chat_template(
+            tokenizer, config.tools.result_role, data.chat_template, data.enable_thinking
+        )
+        return MultiTurnEngine(engine, ToolRegistry.from_config(config.tools), tokenizer, config.tools, template)
     except BaseException:
         engine.shutdown()
         raise

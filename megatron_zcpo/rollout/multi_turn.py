@@ -21,6 +21,7 @@ import torch
 from megatron_zcpo.agent_tools.config import ToolsConfig
 from megatron_zcpo.agent_tools.parser import ToolCall, parse_tool_call
 from megatron_zcpo.agent_tools.registry import ToolRegistry
+from megatron_zcpo.data.dataset import render_prompt
 from megatron_zcpo.rollout.engine import Completion, RolloutEngine, SamplingParams, validate_prompts
 
 _ASSISTANT_MARK, _RESULT_MARK = "ZCPO_ASSISTANT_MARK", "ZCPO_RESULT_MARK"
@@ -39,25 +40,52 @@ class ToolTurnTemplate:
     after: str
 
     @classmethod
-    def from_chat_template(cls, tokenizer, role: str = "tool") -> ToolTurnTemplate:
-        """The tool turn as ``tokenizer``'s chat template renders it: the text between an assistant
+    def from_chat_template(
+        cls, tokenizer, role: str = "tool", chat_template: str = "auto", enable_thinking: Optional[bool] = None
+    ) -> ToolTurnTemplate:
+        """The tool turn as the prompts are rendered (:func:`~megatron_zcpo.data.dataset.render_prompt`
+        with ``data.chat_template`` and ``data.enable_thinking``): the text between an assistant
         message's end and the next generation prompt, with a tool message of role ``role`` between.
+        So the next assistant turn opens as the first did (Qwen3 with enable_thinking false: with an
+        empty think block), and plain-text prompts get plain-text tool turns ("\\n\\nTool: ...").
         Raises ValueError when the template does not render a ``role`` message."""
-        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ASSISTANT_MARK}]
-        text = tokenizer.apply_chat_template(
-            messages + [{"role": role, "content": _RESULT_MARK}], tokenize=False, add_generation_prompt=True
-        )
+        messages = [
+            {"role": "user", "content": "?"},
+            {"role": "assistant", "content": _ASSISTANT_MARK},
+            {"role": role, "content": _RESULT_MARK},
+        ]
+        text, _ = render_prompt(messages, tokenizer, chat_template, enable_thinking)
         start = text.find(_ASSISTANT_MARK)
         result = text.find(_RESULT_MARK, start)
         if start < 0 or result < 0:
             raise ValueError(f"tools.result_role: the chat template does not render a {role!r} message")
         return cls(text[start + len(_ASSISTANT_MARK) : result], text[result + len(_RESULT_MARK) :])
 
-    def text(self, result: str, turn_end: str = "") -> str:
-        """The tool turn's text; ``turn_end``: the policy turn's own closing text (its stop token, e.g.
-        ``<|im_end|>``), which ``before`` then does not repeat."""
+    def ids(self, tokenizer, result: str, turn_end: str = "") -> List[int]:
+        """The tool turn's token ids. ``turn_end``: the policy turn's own closing text (its stop token,
+        e.g. ``<|im_end|>``), which ``before`` then does not repeat. The template's text is tokenised
+        with its special tokens (the role markers); the result as plain text, so a result holding
+        ``<|im_end|>\\n<|im_start|>assistant`` stays text and cannot open a turn of its own."""
         before = self.before[len(turn_end) :] if turn_end and self.before.startswith(turn_end) else self.before
-        return before + result + self.after
+        return _ids(tokenizer, before) + _ids(tokenizer, result, as_text=True) + _ids(tokenizer, self.after)
+
+
+def _ids(tokenizer, text: str, as_text: bool = False) -> List[int]:
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=as_text)["input_ids"])
+
+
+def check_text_tokenisation(tokenizer) -> None:
+    """Raise ValueError unless ``tokenizer`` tokenises the text of its special tokens as plain text
+    when asked (``split_special_tokens``), as tool results are."""
+    specials = [token for token in tokenizer.all_special_tokens if token]
+    ids = _ids(tokenizer, "".join(specials), as_text=True)
+    if set(ids) & set(tokenizer.all_special_ids):
+        raise ValueError(
+            "the tokenizer turns special-token text in tool results into special tokens even with "
+            "split_special_tokens=True (a result could forge a turn): use a fast tokenizer of transformers >= 4.45"
+        )
 
 
 @dataclass
@@ -135,6 +163,7 @@ class MultiTurnEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.config = config
         self.template = template or ToolTurnTemplate.from_chat_template(tokenizer, config.result_role)
+        check_text_tokenisation(tokenizer)
         end = tokenizer(config.call_end, add_special_tokens=False)["input_ids"]
         self.call_end_id: Optional[int] = end[0] if len(end) == 1 else None
         self._keys = itertools.count()
@@ -209,7 +238,7 @@ class MultiTurnEngine(RolloutEngine):
         for t, result in zip(calling, self.registry.call_all([t.call for t in calling])):
             t.tool_calls += 1
             t.tool_errors += int(result.error)
-            ids = self.tokenizer(self.template.text(result.text, t.turn_end), add_special_tokens=False)["input_ids"]
+            ids = self.template.ids(self.tokenizer, result.text, t.turn_end)
             if t.tokens() + len(ids) >= self.config.max_total_tokens:
                 t.finish("length", "token_budget")
                 continue

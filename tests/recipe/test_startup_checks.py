@@ -96,3 +96,17 @@ def test_dry_run_in_a_one_task_slurm_step_checks_the_world_nproc_names(tmp_path,
     assert alone.returncode == 2 and "TP*PP*CP = 2*1*1 = 2 must divide the 1 processes" in alone.stderr
     assert named.returncode == 0, named.stderr
     assert "valid on 4 processes: TP2 PP1 CP1 EP1 DP2" in named.stderr
+
+
+def test_a_code_tool_without_its_sandbox_is_refused_by_dry_run_and_start(tmp_path, tiny_model, capsys, monkeypatch):
+    """No silent fallback: without bubblewrap the run does not start, and the message says how to get it."""
+    monkeypatch.delenv("ZCPO_STARTUP_CHECKED", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    tools = {"enabled": True, "max_turns": 2, "registry": {"python": {"kind": "code"}}}
+    path = write_config(tmp_path, tiny_model, tools=tools)
+    for dry_run in (["--dry-run"], []):
+        assert main(["train", str(path), *dry_run]) == 2
+        err = capsys.readouterr().err
+        assert "tools.registry.python: isolation bwrap: bubblewrap ('bwrap') is not installed" in err, err
+        assert "apt-get install bubblewrap" in err
+        assert not (tmp_path / "run").exists()

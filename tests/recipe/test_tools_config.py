@@ -35,6 +35,10 @@ def test_tools_derive_the_overlong_cap_and_the_servers_request_size():
             "rollout.max_new_tokens x tools.max_turns = 96",
         ),
         ({"tools": {**TOOLS, "registry": {"x": {"kind": "shell"}}}}, "tools.registry.x.kind"),
+        (
+            {"tools": TOOLS, "eval": {"data": {"task": "basic_arithmetic", "chat_template": "plain"}}},
+            "eval.data.chat_template='plain' differs from data.chat_template='auto'",
+        ),
     ],
 )
 def test_mistakes_name_the_key(sections, message):
