@@ -3,6 +3,7 @@ k versions stale and whose producer resumes from its checkpoint without repeatin
 run against SGLang doubles paused across every push."""
 
 import json
+import signal
 
 import pytest
 
@@ -47,18 +48,32 @@ def _accounted(record):
 
 
 def _three_runs(rank, world, embedded, sglang, model_dir):
-    """In one process (the runs' start-up is what costs): an asynchronous run of 2 steps, its resume to 3,
-    and a 2-step run against a mock SGLang 0.5.23 server with continuous batching. Returns the modes
-    the server was paused in and its /generate count."""
+    """In one process (the runs' start-up is what costs): an asynchronous run of 3 steps preempted (SIGUSR1)
+    during step 2, its resume, and a 2-step run against a mock SGLang 0.5.23 server with continuous
+    batching. Returns the modes the server was paused in and its /generate count."""
     from megatron_zcpo.convert.hf_checkpoint import read_hf_config
     from megatron_zcpo.convert.mapping import model_config_from_hf
     from megatron_zcpo.recipe.config import load_run_config
     from megatron_zcpo.recipe.training import run_training
     from megatron_zcpo.rollout.embedded import EmbeddedEngine
     from megatron_zcpo.testing.mock_server import MockSGLangServer
+    from megatron_zcpo.training.preemption import Preempted, PreemptionGuard
 
-    run_training(load_run_config(str(embedded)))
-    run_training(load_run_config(str(embedded), ["train.steps=3"]))
+    class PreemptedInStep2(PreemptionGuard):
+        """A SIGUSR1 (Slurm's time-limit warning) arriving during step 2 (the third check: start, 1, 2)."""
+
+        checks = 0
+
+        def requested(self):
+            self.checks += 1
+            return int(signal.SIGUSR1) if self.checks == 3 else 0
+
+    try:
+        run_training(load_run_config(str(embedded)), PreemptedInStep2())
+        raise AssertionError("the run was not preempted")
+    except Preempted as stop:
+        assert stop.step == 2
+    run_training(load_run_config(str(embedded)))  # resumed at step 2 (checkpoint.resume=auto)
     backend = EmbeddedEngine(model_config_from_hf(read_hf_config(model_dir)), seed=7)
     with MockSGLangServer(backend, release="0.5.23", continuous=True) as server:
         run_training(load_run_config(str(sglang), [f"rollout.sglang.server_urls=[{server.url}]"]))
@@ -66,12 +81,13 @@ def _three_runs(rank, world, embedded, sglang, model_dir):
 
 
 def test_async_runs_bound_staleness_resume_their_producer_and_pause_sglang(tmp_path, tiny_model):
-    """Embedded: responses up to 24 tokens, the producer a step ahead; staleness <= 1 on every token; the
-    checkpoint after step 2 holds the producer's groups and data position, and the resumed step 3 goes on
-    from them (its counters continue). SGLang (0.5.23 double): every push pauses the server in "retract"
-    mode, and the run trains within the same bound."""
+    """Embedded: responses up to 24 tokens, the producer a step ahead; staleness <= 1 on every token; a
+    preemption during step 2 checkpoints after it the producer's groups and data position, and the resumed
+    step 3 goes on from them (its counters continue). SGLang (0.5.23 double): every push pauses the server
+    in "retract" mode, and the run trains within the same bound."""
     rollout = {"mode": "async", "max_new_tokens": 24, "prompts_per_step": 3}
     common = dict(parallel={"tensor": 1}, train={"steps": 2}, eval={"at_start": False, "at_end": False})
+    embedded_train = {"steps": 3}
     (tmp_path / "embedded").mkdir()
     (tmp_path / "sglang").mkdir()
     # evaluations after steps 1 and 2 score beside the producer (the reward pool serves one thread at a time)
@@ -80,7 +96,7 @@ def test_async_runs_bound_staleness_resume_their_producer_and_pause_sglang(tmp_p
         tiny_model,
         rollout=rollout,
         checkpoint={"keep_last": 3},
-        **{**common, "eval": {"every": 1, "at_start": False, "at_end": False}},
+        **{**common, "train": embedded_train, "eval": {"every": 1, "at_start": False, "at_end": False}},
     )
     # weights through the disk: the server double lives in the trainer's process (no second process group)
     client = {"weight_sync": "disk", "weight_dir": str(tmp_path / "weights"), "max_concurrency": 8}
