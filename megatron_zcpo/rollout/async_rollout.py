@@ -13,9 +13,10 @@ Versions: the trainer trains step s at weight version s (the version pushed afte
 a token produced by version u is s - u versions stale there. Admission keeps it bounded: a group
 admitted while the engine serves version v may be trained up to step v + k (k = ``max_staleness``),
 and steps up to v + k train (v + k + 1) x B groups (B = ``prompts_per_step``), so groups are admitted
-while taken + outstanding < (v + k + 1) x B (plus dynamic sampling's surplus,
-ceil(B x (oversample_factor - 1)): tied groups are dropped and replaced). Groups finish out of
-order, so a slow one can still fall behind: ``on_stale`` "drop" drops every group with a token more
+while taken + outstanding < (v + k + 1) x B: at most (k + 1) x B groups are in flight or ready. A
+group dropped as tied or invalid frees its place at once (dynamic sampling's over-sampling needs no
+``oversample_factor`` here: more admitted would only wait and age). Groups finish out of order, so a
+slow one can still fall behind: ``on_stale`` "drop" drops every group with a token more
 than k versions behind the step that would train it (counted in ``async/dropped_stale_groups``: no
 trained token is ever staler than k), "correct" trains it with the importance-sampling correction
 against each token's behaviour log-prob.
@@ -32,7 +33,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import math
 import queue
 import threading
 import time
@@ -95,9 +95,8 @@ class AsyncRollout:
     (:class:`~megatron_zcpo.data.dataset.PromptDataset`: ``next_batch``, ``records``); ``score``:
     (records, completions) -> RewardBatch; ``params``: the sampling parameters (each group gets its own
     seed from ``seed``); ``samples_per_prompt`` G; ``prompts_per_step`` B; ``max_staleness`` k;
-    ``on_stale`` "drop" | "correct"; ``dynamic_sampling``: its ``drop_tied_groups``, ``filter_on``,
-    ``oversample_factor`` and the cap on groups dropped while the trainer waits (``max_prompts``, else
-    ``max_rounds`` x ceil(B x oversample_factor); ``on_cap``). ``version``: the version the engine serves.
+    ``on_stale`` "drop" | "correct"; ``dynamic_sampling``: its ``drop_tied_groups``, ``filter_on`` and the
+    cap on groups dropped while the trainer waits (``max_prompts``, else ``max_rounds`` x B; ``on_cap``). ``version``: the version the engine serves.
     """
 
     def __init__(
@@ -125,8 +124,7 @@ class AsyncRollout:
             on_stale,
         )
         self.sampling, self.seed, self.version = dynamic_sampling, seed, version
-        self.surplus = math.ceil(prompts_per_step * (dynamic_sampling.oversample_factor - 1.0))
-        self.cap = dynamic_sampling.max_prompts or dynamic_sampling.max_rounds * (prompts_per_step + self.surplus)
+        self.cap = dynamic_sampling.max_prompts or dynamic_sampling.max_rounds * prompts_per_step
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.since_take = dict.fromkeys(COUNTERS, 0)
         self.next_serial = 0
@@ -165,7 +163,7 @@ class AsyncRollout:
                     raise DynamicSamplingError(
                         f"asynchronous rollouts dropped {dropped} groups (tied or invalid) while the trainer waited "
                         f"for {self.batch}, more than the cap {self.cap} (rollout.dynamic_sampling.max_prompts, else "
-                        "max_rounds x prompts_per_step x oversample_factor); set rollout.dynamic_sampling.on_cap=partial "
+                        "max_rounds x prompts_per_step); set rollout.dynamic_sampling.on_cap=partial "
                         "to train on fewer groups, or use data of a difficulty that splits the groups"
                     )
                 self._condition.wait(timeout=1.0)
@@ -221,7 +219,7 @@ class AsyncRollout:
 
     def _room(self) -> int:
         """Groups that may be admitted now (module docstring)."""
-        allowed = (self.version + self.max_staleness + 1) * self.batch + self.surplus
+        allowed = (self.version + self.max_staleness + 1) * self.batch
         return allowed - self.counts["taken"] - len(self.in_flight) - len(self.ready)
 
     def _produce(self) -> None:

@@ -46,7 +46,7 @@ def _producer(engine, dataset, on_stale="drop", max_staleness=1, version=0):
         prompts_per_step=B,
         max_staleness=max_staleness,
         on_stale=on_stale,
-        dynamic_sampling=DynamicSamplingConfig(oversample_factor=1.5),
+        dynamic_sampling=DynamicSamplingConfig(),
         seed=3,
         version=version,
     )
@@ -67,9 +67,9 @@ def _run(rollout, engine, weights, steps, trained, check):
                 assert all(step - v <= rollout.max_staleness for v in completion.token_versions), completion
         check(taken.metrics, rollout)
         # admission: a group admitted at version v may be trained up to step v + k, so taken + outstanding
-        # never exceeds (v + k + 1) x B plus dynamic sampling's surplus (ceil(B x 0.5) = 2)
+        # never exceeds (v + k + 1) x B
         outstanding = taken.metrics["async/groups_in_flight"] + taken.metrics["async/groups_ready"]
-        assert taken.metrics["async/taken_total"] + outstanding <= (step + rollout.max_staleness + 1) * B + 2
+        assert taken.metrics["async/taken_total"] + outstanding <= (step + rollout.max_staleness + 1) * B
         trained.extend(record.uid for record in taken.records)
         _push(engine, rollout, weights[(step + 1) % 2], step + 1)
 
