@@ -5,8 +5,10 @@ out step by step, half answered at once) through ``zcpo demo --compare`` with th
 ``zcpo-overlap`` and ``zcpo-async`` (the same seeds, warmed-up model, held-out set and budget), one
 run at a time (``--jobs 1``) so no run shares the CPU with another. Per arm, over seeds:
 
-- wall time per trained token: the seconds of the steps (``time/step``; evaluations excluded)
-  over the response tokens trained (``rollout/samples`` x ``rollout/response_length_mean`` per step);
+- wall time per trained token: the seconds of the steps (``time/step``) over the response tokens they
+  trained (``rollout/samples`` x ``rollout/response_length_mean``), leaving out the first two steps and
+  the two after each evaluation: an asynchronous producer keeps generating while the run evaluates
+  (at most k + 1 steps' worth), which would flatter the steps that follow;
 - held-out avg@4 at equal trained tokens: every run's evaluations (every ``--eval-every`` steps)
   placed at the response tokens trained before them, read by linear interpolation at the largest
   token count every run of every arm reached;
@@ -50,17 +52,21 @@ def run_numbers(run_dir: Path) -> dict:
 
     steps = [r for r in read_metrics(run_dir) if "rollout/reward_mean" in r]
     tokens = trained_tokens_by_step(run_dir)
-    evaluations = []
+    evaluations, evaluated = [], set()
     for file in sorted(run_dir.glob("eval/step_*.json")):
         accuracy = list(per_problem_accuracy(json.loads(file.read_text())).values())
+        evaluated.add(int(file.stem.split("_")[1]))
         evaluations.append((tokens[int(file.stem.split("_")[1])], sum(accuracy) / len(accuracy)))
+    # the steps timed: not the two after an evaluation (step 0's included), whose data the producer banked
+    timed = [r for r in steps if not {int(r["step"]) - 1, int(r["step"]) - 2} & evaluated]
 
     def mean(key: str) -> float:
         values = [r[key] for r in steps if key in r]
         return sum(values) / len(values) if values else math.nan
 
     return {
-        "seconds": sum(r["time/step"] for r in steps),
+        "seconds": sum(r["time/step"] for r in timed),
+        "timed_tokens": sum(r["rollout/samples"] * r["rollout/response_length_mean"] for r in timed),
         "tokens": tokens[max(tokens)],
         "evaluations": evaluations,
         "staleness_mean": mean("rollout/staleness_mean"),
@@ -95,7 +101,7 @@ def table(out: Path) -> str:
     ]
     sync_ms = None
     for arm, numbers in runs.items():
-        ms, ms_se = mean_and_se([1e3 * r["seconds"] / r["tokens"] for r in numbers])
+        ms, ms_se = mean_and_se([1e3 * r["seconds"] / r["timed_tokens"] for r in numbers])
         sync_ms = sync_ms or ms
         at, at_se = mean_and_se([accuracy_at(r["evaluations"], budget) for r in numbers])
         before = mean_and_se([r["evaluations"][0][1] for r in numbers])
