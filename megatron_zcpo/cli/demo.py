@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import yaml
 
-from megatron_zcpo.cli.demo_arms import DEFAULT_ARMS, Arm, describe_arms, merge, parse_arm, parse_arms
+from megatron_zcpo.cli.demo_arms import DEFAULT_ARMS, LORA_ARM, Arm, describe_arms, merge, parse_arm, parse_arms
 from megatron_zcpo.recipe.demo_assets import DemoSpec
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
@@ -303,6 +303,12 @@ def add_parser(subparsers) -> None:
         default=None,
         help="measure the F1-F7 diagnostics every 10 steps (default: on for the scratchpad task, off for addition)",
     )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help=f"train LoRA adapters on the frozen warmed-up model instead of every weight (the {LORA_ARM} arm; "
+        "with --compare give the arms instead)",
+    )
     parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=0, help="training steps (default: the demo config's)")
     parser.set_defaults(func=run)
@@ -364,7 +370,9 @@ def run(args: argparse.Namespace) -> int:
     args = _settings(args)
     if not args.compare and args.arms is not None:
         raise ConfigError("--arms chooses the arms of a comparison: give it with --compare")
-    arms = parse_arms(args.arms or DEFAULT_ARMS) if args.compare else [parse_arm("zcpo")]
+    if args.compare and args.lora:
+        raise ConfigError(f"--lora with --compare: name the LoRA arm in --arms (e.g. --arms zcpo,{LORA_ARM})")
+    arms = parse_arms(args.arms or DEFAULT_ARMS) if args.compare else [parse_arm(LORA_ARM if args.lora else "zcpo")]
     seeds = list(range(args.seed, args.seed + args.seeds))
     # Every config checked before the warm-up is built (an existing folder stands in for the assets).
     demo_jobs(args, DEMO_CONFIG.parent, arms, seeds)
@@ -448,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
         written = out / "sweep.md"
     else:
         summary = summaries[jobs[0].name]
-        print_run_summary("zcpo", args.seed, summary, console)
+        print_run_summary(arms[0].label, args.seed, summary, console)
         (out / "summary.json").write_text(json.dumps({"seed": args.seed, "task": args.task, **summary}, indent=2))
         written = out / "summary.json"
     console.print(

@@ -43,6 +43,15 @@ ARMS: Dict[str, Tuple[dict, str]] = {
         "ZCPO without length normalisation of the drift",
     ),
     "zcpo-no-gate": ({"algorithm": {"name": "zcpo", "gate": False}}, "ZCPO without the tied-group gate"),
+    "zcpo-lora": (
+        {
+            "algorithm": {"name": "zcpo"},
+            "model": {"lora": {"rank": 16, "alpha": 32.0}},
+            "train": {"optimizer": {"lr": 2.0e-3}},
+        },
+        "ZCPO training LoRA adapters (rank 16, alpha 32, lr 2e-3) on the frozen warmed-up model; its reference "
+        "is the base with the adapters off (no second model)",
+    ),
     # The rollout modes (README, "On-policy (default), overlapped or asynchronous rollouts").
     "zcpo-overlap": (
         {"algorithm": {"name": "zcpo"}, "rollout": {"mode": "overlap"}},
@@ -53,6 +62,7 @@ ARMS: Dict[str, Tuple[dict, str]] = {
         "ZCPO with asynchronous rollouts (max_staleness 1, responses continued across pushes)",
     ),
 }
+LORA_ARM = "zcpo-lora"  # what `zcpo demo --lora` runs
 DEFAULT_ARMS = "dapo,dapo-k3,zcpo"
 # Keys the demo sets for every run itself: an arm that moved them would not be the demo's run.
 DEMO_OWNED = ("model.path", "data.train_files", "eval.data", "logging.run_dir", "checkpoint.resume")

@@ -23,6 +23,8 @@ def load_plan_config(path: str, overrides=()) -> RunConfig:
     config = from_dict(RunConfig, read_rollout_mode(apply_overrides(load_yaml(path), overrides)))
     for section in PLANNED_SECTIONS:
         validate_tree(getattr(config, section), section)
+    if config.model.lora is not None:  # model.lora changes what is planned; the model's paths need not exist
+        validate_tree(config.model.lora, "model.lora")
     return config
 
 
@@ -100,7 +102,17 @@ def add_parser(subparsers) -> None:
         "up to 40B parameters and 8 above)",
     )
     timing.add_argument(
-        "--mfu", type=float, default=None, help="model FLOPs utilisation of training (default: the calibrated 0.35)"
+        "--rollout-dp-attention",
+        type=int,
+        default=None,
+        help="DP-attention groups per SGLang server (--dp-size with --enable-dp-attention; default: "
+        "rollout.sglang.launch.dp_attention when the config launches the servers, else 1)",
+    )
+    timing.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="model FLOPs utilisation of training (default: the calibrated 0.35, 0.22 for mixture-of-experts models)",
     )
     parser.add_argument(
         "--expert-imbalance",
@@ -127,19 +139,32 @@ def rollout_server_of(config: RunConfig, model, rollout_tp: Optional[int] = None
     """(GPUs per SGLang server, its mem_fraction_static): ``rollout_tp`` when given, else the
     config's ``rollout.sglang.launch`` values when it launches the servers, else 4 GPUs up to
     :data:`SMALL_SERVER_MAX_PARAMETERS` and 8 above (at most the largest power of two of the
-    ``rollout_gpus`` there are, when known), with the launcher's default memory fraction."""
+    ``rollout_gpus`` there are, when known), or more where the bf16 weights need them (servers
+    spanning nodes: :func:`~megatron_zcpo.planning.decode_rate.smallest_server_tp`), with the
+    launcher's default memory fraction."""
+    from megatron_zcpo.planning.decode_rate import smallest_server_tp
     from megatron_zcpo.rollout.sglang.server import SGLangServerConfig
 
     launch = config.rollout.sglang.launch
+    mem_fraction = (launch or {}).get("mem_fraction_static", SGLangServerConfig.mem_fraction_static)
     if rollout_tp is None and launch is not None:
         rollout_tp = launch.get("tp_size", SGLangServerConfig.tp_size)
     elif rollout_tp is None:
         rollout_tp = 4 if model.num_parameters <= SMALL_SERVER_MAX_PARAMETERS else 8
         if rollout_gpus > 0:  # a guess: a server that fits the GPUs there are (a tiny model on 2 GPUs)
             rollout_tp = min(rollout_tp, 1 << (rollout_gpus.bit_length() - 1))
+        rollout_tp = smallest_server_tp(model, mem_fraction, at_least=rollout_tp)
     if rollout_tp < 1:
         raise ValueError(f"--rollout-tp must be at least 1, got {rollout_tp}")
-    return rollout_tp, (launch or {}).get("mem_fraction_static", SGLangServerConfig.mem_fraction_static)
+    return rollout_tp, mem_fraction
+
+
+def rollout_dp_attention_of(args, config: RunConfig) -> int:
+    """The SGLang servers' DP-attention groups: ``--rollout-dp-attention``, else the config's
+    ``rollout.sglang.launch.dp_attention``, else 1 (plain tensor parallelism)."""
+    if getattr(args, "rollout_dp_attention", None) is not None:
+        return args.rollout_dp_attention
+    return int((config.rollout.sglang.launch or {}).get("dp_attention", 1))
 
 
 def decode_rate_of(args, config: RunConfig, model, load, hardware, rollout_gpus: int):
@@ -160,6 +185,7 @@ def decode_rate_of(args, config: RunConfig, model, load, hardware, rollout_gpus:
         mem_fraction=mem_fraction,
         gpu_memory_bytes=hardware.gpu_memory_gib * 2**30,
         max_batch=in_flight_per_server(config, max(1, rollout_gpus // rollout_tp)),
+        dp_attention=rollout_dp_attention_of(args, config),
     )
     return rate, (
         f"modelled for TP{rollout_tp} servers (mem_fraction_static {mem_fraction}) from SGLang's "
@@ -170,7 +196,7 @@ def decode_rate_of(args, config: RunConfig, model, load, hardware, rollout_gpus:
 def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
     """(StepTime, decode tokens/s per GPU, its source) of the config's placement and mode; a
     colocated GPU offloads its parameters, gradients, optimizer state and reference."""
-    from megatron_zcpo.planning.step_time import TRAINING_MFU, Cluster, predict_step_time
+    from megatron_zcpo.planning.step_time import Cluster, predict_step_time
     from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
 
     layout = plan.layout
@@ -182,14 +208,21 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
         train_gpus=gpus,
         rollout_gpus=args.rollout_gpus or gpus,
         decode_tokens_per_s_per_gpu=args.decode_tokens_per_s,
-        mfu=args.mfu or TRAINING_MFU,
+        mfu=args.mfu,
         placement=config.rollout.placement,
         rollout_tp=rollout_tp,
         mem_fraction=mem_fraction,
         gpu_memory_bytes=hardware.gpu_memory_gib * 2**30,
         max_in_flight=config.rollout.sglang.client.get("max_concurrency", SGLangEngineConfig.max_concurrency),
+        rollout_dp_attention=rollout_dp_attention_of(args, config),
     )
     offloaded = ("parameters", "gradients", "optimizer_states", "reference_model")
+    lora = config.model.lora
+    adapter_bytes = None
+    if lora is not None and lora.push == "adapter":  # the adapter alone, bf16
+        from megatron_zcpo.planning.lora_costs import lora_parameters
+
+        adapter_bytes = 2 * lora_parameters(model, lora.rank, lora.targets)
     timing = predict_step_time(
         model,
         load,
@@ -201,6 +234,8 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
         max_staleness=max(1, config.rollout.max_staleness),
         expert_imbalance=plan.workload.expert_imbalance,
         offloaded_bytes_per_gpu=sum(plan.components[key] for key in offloaded) if colocated else 0.0,
+        frozen_base=lora is not None,
+        adapter_push_bytes=adapter_bytes,
     )
     return timing, rate, source
 
@@ -230,6 +265,7 @@ def timeout_checks_of(args, config: RunConfig, model, gpus: int, hardware):
         mem_fraction=mem_fraction,
         decode_tokens_per_s_per_gpu=args.decode_tokens_per_s,
         gpu_memory_bytes=hardware.gpu_memory_gib * 2**30,
+        dp_attention=rollout_dp_attention_of(args, config),
     )
     return timeout_checks(config, model, servers)
 
@@ -334,6 +370,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if data_parallel and data_parallel > 1:
         print(f"(no --gpus: planned on {gpus} GPUs, the fewest on which this layout fits: DP{data_parallel})")
+    if config.model.lora is not None:
+        from megatron_zcpo.planning.lora_costs import lora_parameters
+
+        lora = config.model.lora
+        print(
+            f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {count(lora_parameters(model, lora.rank, lora.targets))} "
+            f"adapter parameters trained, the base frozen (no gradients or optimizer state), no reference weights "
+            f"(the base with the adapters off); push: {lora.push}"
+        )
     print(render_plan(plan))
     if colocated is not None:
         print(

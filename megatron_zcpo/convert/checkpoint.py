@@ -17,6 +17,7 @@ parameter's pieces are loaded at a time. Memory stays at a few tensors for any m
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -24,11 +25,15 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from megatron_zcpo.checkpoint.io import read_model_config, write_model_config
-from megatron_zcpo.convert import hf_checkpoint, mapping
+from megatron_zcpo.convert import deepseek, fp8, hf_checkpoint, mapping
 from megatron_zcpo.convert.output_dir import atomic_output_dir
 from megatron_zcpo.megatron.model import ModelConfig, pipeline_stage_layers
 
 HF_FILES_DIR = "hf"
+# DeepSeek-V3's multi-token-prediction layers, when kept: carried in hf/ as these shards (Hugging
+# Face names, bf16), not part of the Megatron model, written back after its tensors.
+MTP_FILE_PREFIX = "mtp"
+MTP_CHOICES = ("drop", "keep")
 
 
 # ----------------------------------------------------------------------------- the TP=1 layout
@@ -60,8 +65,9 @@ def _require_single_process() -> None:
         )
 
 
-def _tp1_layout(model: ModelConfig):
-    """megatron-core's TP=1/PP=1 sharded state dict of ``model``, as data-less templates.
+def _tp1_layout(model: ModelConfig, lora=None):
+    """megatron-core's TP=1/PP=1 sharded state dict of ``model``, as data-less templates (with
+    ``lora``, a LoraConfig: of its adapters alone, as a LoRA training checkpoint stores them).
 
     Returns ``(sharded_state_dict, pieces)``: the nested dict (factories applied, vocabulary
     tensors cut to the true vocabulary) and one :class:`_StoredPiece` per ShardedTensor in it,
@@ -70,24 +76,29 @@ def _tp1_layout(model: ModelConfig):
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+    from megatron_zcpo.megatron.lora import apply_lora, is_adapter_name
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
     from megatron_zcpo.megatron.weights import VOCAB_TENSORS, named_global_parameters
 
     _require_single_process()
     with torch.device("meta"):
         gpt = build_gpt_model(model, transformer_config(model, use_cpu_initialization=True), use_te=False)
+    if lora is not None:
+        apply_lora(gpt, lora, seed=0)  # meta adapters: only their shapes and keys are read
     parameters = {}
-    for name, param in named_global_parameters(gpt):
+    for name, param in named_global_parameters(gpt, adapters=lora is not None):
         parameters[id(param)] = name
         shape = tuple(param.shape)
         if name in VOCAB_TENSORS:
             shape = (model.vocab_size,) + shape[1:]
-        if shape != mapping.megatron_tensor_shape(name, model):
+        if lora is None and shape != mapping.megatron_tensor_shape(name, model):
             raise RuntimeError(
                 f"megatron-core parameter {name!r} has shape {shape}, the mapping expects "
                 f"{mapping.megatron_tensor_shape(name, model)}: convert/mapping.py is out of date"
             )
     sharded = gpt.sharded_state_dict()
+    if lora is not None:
+        sharded = {key: value for key, value in sharded.items() if is_adapter_name(key)}
     apply_factories(sharded)
     pieces: Dict[Tuple[str, Tuple[int, ...]], _StoredPiece] = {}
 
@@ -216,13 +227,14 @@ def save_streaming_checkpoint(
 
 
 def read_checkpoint_tensors(
-    ckpt_dir: str | os.PathLike, model: Optional[ModelConfig] = None
+    ckpt_dir: str | os.PathLike, model: Optional[ModelConfig] = None, lora=None
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Global Megatron tensors of a torch_dist checkpoint, one at a time, in model order.
 
     Works for any checkpoint of this model's parameters under megatron-core's sharded keys,
     whatever TP/PP saved it (padded vocabularies are cut to ``model.vocab_size``). ``model``
-    defaults to :func:`read_model_config`. Yields ``(name, tensor)`` in the stored dtype.
+    defaults to :func:`read_model_config`; with ``lora`` (a LoraConfig) the LoRA adapters of a
+    LoRA training checkpoint instead. Yields ``(name, tensor)`` in the stored dtype.
     Raises ``KeyError`` naming a tensor the checkpoint lacks. Needs :func:`setup_megatron` in
     a single process.
     """
@@ -230,7 +242,7 @@ def read_checkpoint_tensors(
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
     model = model or read_model_config(ckpt_dir)
-    _, pieces = _tp1_layout(model)
+    _, pieces = _tp1_layout(model, lora)
     stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
     by_parameter: Dict[str, List[_StoredPiece]] = {}
     for piece in pieces.values():
@@ -238,9 +250,11 @@ def read_checkpoint_tensors(
             raise KeyError(f"checkpoint {ckpt_dir} has no tensor {piece.template.key!r} (Megatron {piece.parameter!r})")
         by_parameter.setdefault(piece.parameter, []).append(piece)
     strategy = TorchDistLoadShardedStrategy()
-    for name in mapping.megatron_tensor_names(model):
+    names = list(by_parameter) if lora is not None else mapping.megatron_tensor_names(model)
+    for name in names:
         parts = by_parameter[name]
-        full = torch.empty(mapping.megatron_tensor_shape(name, model), dtype=stored[parts[0].template.key].dtype)
+        shape = _global_shape(parts) if lora is not None else mapping.megatron_tensor_shape(name, model)
+        full = torch.empty(shape, dtype=stored[parts[0].template.key].dtype)
         targets = [_single_piece_target(piece, full) for piece in parts]
         loaded = dist_checkpointing.load(
             {i: request for i, (request, _) in enumerate(targets)},
@@ -251,6 +265,13 @@ def read_checkpoint_tensors(
         for i, (_, target) in enumerate(targets):
             target.copy_(loaded[i])  # a no-op when megatron loaded in place, as it does
         yield name, full
+
+
+def _global_shape(parts: List[_StoredPiece]) -> Tuple[int, ...]:
+    """The shape of the global parameter ``parts`` tile (an adapter's: [r, in] or [out, r], fc1's B
+    in two halves along its rows)."""
+    rows = sum(part.size[0] for part in parts)
+    return (rows,) + tuple(parts[0].size[1:])
 
 
 def _single_piece_target(piece: _StoredPiece, full: torch.Tensor):
@@ -340,22 +361,42 @@ def model_config_at(path: str | os.PathLike) -> ModelConfig:
     return mapping.model_config_from_hf(hf_checkpoint.read_hf_config(path))
 
 
+def _mtp_names(source, hf_config: dict, mtp: Optional[str], hf_dir) -> List[str]:
+    """The multi-token-prediction tensors of ``source`` (DeepSeek-V3's ``model.layers.{L + j}.*``);
+    ``ValueError`` when it has some and ``mtp`` does not say whether to drop or keep them."""
+    if mtp is not None and mtp not in MTP_CHOICES:
+        raise ValueError(f"mtp={mtp!r}: choose one of {MTP_CHOICES}")
+    names = [name for name in source.names() if deepseek.mtp_layer_of(name, hf_config) is not None]
+    if names and mtp is None:
+        layers = hf_config.get(deepseek.MTP_LAYERS)
+        raise ValueError(
+            f"{hf_dir} has {layers} multi-token-prediction layer(s) (config.json {deepseek.MTP_LAYERS}={layers}: "
+            f"{names[0]}, ...), which the policy does not use: pass --mtp drop (the converted model and its way "
+            f"back have none) or --mtp keep (carried through unchanged, not trained: SGLang's speculative decoding)"
+        )
+    return names
+
+
 def convert_hf_to_megatron(
-    hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, overwrite: bool = False
+    hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, overwrite: bool = False, mtp: Optional[str] = None
 ) -> ModelConfig:
     """Convert a Hugging Face model directory into a Megatron checkpoint loadable at any TP/PP.
 
-    Reads config.json and the safetensors shards one tensor at a time, checks every name and
-    shape first (meta tensors, no data read, nothing written yet), then writes ``ckpt_dir`` (see
-    the module docstring) whole or not at all (:func:`~megatron_zcpo.convert.output_dir.atomic_output_dir`:
-    a non-empty ``ckpt_dir`` is refused unless ``overwrite``). Raises naming the offending tensor:
-    ``KeyError`` when one is missing, ``ValueError`` on a shape mismatch or a tensor the mapping does
-    not know. Returns the model config. Writing needs :func:`setup_megatron` in a single process.
+    Reads config.json and the safetensors shards one tensor at a time (blockwise-FP8 weights
+    dequantised to bf16, :mod:`megatron_zcpo.convert.fp8`), checks every name and shape first (meta
+    tensors, no data read, nothing written yet), then writes ``ckpt_dir`` (see the module docstring)
+    whole or not at all (:func:`~megatron_zcpo.convert.output_dir.atomic_output_dir`: a non-empty
+    ``ckpt_dir`` is refused unless ``overwrite``). DeepSeek-V3's multi-token-prediction layers must be
+    dropped or kept (``mtp`` "drop" / "keep", :func:`_mtp_names`); kept ones go to ``hf/`` unchanged
+    (:data:`MTP_FILE_PREFIX`). Raises naming the offending tensor: ``KeyError`` when one is missing,
+    ``ValueError`` on a shape mismatch or a tensor the mapping does not know. Returns the model
+    config. Writing needs :func:`setup_megatron` in a single process.
     """
     hf_config = hf_checkpoint.read_hf_config(hf_dir)
     model = mapping.model_config_from_hf(hf_config)
-    with hf_checkpoint.SafetensorsCheckpoint(hf_dir) as source:
-        known = set(mapping.hf_tensor_names(model))
+    with fp8.open_hf_weights(hf_dir, hf_config) as source:
+        mtp_names = _mtp_names(source, hf_config, mtp, hf_dir)
+        known = set(mapping.hf_tensor_names(model)) | set(mtp_names)
         unknown = [
             name for name in source.names() if name not in known and not mapping.is_ignored_hf_tensor(name, model)
         ]
@@ -369,6 +410,9 @@ def convert_hf_to_megatron(
             name: mapping.hf_to_megatron_tensor(name, source.meta, model)
             for name in mapping.megatron_tensor_names(model)
         }
+        files_config = fp8.dequantized_config(hf_config)
+        if mtp_names and mtp == "drop":
+            files_config[deepseek.MTP_LAYERS] = 0
         with atomic_output_dir(ckpt_dir, overwrite=overwrite, source=hf_dir) as out:
             save_streaming_checkpoint(
                 out,
@@ -376,9 +420,29 @@ def convert_hf_to_megatron(
                 global_tensor=lambda name: mapping.hf_to_megatron_tensor(name, source.tensor, model),
                 describe_tensor=planned.__getitem__,
             )
-            hf_checkpoint.write_hf_config(out / HF_FILES_DIR, hf_config)
+            hf_checkpoint.write_hf_config(out / HF_FILES_DIR, files_config)
             hf_checkpoint.copy_hf_assets(hf_dir, out / HF_FILES_DIR)
+            if mtp_names and mtp == "keep":
+                hf_checkpoint.write_safetensors_shards(
+                    out / HF_FILES_DIR,
+                    ((name, source.tensor(name)) for name in mtp_names),
+                    file_prefix=MTP_FILE_PREFIX,
+                    write_index=False,
+                )
     return model
+
+
+def kept_mtp_tensors(hf_files: Optional[Path]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The multi-token-prediction tensors a conversion kept in ``hf_files`` (none when it has none),
+    one at a time."""
+    from safetensors import safe_open
+
+    if hf_files is None:
+        return
+    for path in sorted(hf_files.glob(f"{MTP_FILE_PREFIX}-*.safetensors")):
+        with safe_open(str(path), framework="pt") as shard:
+            for name in shard.keys():  # noqa: SIM118 -- safe_open is not iterable
+                yield name, shard.get_tensor(name)
 
 
 def _set_dtype_field(config: dict, dtype: torch.dtype) -> None:
@@ -407,7 +471,9 @@ def convert_megatron_to_hf(
     (default :func:`hf_files_of`: the converted checkpoint's ``hf/`` or the training run's model).
     ``out_dir`` is written whole or not at all (:func:`~megatron_zcpo.convert.output_dir.atomic_output_dir`:
     a non-empty one is refused unless ``overwrite``). ``model`` defaults to the checkpoint's
-    ``model_config.json``. Needs :func:`setup_megatron` in a single process.
+    ``model_config.json``. Multi-token-prediction layers kept by the conversion (``hf_files``'
+    :data:`MTP_FILE_PREFIX` shards) are written after the model's tensors, unchanged. Needs
+    :func:`setup_megatron` in a single process.
     """
     ckpt_dir = require_megatron_checkpoint(ckpt_dir)
     model = model or read_model_config(ckpt_dir)
@@ -422,9 +488,10 @@ def convert_megatron_to_hf(
             yield name, tensor
 
     with atomic_output_dir(out_dir, overwrite=overwrite, source=ckpt_dir) as out:
-        hf_checkpoint.write_safetensors_shards(
-            out, mapping.megatron_to_hf_stream(stored_tensors(), model, dtype), max_shard_bytes
+        stream = itertools.chain(
+            mapping.megatron_to_hf_stream(stored_tensors(), model, dtype), kept_mtp_tensors(hf_files)
         )
+        hf_checkpoint.write_safetensors_shards(out, stream, max_shard_bytes)
         config = mapping.hf_config_from_model_config(model, base)
         written = {dtype} if dtype is not None else stored_dtypes
         if len(written) == 1:

@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron tensor names, layouts and model configs (Qwen2/Qwen2.5, Qwen3, Llama, Qwen2/3-MoE).
+"""Hugging Face <-> Megatron tensor names, layouts and model configs (Qwen2/Qwen2.5, Qwen3, Llama, Qwen2/3-MoE,
+DeepSeek-V3: its own tables in :mod:`megatron_zcpo.convert.deepseek`).
 
 Megatron tensors here are *global* ones, as :mod:`megatron_zcpo.megatron.weights` defines them:
 local-spec names with global layer indices, TP=1 shapes, and the true (unpadded) vocabulary.
@@ -25,7 +26,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_zcpo.megatron.model import ModelConfig
+from megatron_zcpo.convert import deepseek
+from megatron_zcpo.megatron.model import MOE_FAMILIES, ModelConfig
 from megatron_zcpo.megatron.weights import EMBEDDING, TIED_OUTPUT
 
 OUTPUT_LAYER = TIED_OUTPUT  # "output_layer.weight": the untied output layer has the same name
@@ -45,6 +47,7 @@ class HFFamily:
     # 128 in transformers, not hidden/heads, so it must be stated)
     required: Tuple[str, ...] = ()
     shared_expert: bool = False  # Qwen2-MoE's sigmoid-gated shared expert
+    aliases: Tuple[str, ...] = ()  # other config.json model_types of the same architecture
 
 
 # config.json fields of a mixture-of-experts family (the expert count is "num_experts" on the hub and
@@ -73,6 +76,14 @@ FAMILIES: Dict[str, HFFamily] = {
             qkv_bias=True,
             required=_MOE_REQUIRED + ("shared_expert_intermediate_size",),
             shared_expert=True,
+        ),
+        HFFamily(
+            "deepseek_v3",
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            qkv_bias=False,
+            required=deepseek.REQUIRED,
+            aliases=deepseek.MODEL_TYPES[1:],
         ),
     )
 }
@@ -145,7 +156,7 @@ IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 def _family_of(config: dict) -> HFFamily:
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
-    supported = {f.model_type: f for f in FAMILIES.values()}
+    supported = {model_type: f for f in FAMILIES.values() for model_type in (f.model_type, *f.aliases)}
     if model_type is None:
         raise KeyError(
             f"config.json has no 'model_type' (architectures={architectures}); supported: {sorted(supported)}"
@@ -181,6 +192,8 @@ def _rope_from_hf(config: dict) -> Tuple[float, Optional[dict]]:
 
 
 def _check_supported_features(config: dict, family: HFFamily) -> None:
+    if family.family == "deepseek_v3":
+        deepseek.check_features(config)
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act={config['hidden_act']!r}: only SwiGLU (silu) MLPs convert")
     if config.get("mlp_bias"):
@@ -191,10 +204,10 @@ def _check_supported_features(config: dict, family: HFFamily) -> None:
             f"config.json attention_bias=True: {family.architecture} then has a bias on o_proj, which is not supported"
         )
     experts = [key for key in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(key)]
-    if experts and not family.family.endswith("_moe"):
+    if experts and family.family not in MOE_FAMILIES:
         raise ValueError(
             f"config.json {experts[0]}={config[experts[0]]}: mixture-of-experts fields in a dense "
-            f"{family.model_type} config (mixture-of-experts models convert as qwen3_moe / qwen2_moe)"
+            f"{family.model_type} config (mixture-of-experts models convert as {' / '.join(MOE_FAMILIES)})"
         )
     if family.qkv_bias is True and config.get("qkv_bias", True) is False:
         raise ValueError(f"config.json qkv_bias=False: {family.architecture} is converted with its q/k/v biases")
@@ -219,7 +232,12 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     _check_supported_features(config, family)
     theta, scaling = _rope_from_hf(config)
     heads = int(config["num_attention_heads"])
-    experts = _moe_fields_from_hf(config, family)
+    fields = dict(
+        head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
+        **_moe_fields_from_hf(config, family),
+    )
+    if family.family == "deepseek_v3":  # its head_dim (transformers writes the rope channels) is derived
+        fields.update(deepseek.fields_from_hf(config))
     model = ModelConfig(
         family=family.family,
         vocab_size=int(config["vocab_size"]),
@@ -228,7 +246,6 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         num_layers=int(config["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
         max_position_embeddings=int(config["max_position_embeddings"]),
         rope_theta=theta,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -237,7 +254,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         qk_layernorm=family.qk_layernorm,
         rope_scaling=scaling,
         init_method_std=float(config.get("initializer_range", 0.02)),
-        **experts,
+        **fields,
     )
     model.validate(prefix="config.json")
     return model
@@ -251,7 +268,7 @@ def _num_experts(config: dict) -> Optional[int]:
 
 def _moe_fields_from_hf(config: dict, family: HFFamily) -> dict:
     """The :class:`ModelConfig` mixture-of-experts fields of a config.json ({} for a dense family)."""
-    if not family.family.endswith("_moe"):
+    if family.family not in ("qwen2_moe", "qwen3_moe"):  # DeepSeek's: deepseek.fields_from_hf
         return {}
     if not _num_experts(config):
         raise KeyError(f"config.json ({family.model_type}) lacks required field 'num_experts' (or 'num_local_experts')")
@@ -275,7 +292,7 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
     ``ValueError`` when ``base`` belongs to another family or the model cannot be expressed.
     """
     family = FAMILIES[model.family]
-    if base is not None and base.get("model_type", family.model_type) != family.model_type:
+    if base is not None and base.get("model_type", family.model_type) not in (family.model_type, *family.aliases):
         raise ValueError(
             f"base config model_type={base.get('model_type')!r} does not match "
             f"family {model.family!r} ({family.model_type})"
@@ -297,7 +314,9 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
         tie_word_embeddings=model.tie_word_embeddings,
         initializer_range=model.init_method_std,
     )
-    if (
+    if model.family == "deepseek_v3":  # head_dim derived (deepseek.fields_from_hf), base's kept
+        config.update(deepseek.fields_to_hf(model, present=set(config)))
+    elif (
         "head_dim" in config
         or "head_dim" in family.required
         or model.head_dim != model.hidden_size // model.num_attention_heads
@@ -314,7 +333,7 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
             f"model.qk_layernorm={model.qk_layernorm}: {family.architecture} always has "
             f"qk_layernorm={family.qk_layernorm}"
         )
-    if model.is_moe:
+    if model.is_moe and model.family != "deepseek_v3":
         expert_key = (
             "num_local_experts" if "num_local_experts" in config and "num_experts" not in config else "num_experts"
         )
@@ -344,12 +363,15 @@ def hf_config_from_model_config(model: ModelConfig, base: Optional[dict] = None)
 def _layer_tensors(layer: int, model: ModelConfig) -> Dict[str, Tuple[Tuple[str, ...], str]]:
     """Megatron suffix -> (Hugging Face suffixes, layout) of every tensor layer ``layer`` of ``model`` has,
     in model order (biases and q/k norms only where the model has them; a dense MLP or the experts)."""
-    tensors = {
-        suffix: spec
-        for suffix, spec in _LAYER_TENSORS.items()
-        if not (suffix.endswith(".bias") and not model.qkv_bias)
-        and not (suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not model.qk_layernorm)
-    }
+    if model.is_mla:
+        tensors = deepseek.attention_tensors(model)
+    else:
+        tensors = {
+            suffix: spec
+            for suffix, spec in _LAYER_TENSORS.items()
+            if not (suffix.endswith(".bias") and not model.qkv_bias)
+            and not (suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not model.qk_layernorm)
+        }
     if not model.moe_layer_pattern[layer]:
         tensors.update(_DENSE_MLP_TENSORS)
         return tensors
@@ -357,7 +379,9 @@ def _layer_tensors(layer: int, model: ModelConfig) -> Dict[str, Tuple[Tuple[str,
     for expert in range(model.num_experts):
         for suffix, (hf_suffixes, layout) in _EXPERT_TENSORS.items():
             tensors[suffix.format(e=expert)] = (tuple(hf.format(e=expert) for hf in hf_suffixes), layout)
-    if model.shared_expert_intermediate_size:
+    if model.family == "deepseek_v3":
+        tensors.update(deepseek.moe_extra_tensors(model))
+    elif model.shared_expert_intermediate_size:
         tensors.update(_SHARED_EXPERT_TENSORS)
     return tensors
 
@@ -404,6 +428,12 @@ def _hf_names_and_layout(name: str, model: ModelConfig) -> Tuple[Tuple[str, ...]
     )
 
 
+def hf_names_of(name: str, model: ModelConfig) -> Tuple[str, ...]:
+    """The Hugging Face tensors the global Megatron tensor ``name`` holds (fused ones: several; a
+    tied output layer: none); ``KeyError`` for a name ``model`` does not have."""
+    return _hf_names_and_layout(name, model)[0]
+
+
 def hf_tensor_names(model: ModelConfig) -> List[str]:
     """The Hugging Face tensor names a checkpoint of ``model`` holds, in model order."""
     return [hf for name in megatron_tensor_names(model) for hf in _hf_names_and_layout(name, model)[0]]
@@ -437,6 +467,8 @@ def hf_tensor_shape(hf_name: str, model: ModelConfig) -> Tuple[int, ...]:
         if any(suffix in hf for hf, _ in _layer_tensors(layer, model).values()):
             suffix = re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{e}.", suffix)
             fm, fs = model.moe_intermediate_size, model.shared_expert_intermediate_size
+            if model.family == "deepseek_v3" and suffix in deepseek.hf_shapes(model):
+                return deepseek.hf_shapes(model)[suffix]
             return {
                 "input_layernorm.weight": (h,),
                 "post_attention_layernorm.weight": (h,),
@@ -510,8 +542,16 @@ def megatron_to_hf_tensors(name: str, tensor: torch.Tensor, model: ModelConfig) 
     nothing. Raises ``KeyError`` for an unknown name, ``ValueError`` naming the tensor when its
     shape does not fit ``model``.
     """
-    hf_names, layout = _hf_names_and_layout(name, model)
     _check_shape(f"Megatron tensor {name!r}", tensor, megatron_tensor_shape(name, model), model)
+    return split_rows_like(name, tensor, model)
+
+
+def split_rows_like(name: str, tensor: torch.Tensor, model: ModelConfig) -> List[Tuple[str, torch.Tensor]]:
+    """Hugging Face ``(name, piece)`` pairs of ``tensor``, whose rows are laid out as those of the
+    global Megatron tensor ``name`` (any number of columns: the tensor itself, or a LoRA B of its
+    linear): fused q/k/v or gate/up rows split into fresh contiguous pieces, a renamed tensor as
+    given, nothing for a tied output layer."""
+    hf_names, layout = _hf_names_and_layout(name, model)
     if not hf_names:
         return []
     if layout == "copy":

@@ -1,5 +1,5 @@
 """Architectures of the models we ship examples for, as their public ``config.json`` fields, so
-``zcpo plan`` can plan a 32B/70B (or 30B/235B mixture-of-experts) run before anything is downloaded."""
+``zcpo plan`` can plan a 32B/70B (or 30B/235B/671B mixture-of-experts) run before anything is downloaded."""
 
 from __future__ import annotations
 
@@ -80,6 +80,53 @@ _LLAMA31 = {
     },
     "attention_bias": False,
     "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3; DeepSeek-R1 has the same architecture): 671B
+# parameters, 37B active; its released weights are blockwise FP8 (megatron_zcpo/convert/fp8.py).
+_DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_act": "silu",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "num_nextn_predict_layers": 1,
+    "attention_bias": False,
     "tie_word_embeddings": False,
     "initializer_range": 0.02,
 }
@@ -188,6 +235,58 @@ HF_CONFIGS: Dict[str, dict] = {
         moe_intermediate_size=1536,
         num_hidden_layers=94,
         num_attention_heads=64,
+    ),
+    "DeepSeek-V3": _DEEPSEEK_V3,
+    # moonshotai/Kimi-K2-Instruct: DeepSeek-V3's architecture at 1.04T parameters (32B active): 384
+    # experts, one dense layer, 64 heads, no expert groups, no multi-token prediction
+    "Kimi-K2": dict(
+        _DEEPSEEK_V3,
+        model_type="kimi_k2",
+        vocab_size=163840,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        n_routed_experts=384,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        max_position_embeddings=131072,
+        rope_theta=50000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        num_nextn_predict_layers=0,
+    ),
+    # moonshotai/Moonlight-16B-A3B: the same architecture small (16B, 3B active; no query latent,
+    # plain RoPE, two shared experts): a first run of the DeepSeek-V3 path on one node
+    "Moonlight-16B-A3B": dict(
+        _DEEPSEEK_V3,
+        vocab_size=163840,
+        hidden_size=2048,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=None,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.446,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        rope_scaling=None,
+        num_nextn_predict_layers=0,
     ),
 }
 

@@ -19,7 +19,9 @@ The layout of a packed micro-batch's attention (length buckets, index tensors) i
 its first attention call and kept on its ``PackedSeqParams``: every layer, the reference's
 forward and later passes over the same micro-batch reuse it.
 
-Without packing and context parallelism the computation is megatron's own ``DotProductAttention``.
+Without packing and context parallelism the computation is megatron's own ``DotProductAttention``,
+except under multi-latent attention (queries and keys wider than values: megatron-core 0.16.1's
+``DotProductAttention`` takes neither ``k_channels`` nor ``v_channels``), where it is one causal SDPA.
 """
 
 from __future__ import annotations
@@ -193,13 +195,28 @@ def packed_attention(query, key, value, plan: _AttentionPlan, scale: float, cp_s
     return torch.cat(outputs).index_select(0, plan.gather)
 
 
+def causal_attention_sbhd(query, key, value, attention_mask, scale: float) -> torch.Tensor:
+    """Causal attention of padded rows: query/key ``[s, b, heads, d_k]``, value ``[s, b, heads, d_v]``;
+    ``attention_mask`` None or megatron's boolean mask (True: masked out) ``[b, 1, s, s]``.
+    Returns ``[s, b, heads * d_v]``."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+    if attention_mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~attention_mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
 class PackedCausalAttention(torch.nn.Module):
     """Causal core attention accepting megatron's THD ``packed_seq_params`` and context parallelism.
 
-    Built by megatron's ``SelfAttention`` from the layer spec (see :func:`megatron_zcpo.megatron.local_spec.local_layer_spec`), with
-    the ``CoreAttentionBuilder`` keywords. Forward: sbhd ``[s, b, heads, d]`` tensors without
-    packing (delegated to megatron's DotProductAttention; context parallelism refused), THD
-    ``[t, heads, d]`` with packing. Returns ``[s, b, heads*d]`` or ``[t, heads*d]``.
+    Built by megatron's ``SelfAttention`` (or ``MLASelfAttention``, which adds ``k_channels`` /
+    ``v_channels``: query/key and value widths) from the layer spec (see
+    :func:`megatron_zcpo.megatron.local_spec.local_layer_spec`), with the ``CoreAttentionBuilder``
+    keywords. Forward: sbhd ``[s, b, heads, d]`` tensors without packing (delegated to megatron's
+    DotProductAttention, or one causal SDPA for multi-latent attention; context parallelism
+    refused), THD ``[t, heads, d]`` with packing. Returns ``[s, b, heads*d_v]`` or ``[t, heads*d_v]``.
     """
 
     def __init__(
@@ -212,6 +229,8 @@ class PackedCausalAttention(torch.nn.Module):
         softmax_scale=None,
         cp_comm_type=None,
         pg_collection=None,
+        k_channels=None,
+        v_channels=None,
     ):
         super().__init__()
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -229,10 +248,12 @@ class PackedCausalAttention(torch.nn.Module):
         tp = pg_collection.tp.size()
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        # The unpacked path is megatron's own module (it asserts context_parallel_size == 1).
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
+        # The unpacked path is megatron's own module (it asserts context_parallel_size == 1), but
+        # for multi-latent attention's wider queries and keys (self.latent: an SDPA of our own).
+        self.latent = k_channels is not None or v_channels is not None
         self.unpacked = None
-        if config.context_parallel_size == 1:
+        if config.context_parallel_size == 1 and not self.latent:
             self.unpacked = DotProductAttention(
                 config,
                 layer_number,
@@ -247,6 +268,10 @@ class PackedCausalAttention(torch.nn.Module):
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
+        if (packed_seq_params is None or packed_seq_params.qkv_format != "thd") and self.latent:
+            if self.cp_group.size() > 1:
+                raise ValueError("context parallelism needs packed (THD) micro-batches on the local layer spec")
+            return causal_attention_sbhd(query, key, value, attention_mask, self.scale)
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             if self.unpacked is None:
                 raise ValueError("context parallelism needs packed (THD) micro-batches on the local layer spec")

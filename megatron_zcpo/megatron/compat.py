@@ -94,7 +94,14 @@ _TRANSFORMER_CONFIG_KEYWORDS = (
     "expert_tensor_parallel_size",
     "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
+    # DeepSeekMoE's router (megatron/deepseek.py: deepseek_router_fields)
+    "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
 )
+_NEW_IN_ISSUE_44 = "not yet read against 0.19.2 (added with DeepSeek-V3 support)"
 _SCHEDULE_KEYWORDS = (
     "forward_step_func",
     "data_iterator",
@@ -105,6 +112,7 @@ _SCHEDULE_KEYWORDS = (
     "forward_only",
 )
 _PS = "megatron.core.parallel_state:"
+_LORA_NOT_READ = "not yet read against 0.19.2 (added with LoRA adapters)"
 
 MEGATRON_INTERNALS: Tuple[MegatronInternal, ...] = (
     # ----- model
@@ -156,6 +164,61 @@ MEGATRON_INTERNALS: Tuple[MegatronInternal, ...] = (
         "megatron/local_spec.py (MoE layers: SequentialMLP experts)",
         keywords=("num_experts", "moe_grouped_gemm"),
         changed_in_0_19="not yet read against 0.19.2 (added with mixture-of-experts support)",
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.transformer_config:MLATransformerConfig",
+        "megatron/deepseek.py (mla_transformer_fields: multi-latent attention, YaRN)",
+        keywords=(
+            "multi_latent_attention",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_head_dim",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
+            "rope_type",
+            "rotary_base",
+            "rotary_scaling_factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+        ),
+        changed_in_0_19=_NEW_IN_ISSUE_44,
+    ),
+    MegatronInternal(
+        "megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
+        "megatron/local_spec.py (MLA layers)",
+        keywords=("multi_latent_attention",),
+        changed_in_0_19=_NEW_IN_ISSUE_44,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.multi_latent_attention:MLASelfAttentionSubmodules",
+        "megatron/local_spec.py (down-projections, latent norms and core attention replaced)",
+        attributes=("linear_q_down_proj", "linear_kv_down_proj", "q_layernorm", "kv_layernorm", "core_attention"),
+        changed_in_0_19=_NEW_IN_ISSUE_44,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.multi_latent_attention:HAVE_TE",
+        "megatron/deepseek.py (declare_transformer_engine_absent_to_mla sets it False without TE)",
+        changed_in_0_19=_NEW_IN_ISSUE_44,
+    ),
+    MegatronInternal(
+        "megatron.core.post_training.modelopt.layers:Linear",
+        "megatron/local_spec.py (MLA down-projections: one duplicated Linear on every TP rank)",
+        changed_in_0_19=_NEW_IN_ISSUE_44,
+    ),
+    MegatronInternal(
+        "megatron.core.distributed.finalize_model_grads:_update_router_expert_bias",
+        "training/trainer.py (finalize_model_grads moves the correction bias when train.moe."
+        "expert_bias_update_rate > 0; the routers' local_tokens_per_expert and expert_bias)",
+        positional=("model", "config"),
+        changed_in_0_19=_NEW_IN_ISSUE_44,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.moe.router:TopKRouter._maintain_float32_expert_bias",
+        "megatron/weights.py (expert_biases_kept_in_float32: the same rule around Float16Module)",
+        changed_in_0_19=_NEW_IN_ISSUE_44,
     ),
     MegatronInternal(
         "megatron.core.transformer.moe.router:TopKRouter",
@@ -331,6 +394,55 @@ MEGATRON_INTERNALS: Tuple[MegatronInternal, ...] = (
         "megatron/pipeline.py, megatron/attention.py",
         positional=("input_", "tensor_parallel_output_grad"),
         keywords=("group",),
+    ),
+    # ----- LoRA adapters (megatron/lora.py)
+    MegatronInternal(
+        "megatron.core.tensor_parallel:set_tensor_model_parallel_attributes",
+        "megatron/lora.py (the adapters' TP split, read by weights.py and the grad-norm's duplicate test)",
+        positional=("tensor", "is_parallel", "dim", "stride"),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
+        "megatron/lora.py (column-parallel adapter, no SP)",
+        positional=("input_",),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.tensor_parallel.mappings:reduce_from_tensor_model_parallel_region",
+        "megatron/lora.py (row-parallel adapter, no SP)",
+        positional=("input_",),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.tensor_parallel.mappings:reduce_scatter_to_sequence_parallel_region",
+        "megatron/lora.py (row-parallel adapter under SP)",
+        positional=("input_",),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.mlp:MLP",
+        "megatron/lora.py (dense MLPs get fc1/fc2 adapters, MoE layers none)",
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.mlp:apply_swiglu_sharded_factory",
+        "megatron/lora.py (fc1's adapter B saved as [gate; up] halves, like fc1's weight)",
+        positional=("original_sh_ten", "sharded_offsets", "singleton_local_shards"),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.utils:make_sharded_tensors_for_checkpoint",
+        "megatron/lora.py (the adapters' sharded state)",
+        positional=("state_dict", "prefix", "tensor_parallel_layers_axis_map", "sharded_offsets"),
+        keywords=("tp_group", "dp_cp_group"),
+        changed_in_0_19=_LORA_NOT_READ,
+    ),
+    MegatronInternal(
+        "megatron.core.transformer.transformer_block:TransformerBlock.forward",
+        "megatron/lora.py (the recompute fix's pre-hook reads hidden_states, passed by keyword by GPTModel)",
+        keywords=("hidden_states",),
+        changed_in_0_19=_LORA_NOT_READ,
     ),
     # ----- schedules, DDP, optimizer
     MegatronInternal(

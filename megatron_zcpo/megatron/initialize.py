@@ -49,8 +49,15 @@ def distributed_env_from_slurm(environ=None) -> bool:
     env.setdefault(
         "MASTER_ADDR", expand_slurm_nodelist(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost")))[0]
     )
-    env.setdefault("MASTER_PORT", env.get("ZCPO_MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)))
+    env.setdefault("MASTER_PORT", env.get("ZCPO_MASTER_PORT", str(job_master_port(int(env.get("SLURM_JOB_ID", "0"))))))
     return True
+
+
+def job_master_port(job_id: int) -> int:
+    """The rendezvous port of Slurm job ``job_id``'s training tasks: 20000-28999, below the SGLang
+    router's 29000 and servers' 30000+ (examples/common/sglang_node.py), which share the first
+    training node in colocated placement, and below Linux's ephemeral ports (32768+)."""
+    return 20000 + job_id % 9000
 
 
 def _init_process_group(timeout_s: float) -> None:

@@ -35,22 +35,42 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def local_layer_spec(qk_layernorm: bool = False, num_experts: Optional[int] = None):
+def local_layer_spec(
+    qk_layernorm: bool = False, num_experts: Optional[int] = None, multi_latent_attention: bool = False
+):
     """megatron-core's local GPT layer spec (RMSNorm; per-head q/k RMSNorm when ``qk_layernorm``) with
     :class:`~megatron_zcpo.megatron.attention.PackedCausalAttention` as core attention and
     :class:`SequenceParallelRMSNorm` as its norms (the q/k norms too: megatron sums their
     gradients over TP either way, see finalize_model_grads). With ``num_experts`` the MLP is
-    megatron's MoE layer with SequentialMLP experts (one local MLP per expert: no grouped GEMM on CPUs)."""
+    megatron's MoE layer with SequentialMLP experts (one local MLP per expert: no grouped GEMM on CPUs).
+    With ``multi_latent_attention`` the attention is megatron's ``MLASelfAttention`` and
+    ``qk_layernorm`` its latent norms (``q_layernorm`` over the query latent, ``kv_layernorm`` over
+    the key/value latent); under sequence parallelism each rank normalises its own tokens' latents.
+    Its down-projections are megatron's duplicated local ``Linear`` (each TP rank the whole weight,
+    its gradient summed over TP under sequence parallelism), as Transformer Engine's spec has them:
+    the local spec's column-parallel ones lose gradient in megatron-core 0.16.1 (the rope key's
+    gradient from the other ranks' heads is never summed: ``gather_from_tensor_model_parallel_region``
+    splits it back unreduced), which the TP2 training test showed."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_zcpo.megatron.attention import PackedCausalAttention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_layernorm
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=qk_layernorm,
+        multi_latent_attention=multi_latent_attention,
     )
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = PackedCausalAttention
-    if qk_layernorm:
+    if multi_latent_attention:
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
+    if qk_layernorm and multi_latent_attention:
+        attention.q_layernorm = attention.kv_layernorm = SequenceParallelRMSNorm
+    elif qk_layernorm:
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
@@ -77,5 +97,8 @@ def local_block_spec(config):
 
     offset = get_transformer_layer_offset(config)
     flags = moe_layer_flags(config)[offset : offset + get_num_layers_to_build(config)]
-    specs = {moe: local_layer_spec(config.qk_layernorm, config.num_moe_experts if moe else None) for moe in set(flags)}
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    specs = {
+        moe: local_layer_spec(config.qk_layernorm, config.num_moe_experts if moe else None, mla) for moe in set(flags)
+    }
     return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in flags], layer_norm=SequenceParallelRMSNorm)

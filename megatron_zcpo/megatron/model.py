@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from megatron_zcpo.utils.devices import has_cuda
 
-SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe")
+SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 @dataclass
@@ -25,10 +26,18 @@ class MoETraining:
     already, and a balancing gradient that ignores the reward moves the router between the
     rollout and the update, which is exactly the train/rollout routing mismatch RL must avoid.
     ``z_loss_coeff``: ST-MoE's router z-loss (None: off, as the peers run it).
+    ``expert_bias_update_rate``: DeepSeek's auxiliary-loss-free balancing of a router with a
+    correction bias (DeepSeek-V3's ``e_score_correction_bias``; megatron-core's
+    ``moe_router_bias_update_rate``: after every optimizer step each expert's bias moves by this
+    much towards the mean load). Default 0, the bias frozen: it was balanced over the pretraining
+    data, an RL batch is a few hundred prompts of one task, and a bias that chases their load
+    moves the routing between the rollout and the update (as the aux loss would) with no gain to
+    the reward; the pushed weights carry the bias either way.
     """
 
     aux_loss_coeff: float = 0.0
     z_loss_coeff: Optional[float] = None
+    expert_bias_update_rate: float = 0.0
 
     def validate(self, prefix: str = "train.moe") -> None:
         """Raise ``ValueError`` naming the key on a negative coefficient."""
@@ -36,12 +45,14 @@ class MoETraining:
             raise ValueError(f"{prefix}.aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
         if self.z_loss_coeff is not None and self.z_loss_coeff < 0:
             raise ValueError(f"{prefix}.z_loss_coeff must be >= 0 (or null), got {self.z_loss_coeff}")
+        if self.expert_bias_update_rate < 0:
+            raise ValueError(f"{prefix}.expert_bias_update_rate must be >= 0, got {self.expert_bias_update_rate}")
 
 
 @dataclass
 class ModelConfig:
     """Architecture of a decoder-only LM in Hugging Face terms (Qwen2/Qwen2.5, Qwen3 dense, Llama,
-    and the mixture-of-experts Qwen2-MoE and Qwen3-MoE).
+    the mixture-of-experts Qwen2-MoE and Qwen3-MoE, and DeepSeek-V3 / Kimi-K2 / Moonlight).
 
     ``head_dim`` is megatron-core's ``kv_channels``: independent of hidden/heads (Qwen3-4B: hidden
     2560, 32 heads, head_dim 128). ``qk_layernorm`` is Qwen3's per-head RMSNorm of queries and keys
@@ -57,6 +68,17 @@ class ModelConfig:
     ``num_experts_per_tok`` experts per token, their weights renormalised to sum to 1 when
     ``norm_topk_prob``; Qwen2-MoE adds a sigmoid-gated shared expert of
     ``shared_expert_intermediate_size``.
+
+    DeepSeek-V3 (``deepseek_v3``, :mod:`megatron_zcpo.megatron.deepseek`): multi-latent attention
+    (``kv_lora_rank`` > 0: keys and values from a ``kv_lora_rank`` latent, queries from a
+    ``q_lora_rank`` one or, None, straight from the hidden state; per head ``qk_nope_head_dim`` +
+    ``qk_rope_head_dim`` query/key and ``v_head_dim`` value channels; ``head_dim`` is then the
+    query/key width), YaRN in ``rope_scaling``; DeepSeekMoE: layer i routes when i >=
+    ``first_k_dense_replace`` and i % ``moe_layer_freq`` == 0, a sigmoid router
+    (``router_score_function``) with the load-balancing correction bias (``router_expert_bias``,
+    DeepSeek's ``noaux_tc``) choosing among ``router_group_topk`` of ``router_num_groups`` expert
+    groups, the chosen weights renormalised and scaled by ``routed_scaling_factor``, and
+    ``shared_expert_intermediate_size`` = n_shared_experts x moe_intermediate_size (no gate).
     """
 
     family: str = "qwen2"
@@ -82,7 +104,19 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: List[int] = dataclasses.field(default_factory=list)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated / DeepSeek's plain shared experts; 0: none
+    q_lora_rank: Optional[int] = None  # multi-latent attention (kv_lora_rank > 0); None: no query latent
+    kv_lora_rank: int = 0  # 0: not multi-latent attention
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    first_k_dense_replace: int = 0  # DeepSeekMoE: the first layers keep a dense MLP
+    moe_layer_freq: int = 1  # DeepSeekMoE: every moe_layer_freq-th layer (from 0) routes
+    routed_scaling_factor: float = 1.0
+    router_score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    router_expert_bias: bool = False  # DeepSeek's noaux_tc e_score_correction_bias
+    router_num_groups: int = 1  # DeepSeek's n_group: experts in groups, ...
+    router_group_topk: int = 1  # ... of which topk_group per token are eligible
 
     def __post_init__(self):
         if self.qkv_bias is None:
@@ -90,7 +124,21 @@ class ModelConfig:
         if self.qk_layernorm is None:
             self.qk_layernorm = self.family in ("qwen3", "qwen3_moe")
         if self.head_dim is None:
-            self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+            self.head_dim = (
+                self.qk_nope_head_dim + self.qk_rope_head_dim
+                if self.is_mla
+                else self.hidden_size // max(self.num_attention_heads, 1)
+            )
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-latent (DeepSeek-V3 family)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def value_head_dim(self) -> int:
+        """The width of one head's value (``v_head_dim`` under multi-latent attention, else ``head_dim``)."""
+        return self.v_head_dim if self.is_mla else self.kv_channels
 
     @property
     def kv_channels(self) -> int:
@@ -119,6 +167,13 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads}"
             )
         self._validate_experts(prefix)
+        if self.family == "deepseek_v3":
+            from megatron_zcpo.megatron.deepseek import validate_deepseek
+
+            validate_deepseek(self, prefix)
+            return
+        if self.is_mla:
+            raise ValueError(f"{prefix}.kv_lora_rank={self.kv_lora_rank}: multi-latent attention is deepseek_v3's")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if rope_type != "llama3":
@@ -133,7 +188,7 @@ class ModelConfig:
 
     def _validate_experts(self, prefix: str) -> None:
         """The mixture-of-experts fields: all unset for a dense model, consistent for an MoE one."""
-        moe_family = self.family.endswith("_moe")
+        moe_family = self.family in MOE_FAMILIES
         if not self.num_experts:
             if moe_family:
                 raise ValueError(f"{prefix}.num_experts must be positive for family {self.family!r}")
@@ -141,7 +196,7 @@ class ModelConfig:
         if not moe_family:
             raise ValueError(
                 f"{prefix}.num_experts={self.num_experts}: family {self.family!r} is dense "
-                f"(mixture-of-experts families: qwen2_moe, qwen3_moe)"
+                f"(mixture-of-experts families: {', '.join(MOE_FAMILIES)})"
             )
         for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             if int(getattr(self, key)) <= 0:
@@ -177,6 +232,10 @@ class ModelConfig:
         all 0 for a dense model. megatron-core's ``moe_layer_freq`` takes this list."""
         if not self.is_moe:
             return [0] * self.num_layers
+        if self.family == "deepseek_v3":
+            return [
+                int(i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0) for i in range(self.num_layers)
+            ]
         dense = {int(i) for i in self.mlp_only_layers}
         return [int(i not in dense and (i + 1) % self.decoder_sparse_step == 0) for i in range(self.num_layers)]
 
@@ -184,20 +243,37 @@ class ModelConfig:
         """Parameters of one routed expert (SwiGLU: gate, up and down projections)."""
         return 3 * self.hidden_size * self.moe_intermediate_size
 
-    def _layer_parameters(self, active: bool) -> int:
-        """Parameters of all layers; ``active``: count only the experts one token runs through."""
+    @property
+    def shared_expert_gate(self) -> bool:
+        """Whether the shared expert is sigmoid-gated (Qwen2-MoE; DeepSeek's shared experts are not)."""
+        return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
+
+    def attention_parameters(self) -> int:
+        """Parameters of one layer's attention with its norms (the two layer norms included)."""
         h = self.hidden_size
+        if self.is_mla:
+            from megatron_zcpo.megatron.deepseek import mla_parameters
+
+            return mla_parameters(self) + 2 * h
         q = self.num_attention_heads * self.head_dim
         kv = 2 * self.num_key_value_heads * self.head_dim
         attn = h * (q + kv) + q * h + ((q + kv) if self.qkv_bias else 0)
-        norms = 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
+        return attn + 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
+
+    def _layer_parameters(self, active: bool) -> int:
+        """Parameters of all layers; ``active``: count only the experts one token runs through."""
+        h = self.hidden_size
         moe_layers = sum(self.moe_layer_pattern)
         dense_mlp = 3 * h * self.intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
         moe_mlp = experts * self.expert_parameters() + self.num_experts * h  # + the router
         if self.shared_expert_intermediate_size:
-            moe_mlp += 3 * h * self.shared_expert_intermediate_size + h  # + its sigmoid gate
-        return self.num_layers * (attn + norms) + (self.num_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+            moe_mlp += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gate else 0)
+        return (
+            self.num_layers * self.attention_parameters()
+            + (self.num_layers - moe_layers) * dense_mlp
+            + moe_layers * moe_mlp
+        )
 
     @property
     def num_parameters(self) -> int:
@@ -305,9 +381,10 @@ def transformer_config(
     For a mixture-of-experts ``model`` also its MoE fields (:func:`moe_transformer_fields`) at
     ``expert_parallel`` x ``expert_tensor_parallel`` (None: as ``tensor_parallel``), with the
     router's auxiliary losses of ``moe`` (a :class:`~megatron_zcpo.megatron.model.MoETraining`;
-    None: its defaults).
+    None: its defaults). Multi-latent attention gives megatron-core's ``MLATransformerConfig``
+    (:func:`~megatron_zcpo.megatron.deepseek.mla_transformer_fields`).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_gpu = has_cuda()
     pipeline_stage_layers(model.num_layers, pipeline_parallel, first_stage_layers, last_stage_layers)
@@ -366,6 +443,12 @@ def transformer_config(
         kwargs.update(recompute_granularity=recompute)
         if recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    if model.is_mla:
+        from megatron_zcpo.megatron.deepseek import mla_transformer_fields
+
+        kwargs.update(mla_transformer_fields(model, context_parallel))
+        kwargs.update(overrides)
+        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -408,8 +491,13 @@ def moe_transformer_fields(model: ModelConfig, moe, expert_parallel: int, expert
     )
     if model.shared_expert_intermediate_size:
         fields.update(
-            moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size, moe_shared_expert_gate=True
+            moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size,
+            moe_shared_expert_gate=model.shared_expert_gate,
         )
+    if model.family == "deepseek_v3":
+        from megatron_zcpo.megatron.deepseek import deepseek_router_fields
+
+        fields.update(deepseek_router_fields(model, moe))
     return fields
 
 
@@ -470,11 +558,15 @@ def build_gpt_model(
 
     if config.num_moe_experts:
         _define_router_gemm_without_te()
+    if getattr(config, "multi_latent_attention", False):
+        from megatron_zcpo.megatron.deepseek import declare_transformer_engine_absent_to_mla
+
+        declare_transformer_engine_absent_to_mla()
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    rope = model.rope_scaling or {}
+    rope = {} if model.is_mla else model.rope_scaling or {}  # multi-latent attention has its own (YaRN)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(config, use_te),

@@ -22,6 +22,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 
+from megatron_zcpo.megatron.lora import AdaptersOffReference
 from megatron_zcpo.megatron.offload import HostOffload
 from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.utils.runtime import unwrap
@@ -71,6 +72,8 @@ class PolicyWithReference(torch.nn.Module):
     ``zero_grad_buffer``, ``no_sync``, ``ddp_config``) go to the policy's DDP, and ``module``
     leads ``get_attr_wrapped_model`` to the policy's GPTModel (its tied embedding's gradient is
     all-reduced between the first and last pipeline stages). The frozen reference has no gradients.
+    A LoRA policy's reference (:class:`~megatron_zcpo.megatron.lora.AdaptersOffReference`) is the
+    policy's own stage: it keeps its input activation and hands it over when it runs.
     """
 
     def __init__(self, policy, reference):
@@ -114,7 +117,8 @@ class PolicyWithReference(torch.nn.Module):
         else:
             policy_in, reference_in = input_tensor.split(self.hidden_size, dim=-1)
         unwrap(self.policy).set_input_tensor(policy_in)
-        unwrap(self.reference).set_input_tensor(reference_in)
+        reference = self.reference if isinstance(self.reference, AdaptersOffReference) else unwrap(self.reference)
+        reference.set_input_tensor(reference_in)
 
     def forward(self, input_ids, position_ids, attention_mask, **kwargs):
         policy_out = self.policy(input_ids, position_ids, attention_mask, **kwargs)

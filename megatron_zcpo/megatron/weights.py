@@ -19,16 +19,23 @@ them ``linear_fc1.weight{j}``). Expert tensors are split over the expert-tensor-
 not the TP group, and each EP rank holds only its own experts: walks over one rank's parameters
 cover its experts; :func:`gather_full_state_dict` and :func:`iter_model_tensors_to_rank0` collect
 every EP rank's.
+
+LoRA adapters (:mod:`megatron_zcpo.megatron.lora`) are not part of the base's walks: the base's
+tensors keep their names and are, with ``merged``, streamed as W + (alpha/r) B A; the adapters
+themselves are the part "adapters" (``...linear_qkv_lora.lora_a`` / ``.lora_b``, split over TP like
+their partitioned matrix, fc1's B as [gate; up] like fc1's weight).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_zcpo.megatron.lora import is_adapter_name, lora_adapters
 from megatron_zcpo.utils.devices import compute_device
 from megatron_zcpo.utils.runtime import unwrap
 
@@ -38,11 +45,17 @@ _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    # multi-latent attention: TE fuses the latent norms into the up-projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
+# The routers' load-balancing correction bias (DeepSeek-V3's e_score_correction_bias): a float32
+# buffer megatron-core keeps (and may update) outside the optimizer, but a weight of the model.
+EXPERT_BIAS_SUFFIX = "router.expert_bias"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # megatron's SequentialMLP
 _TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TEGroupedMLP
-PARTS = ("all", "dense", "experts")
+PARTS = ("all", "dense", "experts", "adapters")
 TIED_OUTPUT = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 VOCAB_TENSORS = (EMBEDDING, TIED_OUTPUT)
@@ -102,15 +115,21 @@ def _split_group(name: str):
     )
 
 
-def named_global_parameters(model) -> Iterator[Tuple[str, torch.nn.Parameter]]:
-    """Yield ``(global_name, local_parameter)`` for this rank's stage of a GPTModel (DDP-wrapped ok).
+def named_global_parameters(model, adapters: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(global_name, local_parameter)`` for this rank's stage of a GPTModel (DDP-wrapped ok):
+    the base's parameters and the routers' correction-bias buffers (``...mlp.router.expert_bias``,
+    float32 [experts]: weights of the model that the optimizer does not own), or with ``adapters``
+    its LoRA adapters' instead.
 
     With tied embeddings, the last pipeline stage's copy of the embedding (``output_layer.weight``)
     is reported under the embedding's global name. Experts carry their global index.
     """
     model = unwrap(model)
     offset, expert_offset = _layer_offset(model), _expert_offset(model)
-    for name, param in model.named_parameters():
+    biases = [(name, buffer) for name, buffer in model.named_buffers() if name.endswith(EXPERT_BIAS_SUFFIX)]
+    for name, param in list(model.named_parameters()) + biases:
+        if is_adapter_name(name) != adapters:
+            continue
         name = global_name(name, offset, expert_offset)
         if name == TIED_OUTPUT and getattr(model, "share_embeddings_and_output_weights", False):
             name = EMBEDDING
@@ -119,9 +138,9 @@ def named_global_parameters(model) -> Iterator[Tuple[str, torch.nn.Parameter]]:
 
 def tp_blocks(name: str, config) -> int:
     """How many blocks the global tensor ``name`` stacks along its partition dimension, each split
-    over the TP ranks on its own: 2 for SwiGLU's fc1 [gate; up] when ``config.gated_linear_unit``
-    (rank r holds [gate_r; up_r]), else 1 (a rank holds one contiguous slice)."""
-    return 2 if config.gated_linear_unit and name.rsplit(".", 2)[-2] == "linear_fc1" else 1
+    over the TP ranks on its own: 2 for SwiGLU's fc1 [gate; up] (and its adapter's B) when
+    ``config.gated_linear_unit`` (rank r holds [gate_r; up_r]), else 1 (a rank holds one contiguous slice)."""
+    return 2 if config.gated_linear_unit and name.rsplit(".", 2)[-2] in ("linear_fc1", "linear_fc1_lora") else 1
 
 
 def _tp_split(global_tensor: torch.Tensor, param, blocks: int, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -155,14 +174,17 @@ def _pad_vocab(tensor: torch.Tensor, padded_rows: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Copy this rank's shard of every parameter from a global (TP=1, all layers) state dict.
+def load_global_state_dict(
+    model, state_dict: Dict[str, torch.Tensor], strict: bool = True, adapters: bool = False
+) -> None:
+    """Copy this rank's shard of every parameter (with ``adapters``: every LoRA adapter's instead)
+    from a global (TP=1, all layers) state dict.
 
     Raises ``KeyError`` naming the parameter when ``strict`` and one is missing, and
     ``ValueError`` naming it when a shape does not match.
     """
     config = unwrap(model).config
-    for name, param in named_global_parameters(model):
+    for name, param in named_global_parameters(model, adapters):
         tp_rank, tp_size, _ = _split_group(name)
         if name not in state_dict:
             if strict:
@@ -178,32 +200,59 @@ def load_global_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: b
                 f"{name}: shard shape {tuple(shard.shape)} (global {tuple(state_dict[name].shape)}) "
                 f"does not match the parameter's {tuple(param.shape)}"
             )
-        param.copy_(shard.to(param.dtype))
+        if name.endswith(EXPERT_BIAS_SUFFIX):  # float32 whatever the module's dtype, as megatron-core keeps it
+            param.data = shard.to(device=param.device, dtype=torch.float32).clone()
+        else:
+            param.copy_(shard.to(param.dtype))
+
+
+@contextlib.contextmanager
+def expert_biases_kept_in_float32(*models) -> Iterator[None]:
+    """Around a cast of whole models to 16 bits (megatron's ``Float16Module`` casts buffers too):
+    the routers' correction biases come back float32 with their exact values (megatron-core
+    restores the dtype only at the next forward, from the rounded values; a rounded bias moves
+    tokens near a tie to other experts). A model may be None (a LoRA run has no reference)."""
+    routers = [
+        (module, module.expert_bias.detach().clone())
+        for model in models
+        if model is not None
+        for module in unwrap(model).modules()
+        if getattr(module, "expert_bias", None) is not None
+    ]
+    yield
+    for module, bias in routers:
+        module.expert_bias.data = bias
 
 
 def _in_part(name: str, part: str) -> bool:
     if part not in PARTS:
         raise ValueError(f"part={part!r}: choose one of {PARTS}")
-    return part == "all" or (part == "experts") == is_expert_tensor(name)
+    return part in ("all", "adapters") or (part == "experts") == is_expert_tensor(name)
 
 
 @torch.no_grad()
-def iter_global_tensors(model, part: str = "all") -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_global_tensors(model, part: str = "all", merged: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
     """This pipeline stage's parameters one at a time, gathered across tensor-parallel ranks.
 
     Yields ``(global_name, tensor)`` with TP=1 shapes and the true vocabulary, on the
     parameters' device, so a consumer (the rollout weight push) holds one full tensor at a time.
-    ``part``: "all", "dense" (everything but the routed experts) or "experts" (this EP rank's).
-    Collective over the TP group (dense tensors) and the expert-tensor-parallel group (experts):
-    every rank of those groups must consume the whole stream.
+    ``part``: "all", "dense" (everything but the routed experts), "experts" (this EP rank's) or
+    "adapters" (the LoRA adapters alone). ``merged``: a LoRA-adapted linear's weight is W +
+    (alpha/r) B A (each rank merges its shard in fp32, cast to W's dtype; the parameters are not
+    touched). Collective over the TP group (dense tensors) and the expert-tensor-parallel group
+    (experts): every rank of those groups must consume the whole stream.
     """
     import torch.distributed as dist
 
     vocab_size, config = _true_vocab_size(model), unwrap(model).config
-    for name, param in named_global_parameters(model):
+    adapter_of = {id(adapter.base.weight): adapter for adapter in lora_adapters(model)} if merged else {}
+    for name, param in named_global_parameters(model, adapters=part == "adapters"):
         if not _in_part(name, part):
             continue
-        tensor = param.detach()
+        adapter = adapter_of.get(id(param))
+        tensor = param.detach() if adapter is None else adapter.merged_weight()
+        if name.endswith(EXPERT_BIAS_SUFFIX):
+            tensor = tensor.float()
         _, tp_size, group = _split_group(name)
         if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
             shards = [torch.empty_like(tensor) for _ in range(tp_size)]
@@ -214,7 +263,7 @@ def iter_global_tensors(model, part: str = "all") -> Iterator[Tuple[str, torch.T
         yield name, tensor
 
 
-def iter_stage_tensors(model, part: str = "all") -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_stage_tensors(model, part: str = "all", merged: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
     """:func:`iter_global_tensors` of this pipeline stage, without the last stage's copy of a
     tied embedding (the first stage sends it), so the stages' streams (and, for the experts,
     each EP rank's) together hold every tensor of the model exactly once. Collective as
@@ -222,7 +271,7 @@ def iter_stage_tensors(model, part: str = "all") -> Iterator[Tuple[str, torch.Te
     from megatron.core import parallel_state as ps
 
     later_stage = ps.get_pipeline_model_parallel_rank() > 0
-    for name, tensor in iter_global_tensors(model, part):
+    for name, tensor in iter_global_tensors(model, part, merged):
         if later_stage and name == EMBEDDING:
             continue
         yield name, tensor
@@ -290,21 +339,34 @@ def unflatten_tensors(flat: torch.Tensor, metadata: Sequence[Tuple[Sequence[int]
     return out
 
 
+def no_partner(name: str) -> Optional[str]:
+    """No tensor must share a bucket with ``name`` (the default of :func:`bucket_tensors`)."""
+    return None
+
+
 def bucket_tensors(
-    named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[Tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    partner_of: Callable[[str], Optional[str]] = no_partner,
 ) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    """Group a stream of named tensors into lists of at most ``bucket_bytes`` (a bigger tensor goes
+    alone), never closing a list while a tensor named by ``partner_of`` of one in it (a later one of
+    the stream that must arrive with it) is still to come: that list grows past the limit."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: List[Tuple[str, torch.Tensor]] = []
-    size = 0
+    size, awaited = 0, set()
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not awaited:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
+        awaited.discard(name)
+        partner = partner_of(name)
+        if partner is not None:
+            awaited.add(partner)
     if bucket:
         yield bucket
 
@@ -337,16 +399,16 @@ def _receive_on_rank0(source: int) -> Iterator[Tuple[str, torch.Tensor]]:
 
 
 def _part_to_rank0(
-    model, part: str, walks: bool, sends: bool, source: int, bucket_bytes: int
+    model, part: str, walks: bool, sends: bool, source: int, bucket_bytes: int, merged: bool = False
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """One share of a stage (its dense tensors, or one EP rank's experts) on rank 0: the ranks that
-    ``walks`` it take part in its gathers, the one that ``sends`` it sends it, rank 0 yields it
-    (from its own walk when ``source`` is 0)."""
+    """One share of a stage (its dense tensors or adapters, or one EP rank's experts) on rank 0: the
+    ranks that ``walks`` it take part in its gathers, the one that ``sends`` it sends it, rank 0
+    yields it (from its own walk when ``source`` is 0)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     if walks:
-        stream = iter_stage_tensors(model, part)
+        stream = iter_stage_tensors(model, part, merged)
         if sends and rank == 0:
             yield from stream
         elif sends:
@@ -358,7 +420,9 @@ def _part_to_rank0(
         yield from _receive_on_rank0(source)
 
 
-def iter_model_tensors_to_rank0(model, bucket_bytes: int = 256 * 2**20) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_model_tensors_to_rank0(
+    model, bucket_bytes: int = 256 * 2**20, *, merged: bool = False, adapters: bool = False
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """The whole model's global tensors, one at a time, on global rank 0; nothing elsewhere.
 
     For a rollout engine that lives in rank 0's process (the embedded engine). Pipeline stages
@@ -367,7 +431,9 @@ def iter_model_tensors_to_rank0(model, bucket_bytes: int = 256 * 2**20) -> Itera
     lead (:func:`is_stage_lead`, :func:`is_expert_shard_lead`) sends the tensors to rank 0 in
     buckets of at most ``bucket_bytes`` (one bigger tensor goes alone): per bucket one metadata
     message (names, shapes, dtypes) and one flat byte buffer. Other replicas only wait. No rank
-    but 0 holds more than a bucket. Collective over all ranks: every rank must exhaust the iterator.
+    but 0 holds more than a bucket. ``merged``: LoRA-adapted weights merged (:func:`iter_global_tensors`);
+    ``adapters``: the LoRA adapters alone, stage by stage. Collective over all ranks: every rank must
+    exhaust the iterator.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -387,13 +453,14 @@ def iter_model_tensors_to_rank0(model, bucket_bytes: int = 256 * 2**20) -> Itera
         here = stage == pp_rank
         yield from _part_to_rank0(
             model,
-            "dense",
+            "adapters" if adapters else "dense",
             here and walks_dense_part(),
             here and is_stage_lead(),
             source[(stage, "dense", 0)],
             bucket_bytes,
+            merged,
         )
-        for expert_rank in range(ps.get_expert_model_parallel_world_size() if has_experts else 0):
+        for expert_rank in range(ps.get_expert_model_parallel_world_size() if has_experts and not adapters else 0):
             mine = here and ep_rank == expert_rank
             yield from _part_to_rank0(
                 model,
@@ -406,23 +473,32 @@ def iter_model_tensors_to_rank0(model, bucket_bytes: int = 256 * 2**20) -> Itera
         dist.barrier()
 
 
-def gather_global_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """This pipeline stage's parameters, gathered across tensor-parallel ranks, by global name.
+def gather_global_state_dict(
+    model, dtype: Optional[torch.dtype] = None, part: str = "all", merged: bool = False
+) -> Dict[str, torch.Tensor]:
+    """This pipeline stage's parameters (``part``, ``merged``: see :func:`iter_global_tensors`),
+    gathered across tensor-parallel ranks, by global name.
 
     Collective over the TP group (every TP rank must call it). Returns CPU tensors. To get the
     whole model, merge the dicts of all pipeline stages (see :func:`gather_full_state_dict`).
     """
-    return {name: tensor.to(dtype or tensor.dtype).cpu().clone() for name, tensor in iter_global_tensors(model)}
+    return {
+        name: tensor.to(dtype or tensor.dtype).cpu().clone()
+        for name, tensor in iter_global_tensors(model, part, merged)
+    }
 
 
-def gather_full_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """The whole model's global state dict, on every rank of the model-parallel group (tests, export).
+def gather_full_state_dict(
+    model, dtype: Optional[torch.dtype] = None, part: str = "all", merged: bool = False
+) -> Dict[str, torch.Tensor]:
+    """The whole model's global state dict (``part``, ``merged``: see :func:`iter_global_tensors`), on
+    every rank of the model-parallel group (tests, export).
 
     Collective over the TP, expert-parallel and PP groups."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    local = gather_global_state_dict(model, dtype)
+    local = gather_global_state_dict(model, dtype, part, merged)
     if unwrap(model).config.num_moe_experts and ps.get_expert_model_parallel_world_size() > 1:
         shards = [None] * ps.get_expert_model_parallel_world_size()
         dist.all_gather_object(
@@ -433,9 +509,9 @@ def gather_full_state_dict(model, dtype: Optional[torch.dtype] = None) -> Dict[s
     pp_size = ps.get_pipeline_model_parallel_world_size()
     if pp_size == 1:
         return local
-    parts = [None] * pp_size
-    dist.all_gather_object(parts, local, group=ps.get_pipeline_model_parallel_group())
-    merged: Dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part)
-    return merged
+    stages = [None] * pp_size
+    dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
+    whole: Dict[str, torch.Tensor] = {}
+    for stage in stages:
+        whole.update(stage)
+    return whole

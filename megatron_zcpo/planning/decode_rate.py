@@ -113,30 +113,98 @@ class DecodeRoofline:
     tokens_per_s_per_gpu: float
 
 
-def kv_bytes_per_token(model: ModelConfig) -> float:
-    """bf16 bytes of one token's K and V over all layers."""
-    return 2 * model.num_layers * model.num_key_value_heads * model.kv_channels * BF16_BYTES
+def kv_bytes_per_token(model: ModelConfig, tensor_parallel: int = 1, dp_attention: int = 1) -> float:
+    """bf16 bytes one token's keys and values take in a TP-``tensor_parallel`` server, over all layers
+    and GPUs. A GPU of an attention-TP group (``tensor_parallel / dp_attention`` GPUs: SGLang's DP
+    attention splits a server into ``dp_attention`` groups, each with its own requests) holds its
+    share of the key/value heads, and a whole copy where there are fewer heads than GPUs: GQA's
+    ``num_key_value_heads`` below the group, and multi-latent attention's one latent per layer
+    (:func:`~megatron_zcpo.megatron.deepseek.latent_cache_elements`), held by every GPU of the group."""
+    group = max(1, tensor_parallel // dp_attention)
+    if model.is_mla:
+        from megatron_zcpo.megatron.deepseek import latent_cache_elements
+
+        return model.num_layers * latent_cache_elements(model) * BF16_BYTES * group
+    per_copy = 2 * model.num_layers * model.num_key_value_heads * model.kv_channels * BF16_BYTES
+    return per_copy * max(1.0, group / model.num_key_value_heads)
 
 
-def decode_step_s(
+def served_weight_bytes(
+    model: ModelConfig, tensor_parallel: int, dp_attention: int = 1, weight_bytes: float = BF16_BYTES
+) -> float:
+    """Bytes of one TP-``tensor_parallel`` server's weights (``weight_bytes`` per parameter: bf16, or 1
+    for FP8 serving); under DP attention in ``dp_attention`` groups each group holds the attention
+    whole (split over its own GPUs)."""
+    replicated = (dp_attention - 1) * model.num_layers * model.attention_parameters()
+    return weight_bytes * (model.num_parameters + replicated)
+
+
+# The weights of a planned server take at most this share of its static memory (the rest: KV cache).
+SERVED_WEIGHTS_MAX_SHARE = 0.9
+
+
+def smallest_server_tp(
+    model: ModelConfig, mem_fraction: float, gpu_memory_bytes: float = H100_80GB_BYTES, at_least: int = 1
+) -> int:
+    """The fewest GPUs (a power of two, at least ``at_least``) of a server whose bf16 weights
+    (:func:`served_weight_bytes`) take at most :data:`SERVED_WEIGHTS_MAX_SHARE` of its static memory
+    (``mem_fraction`` of each GPU): 8 for a 235B model on H100s, 32 (4 nodes) for DeepSeek-V3."""
+    tensor_parallel = at_least
+    while (
+        served_weight_bytes(model, tensor_parallel)
+        > SERVED_WEIGHTS_MAX_SHARE * tensor_parallel * gpu_memory_bytes * mem_fraction
+    ):
+        tensor_parallel *= 2
+    return tensor_parallel
+
+
+def experts_read_fraction(model: ModelConfig, batch: float) -> float:
+    """The expected share of an MoE layer's experts a decode step of ``batch`` sequences reads: each
+    token picks top-k of E, so an expert is left idle with probability (1 - k/E)^batch (1 for a dense
+    model). A sequence alone reads its k experts; a few hundred read them all."""
+    if not model.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - model.num_experts_per_tok / model.num_experts) ** max(batch, 1.0)
+
+
+def weight_bytes_read(
+    model: ModelConfig, batch: float, tensor_parallel: int, dp_attention: int = 1, weight_bytes: float = BF16_BYTES
+) -> float:
+    """Bytes of weights one decode step of ``batch`` sequences reads on a server: all of them but
+    the routed experts no token of the step chose (:func:`experts_read_fraction`)."""
+    experts = weight_bytes * sum(model.moe_layer_pattern) * model.num_experts * model.expert_parameters()
+    unread = experts * (1.0 - experts_read_fraction(model, batch))
+    return served_weight_bytes(model, tensor_parallel, dp_attention, weight_bytes) - unread
+
+
+def decode_step_terms(
     model: ModelConfig,
     batch: float,
     context_tokens: float,
     tensor_parallel: int,
     *,
+    dp_attention: int = 1,
+    weight_bytes: float = BF16_BYTES,
     hbm_bytes_per_s: float = H100_HBM3_BYTES_S,
     peak_flops: float = H100_BF16_DENSE_FLOPS,
-) -> float:
-    """Seconds of one decode step at efficiency 1: ``batch`` sequences, each attending to
-    ``context_tokens``, on ``tensor_parallel`` GPUs; the longer of the bytes read (bf16 weights +
-    KV caches) over HBM bandwidth and the FLOPs over peak."""
-    memory_s = (BF16_BYTES * model.num_parameters + batch * kv_bytes_per_token(model) * context_tokens) / (
+) -> tuple:
+    """(memory seconds, compute seconds) of one decode step at efficiency 1: ``batch`` sequences,
+    each attending to ``context_tokens``, on ``tensor_parallel`` GPUs (``dp_attention`` groups): the
+    bytes read (the weights the step uses, :func:`weight_bytes_read`, and the KV caches) over HBM
+    bandwidth, and the FLOPs over peak."""
+    kv = batch * kv_bytes_per_token(model, tensor_parallel, dp_attention) * context_tokens
+    memory_s = (weight_bytes_read(model, batch, tensor_parallel, dp_attention, weight_bytes) + kv) / (
         tensor_parallel * hbm_bytes_per_s
     )
     # forward_flops_per_token(model, s) averages attention over a causal sequence of s tokens
     # (s / 2 each): a token attending to `context_tokens` is the mean of a sequence twice as long.
     compute_s = batch * forward_flops_per_token(model, 2 * context_tokens) / (tensor_parallel * peak_flops)
-    return max(memory_s, compute_s)
+    return memory_s, compute_s
+
+
+def decode_step_s(model: ModelConfig, batch: float, context_tokens: float, tensor_parallel: int, **shape) -> float:
+    """Seconds of one decode step at efficiency 1: the longer of :func:`decode_step_terms`' two."""
+    return max(decode_step_terms(model, batch, context_tokens, tensor_parallel, **shape))
 
 
 def decode_roofline(
@@ -150,6 +218,7 @@ def decode_roofline(
     hbm_bytes_per_s: float = H100_HBM3_BYTES_S,
     peak_flops: float = H100_BF16_DENSE_FLOPS,
     max_batch: Optional[float] = None,
+    dp_attention: int = 1,
 ) -> DecodeRoofline:
     """The roofline of the module docstring at efficiency 1. ``max_batch``: the requests in flight on
     the server, which bound the batch below what its KV cache holds (a tiny model's cache holds
@@ -159,7 +228,7 @@ def decode_roofline(
         raise ValueError(f"prompt and response tokens must be positive, got {prompt_tokens}, {response_tokens}")
     if not 0 < mem_fraction < 1:
         raise ValueError(f"mem_fraction must be in (0, 1), got {mem_fraction}")
-    weights = BF16_BYTES * model.num_parameters
+    weights = served_weight_bytes(model, tensor_parallel, dp_attention)
     kv_memory = tensor_parallel * gpu_memory_bytes * mem_fraction - weights
     if kv_memory <= 0:
         raise ValueError(
@@ -167,7 +236,7 @@ def decode_roofline(
             f"{gpu_memory_bytes / 2**30:.1f} GiB x mem_fraction {mem_fraction}: no KV cache left; "
             f"use more GPUs per server (tensor parallel)"
         )
-    batch = kv_memory / (kv_bytes_per_token(model) * (prompt_tokens + response_tokens))
+    batch = kv_memory / (kv_bytes_per_token(model, tensor_parallel, dp_attention) * (prompt_tokens + response_tokens))
     if max_batch is not None:
         batch = min(batch, max_batch)
     step = decode_step_s(
@@ -175,6 +244,7 @@ def decode_roofline(
         batch,
         prompt_tokens + response_tokens / 2,
         tensor_parallel,
+        dp_attention=dp_attention,
         hbm_bytes_per_s=hbm_bytes_per_s,
         peak_flops=peak_flops,
     )
@@ -210,15 +280,15 @@ def decode_tokens_per_s_per_gpu(
     *,
     mem_fraction: float = 0.85,
     gpu_memory_bytes: float = H100_80GB_BYTES,
-    efficiency: Optional[float] = None,
     max_batch: Optional[float] = None,
+    dp_attention: int = 1,
+    gpus_per_node: int = 8,
 ) -> float:
-    """Generated tokens/s per GPU of TP-``tensor_parallel`` servers decoding requests of these mean
-    lengths (module docstring), at most ``max_batch`` at a time (:func:`decode_roofline`);
-    ``efficiency`` None: :func:`calibrated_efficiency`."""
-    if efficiency is None:
-        efficiency = calibrated_efficiency()
-    roofline = decode_roofline(
+    """Generated tokens/s per GPU of TP-``tensor_parallel`` servers (``dp_attention`` groups)
+    decoding requests of these mean lengths, at most ``max_batch`` at a time: the batch their KV
+    cache holds (:func:`decode_roofline`), each step as served (:func:`served_step_s`) with its
+    share of prefill (:func:`prefill_per_step_s`)."""
+    batch = decode_roofline(
         model,
         prompt_tokens,
         response_tokens,
@@ -226,8 +296,12 @@ def decode_tokens_per_s_per_gpu(
         mem_fraction=mem_fraction,
         gpu_memory_bytes=gpu_memory_bytes,
         max_batch=max_batch,
-    )
-    return efficiency * roofline.tokens_per_s_per_gpu
+        dp_attention=dp_attention,
+    ).batch
+    context = prompt_tokens + response_tokens / 2
+    step = served_step_s(model, batch, context, tensor_parallel, dp_attention=dp_attention, gpus_per_node=gpus_per_node)
+    prefill = prefill_per_step_s(model, batch, prompt_tokens, response_tokens, tensor_parallel)
+    return batch / (tensor_parallel * (step + prefill))
 
 
 # SGLang's online figures on the same servers (benchmark/benchmark_vllm_060/README.md, Llama 3.1 70B
@@ -245,6 +319,46 @@ def small_batch_efficiency() -> float:
     context = m.prompt_tokens + m.response_tokens / 2
     roofline = decode_step_s(m.model, SGLANG_V030_LLAMA31_70B_TPOT_IN_FLIGHT, context, m.tensor_parallel)
     return roofline / SGLANG_V030_LLAMA31_70B_TPOT_S
+
+
+# A server spanning nodes all-reduces the batch's hidden state twice per layer per decode step
+# over InfiniBand instead of NVLink: seconds of one such all-reduce (its latency: the decode batch's
+# hidden states are well under a megabyte), fitted on NeMo-RL's Qwen3-235B-A22B step (TP16, two
+# nodes per server; planning/calibration.py) and checked on its DeepSeek-V3 steps (TP32, four nodes).
+INTERNODE_ALLREDUCE_S = 1.87e-4
+
+
+def served_step_s(
+    model: ModelConfig,
+    batch: float,
+    context_tokens: float,
+    tensor_parallel: int,
+    *,
+    dp_attention: int = 1,
+    gpus_per_node: int = 8,
+    weight_bytes: float = BF16_BYTES,
+) -> float:
+    """Seconds of one decode step as a server runs it: the roofline's memory term at the bandwidth
+    efficiency of SGLang's online TPOT (:func:`small_batch_efficiency`) or its compute term at the
+    efficiency of its offline throughput (:func:`calibrated_efficiency`), whichever is longer, and a
+    server spanning nodes (``tensor_parallel`` above ``gpus_per_node``) adds two all-reduces per
+    layer over InfiniBand (:data:`INTERNODE_ALLREDUCE_S`)."""
+    memory_s, compute_s = decode_step_terms(
+        model, batch, context_tokens, tensor_parallel, dp_attention=dp_attention, weight_bytes=weight_bytes
+    )
+    step = max(memory_s / small_batch_efficiency(), compute_s / calibrated_efficiency())
+    if tensor_parallel > gpus_per_node:
+        step += 2 * model.num_layers * INTERNODE_ALLREDUCE_S
+    return step
+
+
+def prefill_per_step_s(
+    model: ModelConfig, batch: float, prompt_tokens: float, response_tokens: float, tensor_parallel: int
+) -> float:
+    """Seconds each decode step spends prefilling the prompts that replace the ``batch / response``
+    sequences it finishes, at the throughput efficiency (compute-bound)."""
+    flops = (batch / response_tokens) * prompt_tokens * forward_flops_per_token(model, prompt_tokens)
+    return flops / (tensor_parallel * H100_BF16_DENSE_FLOPS * calibrated_efficiency())
 
 
 @dataclass(frozen=True)
@@ -282,6 +396,8 @@ def generation_time(
     gpu_memory_bytes: float = H100_80GB_BYTES,
     decode_tokens_per_s_per_gpu: Optional[float] = None,
     max_in_flight: Optional[float] = None,
+    dp_attention: int = 1,
+    gpus_per_node: int = 8,
 ) -> GenerationTime:
     """Seconds one step waits for ``sequences`` responses of mean ``response_tokens`` (longest
     ``max_response_tokens``) on ``gpus`` GPUs in TP-``tensor_parallel`` servers.
@@ -300,17 +416,18 @@ def generation_time(
         tensor_parallel,
         mem_fraction=mem_fraction,
         gpu_memory_bytes=gpu_memory_bytes,
+        dp_attention=dp_attention,
     )
     batch = in_flight_batch(roofline.batch, sequences, servers, max_in_flight)
+    shape = dict(dp_attention=dp_attention, gpus_per_node=gpus_per_node)
     if decode_tokens_per_s_per_gpu is None:
-        context = prompt_tokens + response_tokens / 2
-        step = decode_step_s(model, batch, context, tensor_parallel)
-        prefill = (batch / response_tokens) * prompt_tokens * forward_flops_per_token(model, prompt_tokens)
-        prefill /= tensor_parallel * H100_BF16_DENSE_FLOPS
-        decode_tokens_per_s_per_gpu = calibrated_efficiency() * batch / (tensor_parallel * (step + prefill))
+        step = served_step_s(model, batch, prompt_tokens + response_tokens / 2, tensor_parallel, **shape)
+        prefill = prefill_per_step_s(model, batch, prompt_tokens, response_tokens, tensor_parallel)
+        decode_tokens_per_s_per_gpu = batch / (tensor_parallel * (step + prefill))
     bulk = sequences * response_tokens / (decode_tokens_per_s_per_gpu * servers * tensor_parallel)
-    tail_step = decode_step_s(model, 1, prompt_tokens + max_response_tokens / 2, tensor_parallel)
-    tail = max_response_tokens * tail_step / small_batch_efficiency()
+    tail = max_response_tokens * served_step_s(
+        model, 1, prompt_tokens + max_response_tokens / 2, tensor_parallel, **shape
+    )
     seconds = max(bulk, tail)
     return GenerationTime(
         batch=batch,

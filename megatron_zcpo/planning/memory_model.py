@@ -25,7 +25,14 @@ What is modelled, for the most loaded pipeline stage (first and last stage are b
   kept for the backward, which writes a bf16 ``[tokens, V_pad/TP]`` logit gradient. Besides: the
   gathered final hidden states of the micro-batch and a few fp32 vectors per token.
 * Reference model: a bf16 copy of the stage's parameters, resident, offloaded to CPU between
-  experience passes, or absent (methods without a reference).
+  experience passes, or absent (methods without a reference, and LoRA, whose reference is the base
+  with the adapters off: "adapters_off", no weights of its own, its hidden states and logits counted).
+* LoRA (``Workload.lora_rank`` > 0): the frozen base holds its bf16 parameters only (no gradient
+  buffer, no optimizer state); the adapters (:func:`lora_layer_parameters` per layer: A replicated
+  and B split over TP for the column-parallel linears, the other way round for the row-parallel
+  ones) hold bf16 parameters, fp32 gradients and Adam's state like any trained parameter. Their
+  activations are [tokens, r] per adapted linear, noise beside a layer's; the inputs their A needs
+  are the ones a trained base saves anyway (counted below).
 * Mixture-of-experts models: each GPU holds its expert-parallel rank's experts (their optimizer
   state sharded over the experts' replicas) and keeps its share of the routed tokens' expert
   activations (:mod:`megatron_zcpo.planning.moe_costs`).
@@ -46,9 +53,10 @@ the conditional KL).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megatron_zcpo.megatron.model import ModelConfig, padded_vocab_size, pipeline_stage_layers
+from megatron_zcpo.planning.lora_costs import LORA_LINEARS, lora_layer_parameters
 from megatron_zcpo.planning.moe_costs import (
     DEFAULT_EXPERT_IMBALANCE,
     expert_parameters_per_gpu,
@@ -62,7 +70,7 @@ GIB = 2**30
 H100_80GB_GIB = 81559 / 1024
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-REFERENCE_CHOICES = ("resident", "offloaded", "none")
+REFERENCE_CHOICES = ("resident", "offloaded", "none", "adapters_off")
 TOKEN_STATS_BACKENDS = ("auto", "torch", "triton")  # train.token_stats_backend; auto = triton on a GPU
 COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "logits_kl", "reference_model", "overhead")
 
@@ -239,7 +247,10 @@ class Workload:
     response). ``kl_chunk_tokens``: tokens per chunk of the vocab-parallel log-prob / KL ops.
     ``num_microbatches``: micro-batches per optimizer step and pipeline; None plans for the worst
     case (at least as many as the pipeline keeps in flight). ``reference``: "resident" on the GPU,
-    "offloaded" to CPU outside the experience pass, or "none". ``token_stats_backend``: the
+    "offloaded" to CPU outside the experience pass, "none", or "adapters_off" (a LoRA policy's:
+    its forward runs, it holds no weights). ``lora_rank`` / ``lora_targets``: LoRA adapters of
+    that rank on those megatron-core linears, the base frozen (0: every weight trained).
+    ``token_stats_backend``: the
     token statistics' kernels, "auto" (Triton on a GPU), "torch" or "triton";
     ``update_reference``: the update runs the reference beside the policy (a differentiable
     conditional KL in the loss, ``algorithm.kl_loss=full``). ``expert_imbalance``: the busiest
@@ -255,6 +266,8 @@ class Workload:
     token_stats_backend: str = "auto"
     update_reference: bool = False
     expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE
+    lora_rank: int = 0
+    lora_targets: Tuple[str, ...] = ()
 
     @property
     def token_stats_kernels(self) -> str:
@@ -281,6 +294,13 @@ class Workload:
             raise ValueError(f"{prefix}.num_microbatches must be positive, got {self.num_microbatches}")
         if self.reference not in REFERENCE_CHOICES:
             raise ValueError(f"{prefix}.reference={self.reference!r}: choose one of {REFERENCE_CHOICES}")
+        if self.lora_rank < 0 or bool(self.lora_rank) != bool(self.lora_targets):
+            raise ValueError(
+                f"{prefix}.lora_rank={self.lora_rank} and lora_targets={self.lora_targets}: both or neither"
+            )
+        unknown = sorted(set(self.lora_targets) - set(LORA_LINEARS))
+        if unknown:
+            raise ValueError(f"{prefix}.lora_targets {unknown}: choose from {LORA_LINEARS}")
         if self.token_stats_backend not in TOKEN_STATS_BACKENDS:
             raise ValueError(
                 f"{prefix}.token_stats_backend={self.token_stats_backend!r}: choose one of {TOKEN_STATS_BACKENDS}"
@@ -330,17 +350,23 @@ def layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
 
     QKV (with Qwen2's bias), output projection and the SwiGLU MLP are split over TP; the two RMSNorm
     weights, and Qwen3's per-head q/k RMSNorms (``head_dim`` each), are replicated on every TP rank.
-    Widths use ``head_dim`` (megatron's kv_channels), not hidden / heads. Mixture-of-experts models:
+    Widths use ``head_dim`` (megatron's kv_channels), not hidden / heads. Multi-latent attention
+    (DeepSeek-V3): its up- and output projections split over TP, its latent down-projections and
+    norms whole on every rank (:func:`~megatron_zcpo.megatron.deepseek.mla_parameter_split`). Mixture-of-experts models:
     the MLP is the layers' average of dense MLPs and routers (+ shared experts), see
     :func:`~megatron_zcpo.planning.moe_costs.non_expert_mlp_parameters`.
     """
     h = model.hidden_size
-    q = model.num_attention_heads * model.kv_channels
-    kv = 2 * model.num_key_value_heads * model.kv_channels
-    split = h * (q + kv) + q * h
-    if model.qkv_bias:
-        split += q + kv
-    replicated = 2 * h + (2 * model.kv_channels if model.qk_layernorm else 0)
+    if model.is_mla:
+        from megatron_zcpo.megatron.deepseek import mla_parameter_split
+
+        split, replicated = mla_parameter_split(model)
+        replicated += 2 * h
+    else:
+        q = model.num_attention_heads * model.kv_channels
+        kv = 2 * model.num_key_value_heads * model.kv_channels
+        split = h * (q + kv) + q * h + ((q + kv) if model.qkv_bias else 0)
+        replicated = 2 * h + (2 * model.kv_channels if model.qk_layernorm else 0)
     if model.is_moe:
         return int(split // tensor_parallel + replicated + non_expert_mlp_parameters(model, tensor_parallel))
     return (split + 3 * h * model.intermediate_size) // tensor_parallel + replicated
@@ -463,12 +489,20 @@ def model_layer_activation_bytes(
     whose tokens sequence parallelism splits) on the busiest expert-parallel rank, which receives
     ``expert_imbalance`` times the mean (1 without expert parallelism: every rank holds every expert)."""
 
+    heads = model.num_attention_heads
+    # multi-latent attention keeps K and V after the up-projection, per head head_dim + v_head_dim wide
+    kv_width = (
+        heads * (model.kv_channels + model.value_head_dim)
+        if model.is_mla
+        else 2 * model.num_key_value_heads * model.kv_channels
+    )
+
     def layer(ffn_hidden_size: int) -> float:
         return layer_activation_bytes(
             tokens,
             hidden_size=model.hidden_size,
-            query_width=model.num_attention_heads * model.kv_channels,
-            kv_width=2 * model.num_key_value_heads * model.kv_channels,
+            query_width=heads * model.kv_channels,
+            kv_width=kv_width,
             ffn_hidden_size=ffn_hidden_size,
             num_heads=model.num_attention_heads,
             tensor_parallel=layout.tensor_parallel,
@@ -476,14 +510,18 @@ def model_layer_activation_bytes(
             recompute=recompute,
         )
 
+    latents = 0.0  # multi-latent attention: the query and key/value latents and their norms' outputs
+    if model.is_mla and recompute != "full":
+        width = 2 * (model.q_lora_rank or 0) + 2 * model.kv_lora_rank + model.qk_rope_head_dim
+        latents = tokens * BYTES_BF16 * width / (layout.tensor_parallel if layout.sequence_parallel else 1)
     if not model.is_moe:
-        return layer(model.intermediate_size)
+        return layer(model.intermediate_size) + latents
     share = moe_layer_share(model)
     moe = layer(model.shared_expert_intermediate_size)
     if recompute != "full":
         imbalance = expert_imbalance if layout.expert_parallel > 1 else 1.0
         moe += tokens * moe_mlp_activation_bytes_per_token(model, imbalance) / layout.tensor_parallel
-    return (1 - share) * layer(model.intermediate_size) + share * moe
+    return (1 - share) * layer(model.intermediate_size) + share * moe + latents
 
 
 def layers_in_flight(
@@ -592,9 +630,16 @@ def stage_phase_components(
     params = stage_parameters(model, layout, stage)
     experts = stage_expert_parameters(model, layout, stage)
     per_param = bytes_per_parameter(layout.distributed_optimizer, layout.data_parallel * layout.context_parallel)
-    # The distributed optimizer shards the experts' state over their own replicas (expert DP).
-    per_expert = bytes_per_parameter(layout.distributed_optimizer, layout.expert_data_parallel)
-    components = {key: (params - experts) * value + experts * per_expert[key] for key, value in per_param.items()}
+    if workload.lora_rank:  # the frozen base: bf16 weights alone; the adapters: as any trained parameter
+        adapters = stage_layer_count(model, layout, stage) * lora_layer_parameters(
+            model, workload.lora_rank, workload.lora_targets, layout.tensor_parallel
+        )
+        components = {key: adapters * value for key, value in per_param.items()}
+        components["parameters"] += params * BYTES_BF16
+    else:
+        # The distributed optimizer shards the experts' state over their own replicas (expert DP).
+        per_expert = bytes_per_parameter(layout.distributed_optimizer, layout.expert_data_parallel)
+        components = {key: (params - experts) * value + experts * per_expert[key] for key, value in per_param.items()}
     tokens = workload.micro_batch_tokens / layout.context_parallel
     pp = layout.pipeline_parallel
     holds_output = stage == "last" or pp == 1
@@ -620,7 +665,7 @@ def stage_phase_components(
         reference_on_gpu = workload.reference == "resident"
     else:
         activations = one_layer_working_set  # no-grad forward: one layer's tensors at a time
-        reference_on_gpu = workload.reference != "none"
+        reference_on_gpu = workload.reference in ("resident", "offloaded")
     components["activations"] = activations
     components["logits_kl"] = _logits_kl_bytes(model, layout, workload, tokens, phase) if holds_output else 0.0
     components["reference_model"] = params * BYTES_BF16 if reference_on_gpu else 0.0

@@ -17,7 +17,8 @@ holds the model to it). Term by term:
   2 x parameters (embedding excluded, output layer included; a mixture-of-experts model's *active*
   parameters) + causal attention 4 x layers x heads x head_dim x (sequence / 2); the experience
   pass (log-probs) is two forwards (policy and reference), the update a forward and a backward
-  (3 forwards), full recompute one forward more. ``TRAINING_MFU`` = 0.35 is not fitted: with it
+  (3 forwards; a LoRA policy's frozen base computes no weight gradients: 2), full recompute one
+  forward more. ``TRAINING_MFU`` = 0.35 is not fitted: with it
   NeMo-RL's dense rows (Qwen3-32B, Llama-3.1-8B, v0.4 and v0.5) come out within 0.85-1.10x of their
   published steps and its mixture-of-experts rows fast (0.52-0.84x, RESULTS explains). Under
   expert parallelism each MoE layer adds its token all-to-alls on the busiest rank
@@ -27,6 +28,8 @@ holds the model to it). Term by term:
 * transitions (:mod:`megatron_zcpo.planning.transitions`): the NCCL push (per pipeline stage and
   expert rank concurrently, or funnelled through rank 0), the colocated CUDA IPC push and the
   colocated offload / onload of the training state.
+  A LoRA adapter pushed alone (``adapter_push_bytes``) is costed as a push of its bytes (the fixed
+  part dominates; not calibrated on a published adapter refit).
 * step: disaggregated sequential = generation + training + push; overlapped (one step
   off-policy) = max(generation, training) + push; asynchronous (``rollout.mode=async``, staleness
   k) = max(bulk, training, tail / (k + 1)) + push: the engine decodes all the time at its full
@@ -44,6 +47,7 @@ from typing import Optional
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.planning.decode_rate import H100_80GB_BYTES, generation_time
 from megatron_zcpo.planning.flops import H100_BF16_DENSE_FLOPS, forward_flops_per_token
+from megatron_zcpo.planning.lora_costs import BACKWARD_FORWARDS, FROZEN_BACKWARD_FORWARDS
 from megatron_zcpo.planning.moe_costs import (
     DEFAULT_EXPERT_IMBALANCE,
     all_to_all_bytes_per_token_layer,
@@ -54,6 +58,16 @@ from megatron_zcpo.planning.transitions import ipc_push_s, nccl_push_s, offload_
 INFINIBAND_NDR_BYTES_S = 50e9  # one 400 Gb/s NDR port per GPU
 NVLINK4_BYTES_S = 450e9  # H100 SXM NVLink 4: 900 GB/s in both directions together
 TRAINING_MFU = 0.35  # held against NeMo-RL's published steps (module docstring)
+# Mixture-of-experts models (module docstring): fitted on megatron-core's published Qwen3-235B-A22B
+# pre-training step (planning/calibration.py), the all-to-alls of that step counted apart.
+MOE_TRAINING_MFU = 0.222
+
+
+def training_mfu(model: ModelConfig) -> float:
+    """The MFU ``model`` trains at: :data:`MOE_TRAINING_MFU` with routed experts, else :data:`TRAINING_MFU`."""
+    return MOE_TRAINING_MFU if model.is_moe else TRAINING_MFU
+
+
 PLACEMENTS = ("disaggregated", "colocated")
 ROLLOUT_MODES = {"sync": "sequential", "overlap": "overlapped", "async": "asynchronous"}  # rollout.mode -> StepTime
 
@@ -96,12 +110,13 @@ class Cluster:
     when ``placement`` is "colocated": the servers run on the training GPUs), GPUs per server and
     their ``mem_fraction_static``, a measured decode rate per GPU (None: modelled), MFU, peak
     FLOP/s, the inter-node link per GPU and NVLink, GPUs per node, memory per GPU (bytes), the
-    client's cap on requests in flight over all servers (None: every sample at once)."""
+    client's cap on requests in flight over all servers (None: every sample at once), the servers'
+    DP-attention groups (``rollout_dp_attention``, SGLang's ``--dp-size``; 1: plain TP)."""
 
     train_gpus: int
     rollout_gpus: int
     decode_tokens_per_s_per_gpu: Optional[float] = None
-    mfu: float = TRAINING_MFU
+    mfu: Optional[float] = None  # None: the model's (training_mfu)
     peak_flops: float = H100_BF16_DENSE_FLOPS
     link_bytes_per_s: float = INFINIBAND_NDR_BYTES_S
     node_link_bytes_per_s: float = NVLINK4_BYTES_S
@@ -111,6 +126,7 @@ class Cluster:
     mem_fraction: float = 0.85
     gpu_memory_bytes: float = H100_80GB_BYTES
     max_in_flight: Optional[int] = None
+    rollout_dp_attention: int = 1
 
     @property
     def generation_gpus(self) -> int:
@@ -129,7 +145,7 @@ class Cluster:
         for key, value in asdict(self).items():
             if key != "placement" and value is not None and not value > 0:
                 raise ValueError(f"{prefix}.{key} must be positive, got {value}")
-        if self.mfu > 1:
+        if self.mfu is not None and self.mfu > 1:
             raise ValueError(f"{prefix}.mfu must be at most 1, got {self.mfu}")
         if self.generation_gpus < self.rollout_tp:
             raise ValueError(
@@ -225,11 +241,15 @@ def predict_step_time(
     max_staleness: int = 1,
     expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE,
     offloaded_bytes_per_gpu: float = 0.0,
+    frozen_base: bool = False,
+    adapter_push_bytes: Optional[float] = None,
 ) -> StepTime:
     """Seconds of one step's terms and modes (module docstring). ``rollout_mode``: the disaggregated
     mode chosen, sync | overlap | async (ignored when colocated), ``max_staleness`` its k (async);
     ``offloaded_bytes_per_gpu``: the training state a colocated GPU moves to the host and back
-    (parameters, gradients, optimizer, reference)."""
+    (parameters, gradients, optimizer, reference); ``frozen_base``: a LoRA policy (no weight
+    gradients of the base); ``adapter_push_bytes``: a LoRA adapter pushed alone, through rank 0,
+    instead of the weights."""
     if rollout_mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout_mode must be one of {tuple(ROLLOUT_MODES)}, got {rollout_mode!r}")
     if max_staleness < 1:
@@ -248,15 +268,19 @@ def predict_step_time(
         gpu_memory_bytes=cluster.gpu_memory_bytes,
         decode_tokens_per_s_per_gpu=cluster.decode_tokens_per_s_per_gpu,
         max_in_flight=cluster.max_in_flight,
+        dp_attention=cluster.rollout_dp_attention,
+        gpus_per_node=cluster.gpus_per_node,
     )
     rollout = generation.seconds
     sequence = load.prompt_tokens + load.response_tokens
-    forwards = 2 + 3 + (1 if recompute == "full" else 0)
+    backward = FROZEN_BACKWARD_FORWARDS if frozen_base else BACKWARD_FORWARDS
+    forwards = 2 + 1 + backward + (1 if recompute == "full" else 0)
     flops = load.trained_sequences * sequence * forward_flops_per_token(model, sequence) * forwards
     exchange = all_to_all_s(model, load, cluster, expert_parallel, recompute, expert_imbalance)
-    train = flops / (cluster.train_gpus * cluster.peak_flops * cluster.mfu) + exchange
-    funnel = nccl_push_s(2 * model.num_parameters)
-    per_stage = nccl_push_s(push_bytes_per_stage(model, pipeline_parallel, expert_parallel))
+    train = flops / (cluster.train_gpus * cluster.peak_flops * (cluster.mfu or training_mfu(model))) + exchange
+    funnel = nccl_push_s(2 * model.num_parameters if adapter_push_bytes is None else adapter_push_bytes)
+    stage_bytes = push_bytes_per_stage(model, pipeline_parallel, expert_parallel)
+    per_stage = nccl_push_s(stage_bytes if adapter_push_bytes is None else adapter_push_bytes)
     sequential = rollout + train + per_stage
     overlapped = max(rollout, train) + per_stage
     asynchronous = max(generation.bulk_s, train, generation.tail_s / (max_staleness + 1)) + per_stage

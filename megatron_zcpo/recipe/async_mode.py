@@ -74,6 +74,11 @@ class AsynchronousRollouts:
 
         started = time.perf_counter()
         if self.producer is not None:
+            # lost SGLang servers that generate again rejoin at this push: asked before the pause, as a
+            # /health_generate while paused waits out SGLang's 20 s (the embedded engine has none)
+            check_returning = getattr(self.engine, "check_returning_servers", None)
+            if check_returning is not None:
+                check_returning()
             self.engine.pause_generation()
         push_weights(self.trainer, self.engine, version, self.stages, self.waits)
         if self.producer is not None:

@@ -11,6 +11,7 @@ from megatron_zcpo.algorithms import build_algorithm
 from megatron_zcpo.algorithms.config import AlgorithmConfig
 from megatron_zcpo.data.config import DataConfig
 from megatron_zcpo.diagnostics.config import DiagnosticsConfig
+from megatron_zcpo.megatron.lora import LoraConfig
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rewards.config import RewardConfig
 from megatron_zcpo.rollout.async_rollout import ON_STALE
@@ -39,6 +40,11 @@ class ModelSource:
     of this architecture instead of ``path`` (tests). ``preset``: the architecture of ``path`` by
     name (megatron_zcpo/convert/presets.py), so ``zcpo plan`` needs nothing downloaded; once
     ``path`` exists, its shapes (layers, widths, heads, vocabulary) must be the preset's.
+    ``lora``: train LoRA adapters on the frozen ``path`` instead of every weight (its keys:
+    :class:`~megatron_zcpo.megatron.lora.LoraConfig`); the reference is then the base with the
+    adapters off, so ``reference`` stays unset and no second model is loaded.
+    ``trust_remote_code``: load a tokenizer that is code shipped with the checkpoint (Moonlight's
+    and Kimi-K2's tiktoken tokenizers; transformers' ``trust_remote_code``).
     """
 
     path: Optional[str] = None
@@ -46,10 +52,17 @@ class ModelSource:
     tokenizer: Optional[str] = None
     architecture: Optional[ModelConfig] = None
     preset: Optional[str] = None
+    lora: Optional[LoraConfig] = None
+    trust_remote_code: bool = False
 
     def validate(self) -> None:
         if (self.path is None) == (self.architecture is None):
             raise ValueError("exactly one of model.path and model.architecture must be set")
+        if self.lora is not None and self.reference is not None:
+            raise ValueError(
+                f"model.reference={self.reference!r} with model.lora: a LoRA run's reference is its base "
+                "(model.path) with the adapters off; leave model.reference unset"
+            )
         if self.path is None and self.tokenizer is None:
             raise ValueError("model.tokenizer is required with model.architecture")
         if self.preset is not None:
@@ -293,6 +306,17 @@ class RunConfig:
                 "rollout.mode=async continues responses across weight pushes one request at a time: it does not "
                 "support tools.enabled (multi-turn) or train.routing_replay (set them off, or rollout.mode=overlap)"
             )
+        self._check_lora()
+        if (
+            self.rollout.placement == "colocated"
+            and self.rollout.sglang.client.get("weight_sync") == "tensor"
+            and (self.parallel.pipeline > 1 or self.parallel.expert > 1)
+        ):
+            raise ValueError(
+                "rollout.sglang.client.weight_sync=tensor feeds each server TP rank from the trainer rank on its GPU, "
+                "which walks the whole model in its own replica: with parallel.pipeline > 1 or parallel.expert > 1 "
+                "no rank holds it; use weight_sync=disk (the default then)"
+            )
         if self.tools.enabled and self.train.routing_replay != "none":
             raise ValueError("tools.enabled: multi-turn rollouts do not support train.routing_replay (set it to none)")
         held_out = self.eval.data
@@ -320,6 +344,29 @@ class RunConfig:
             raise ValueError(
                 f"reward.max_response_length={self.reward.max_response_length} must equal rollout.max_new_tokens="
                 f"{self.rollout.max_new_tokens} (the overlong penalty is measured against the generation cap)"
+            )
+
+    def _check_lora(self) -> None:
+        """``model.lora.push: adapter`` needs SGLang's LoRA serving, fed from a directory the servers read."""
+        lora = self.model.lora
+        if lora is None or lora.push != "adapter":
+            return
+        if self.rollout.engine != "sglang":
+            raise ValueError(
+                "model.lora.push=adapter loads the adapter into SGLang's LoRA serving: it needs rollout.engine=sglang "
+                "(the embedded engine takes model.lora.push=merged)"
+            )
+        if not self.rollout.sglang.client.get("weight_dir"):
+            raise ValueError(
+                "model.lora.push=adapter writes each version's adapter where the servers read it: set "
+                "rollout.sglang.client.weight_dir (a directory the servers can read)"
+            )
+        if self.rollout.quantization:
+            raise ValueError("model.lora.push=adapter serves the base as launched: rollout.quantization must be null")
+        if self.rollout.mode == "async":
+            raise ValueError(
+                "model.lora.push=adapter unloads the older adapter at each push while requests paused across it still "
+                "name it: rollout.mode=async takes model.lora.push=merged"
             )
 
     @property

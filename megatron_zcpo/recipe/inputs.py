@@ -19,20 +19,23 @@ def load_tokenizer(config: RunConfig):
     if path is None:
         checkpoint = megatron_checkpoint_dir(config.model.path)
         path = str((hf_files_of(checkpoint) if checkpoint is not None else None) or config.model.path)
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
 
 
 def resolve_model(path: str):
     """(ModelConfig, initial weights) from a Megatron model checkpoint (its directory: each rank
     loads its own shard) or an HF directory (a global state dict, converted in memory)."""
     from megatron_zcpo.convert.checkpoint import megatron_checkpoint_dir, model_config_at
-    from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint
+    from megatron_zcpo.convert.fp8 import open_hf_weights
+    from megatron_zcpo.convert.hf_checkpoint import read_hf_config
     from megatron_zcpo.convert.mapping import hf_to_megatron_tensors
 
     model_config, checkpoint = model_config_at(path), megatron_checkpoint_dir(path)
     if checkpoint is not None:
         return model_config, str(checkpoint)
-    return model_config, dict(hf_to_megatron_tensors(SafetensorsCheckpoint(path).tensor, model_config))
+    # Blockwise-FP8 weights (DeepSeek-V3 as released) as bf16; multi-token-prediction layers unread.
+    with open_hf_weights(path, read_hf_config(path)) as weights:
+        return model_config, dict(hf_to_megatron_tensors(weights.tensor, model_config))
 
 
 def eval_records(config: RunConfig, tokenizer):

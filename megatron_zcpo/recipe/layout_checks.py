@@ -94,13 +94,17 @@ def plan_inputs(config: RunConfig, gpus: int):
     )
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     # The trainer gives a sequence longer than the token budget a micro-batch of its own.
+    lora = config.model.lora
     workload = Workload(
         micro_batch_tokens=max(config.train.micro_batch_tokens, longest),
         max_sequence_length=longest,
         kl_chunk_tokens=config.train.kl_chunk_size,
-        reference="offloaded" if config.train.reference_offload else "resident",
+        # A LoRA run's reference is its base with the adapters off: no weights of its own.
+        reference="adapters_off" if lora else "offloaded" if config.train.reference_offload else "resident",
         token_stats_backend=config.train.token_stats_backend,
         update_reference=build_algorithm(config.algorithm).needs_current_kl,
+        lora_rank=lora.rank if lora else 0,
+        lora_targets=tuple(lora.targets) if lora else (),
     )
     return layout, workload
 
@@ -130,6 +134,11 @@ def layout_problems(
     if world_size % (tp * pp * cp):
         problems.append(
             f"parallel: TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp} must divide the {world_size} {world_source}"
+        )
+    if cp > 1 and model.is_mla:
+        problems.append(
+            f"parallel.context={cp}: context parallelism is not supported with multi-latent attention "
+            f"(the {model.family} model); use parallel.context=1"
         )
     split = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # heads, query groups, MLP width
     undivided = [f"{field}={getattr(model, field)}" for field in split if getattr(model, field) % tp]

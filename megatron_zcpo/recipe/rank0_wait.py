@@ -16,7 +16,7 @@ has met here, the training groups carry the data (the rollout's tensors, the wei
 from __future__ import annotations
 
 import datetime
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 
 class Rank0Wait:
@@ -47,3 +47,11 @@ class Rank0Wait:
         holder = [value]
         dist.broadcast_object_list(holder, src=0, group=self.group)
         return holder[0]
+
+    def gather(self, value: Any) -> Optional[List[Any]]:
+        """Every rank's ``value`` (picklable) on rank 0, in rank order; None on the other ranks."""
+        import torch.distributed as dist
+
+        values = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(value, values, dst=0, group=self.group)
+        return values

@@ -234,7 +234,7 @@ def make_single_turn_engine(config: RunConfig, model_config, tokenizer):
     client = dict(rollout.sglang.client, quantization=rollout.quantization, vocab_size=model_config.vocab_size)
     launch = rollout.sglang.launch
     if rollout.placement == "colocated":
-        client = colocated_client(client, config.logging.run_dir)
+        client = colocated_client(client, config)
         launch = None if launch is None else {**launch, "enable_memory_saver": True}
     if launch is not None:
         from megatron_zcpo.rollout.sglang.server import (
@@ -251,6 +251,7 @@ def make_single_turn_engine(config: RunConfig, model_config, tokenizer):
             config.data.max_prompt_length,
             longest_new_tokens(config),
             weight_update_groups(config.parallel.pipeline, config.parallel.expert, client_config),
+            lora=config.model.lora,
         )
         engine = launch_sglang(SGLangLauncher(servers), **client)
     else:
@@ -268,19 +269,21 @@ def make_single_turn_engine(config: RunConfig, model_config, tokenizer):
     return engine
 
 
-def colocated_client(client: Dict, run_dir: str) -> Dict:
-    """The SGLang client settings of a colocated run: the weights go in place through CUDA IPC
-    ("tensor") on a one-node GPU job, else through the disk (no CUDA, or servers on other nodes, whose
-    IPC handles would not open), into ``<run_dir>/colocated_weights`` unless ``weight_dir`` is set."""
+def colocated_client(client: Dict, config: RunConfig) -> Dict:
+    """The SGLang client settings of a colocated run (``config``): the weights go in place through CUDA
+    IPC ("tensor", every GPU feeding the server ranks beside it) on a one-node GPU job without
+    pipeline or expert parallelism (every rank then walks the whole model), else through the disk,
+    into ``<run_dir>/colocated_weights`` unless ``weight_dir`` is set. Every rank computes the same."""
     import os
 
     from megatron_zcpo.utils.devices import has_cuda
 
     client = dict(client)
     one_node = int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) == 1
-    client.setdefault("weight_sync", "tensor" if has_cuda() and one_node else "disk")
+    whole_model_per_rank = config.parallel.pipeline == 1 and config.parallel.expert == 1
+    client.setdefault("weight_sync", "tensor" if has_cuda() and one_node and whole_model_per_rank else "disk")
     if client["weight_sync"] == "disk":
-        client.setdefault("weight_dir", os.path.join(run_dir, "colocated_weights"))
+        client.setdefault("weight_dir", os.path.join(config.logging.run_dir, "colocated_weights"))
     return client
 
 

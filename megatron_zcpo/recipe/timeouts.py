@@ -67,6 +67,7 @@ class RolloutServers:
     decode_tokens_per_s_per_gpu: Optional[float] = None
     gpu_memory_bytes: float = H100_80GB_BYTES
     known_hardware: bool = True
+    dp_attention: int = 1  # SGLang's DP-attention groups per server (1: plain tensor parallelism)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,9 @@ def predicted_durations(config, model, servers: RolloutServers) -> Dict[str, flo
     client, rollout = client_config(config), config.rollout
     prompt, response = MEAN_FRACTION * config.data.max_prompt_length, MEAN_FRACTION * rollout.max_new_tokens
     in_flight = in_flight_per_server(config, servers.count)
-    shape = dict(mem_fraction=servers.mem_fraction, gpu_memory_bytes=servers.gpu_memory_bytes)
+    shape = dict(
+        mem_fraction=servers.mem_fraction, gpu_memory_bytes=servers.gpu_memory_bytes, dp_attention=servers.dp_attention
+    )
     roofline = decode_roofline(model, prompt, response, servers.tp_size, max_batch=in_flight, **shape)
     rate = servers.decode_tokens_per_s_per_gpu or decode_tokens_per_s_per_gpu(
         model, prompt, response, servers.tp_size, max_batch=in_flight, **shape
@@ -291,7 +294,7 @@ def check_sglang_servers(config, model, engine) -> List[TimeoutCheck]:
     every server's context length against ``data.max_prompt_length + max_new_tokens``, seeds and
     load format (:meth:`SGLangEngine.check_servers`), then the timeout chain on the servers'
     real layout. Raises ``RolloutError`` / ``ValueError`` naming what to change."""
-    facts = engine.check_servers(config.data.max_prompt_length, longest_new_tokens(config))
+    facts = engine.check_servers(config.data.max_prompt_length, longest_new_tokens(config), config.model.lora)
     fractions = [fact.mem_fraction_static for fact in facts if fact.mem_fraction_static]
     servers = RolloutServers(
         count=len(facts),

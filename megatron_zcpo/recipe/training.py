@@ -33,6 +33,7 @@ class RLRecipe:
         self.asynchronous = None  # rollout.mode=async: the producer's side (recipe/async_mode.py)
         self.waits = None  # the Rank0Wait group: where the other ranks wait for rank 0 alone
         self.colocation = None  # rollout.placement=colocated: the phase machine (rollout/placement.py)
+        self.push_bytes: Optional[int] = None  # bytes of the last weight push (rank 0)
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -137,7 +138,7 @@ class RLRecipe:
 
         if self.colocation is not None:
             self.colocation.to_update()
-        push_weights(self.trainer, self.engine, version, self.stages, self.waits)
+        self.push_bytes = push_weights(self.trainer, self.engine, version, self.stages, self.waits)
         if self.colocation is not None:
             self.colocation.to_generate()
 
@@ -159,6 +160,14 @@ class RLRecipe:
             raise ValueError(
                 f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model_config.vocab_size}"
             )
+        lora_base = None
+        if config.model.lora is not None and config.model.path is not None:  # read once, by rank 0
+            from megatron_zcpo.checkpoint.lora_base import base_fingerprint
+
+            path = config.model.path
+            lora_base = self.waits.broadcast(
+                {"path": str(Path(path).resolve()), "fingerprint": base_fingerprint(path)} if self.rank == 0 else None
+            )
         self.trainer = PolicyTrainer(
             model_config,
             config.algorithm,
@@ -168,6 +177,8 @@ class RLRecipe:
             reference_weights=reference,
             temperature=config.rollout.temperature,
             diagnostics=build_diagnostics(config.diagnostics, config.algorithm),
+            lora=config.model.lora,
+            lora_base=lora_base,
         )
         if startup_check_due(config.train.verify_against_hf, config.model.path, model_config):
             check_policy_against_hf(self.trainer, config.model.path, config.train.verify_tolerance)
@@ -298,6 +309,8 @@ class RLRecipe:
             return
         metrics.update(rollout_stats)
         push_s = time.perf_counter() - started_push if overlap is None else overlap.push_s
+        if self.push_bytes is not None:  # the last push's tensors (a LoRA adapter's alone: MBs, not GBs)
+            metrics["rollout/push_bytes"] = float(self.push_bytes)
         if self.colocation is not None:  # time to hand the GPUs over, per phase entered
             metrics.update({f"time/colocate_{phase}": s for phase, s in self.colocation.seconds.items()})
         # time/world_size: the devices this step held, so `zcpo report --align-by gpu-hours` can sum GPU time
@@ -378,8 +391,9 @@ class RLRecipe:
             self.overlap.close()
         if self.asynchronous is not None:
             self.asynchronous.close()
-        if self.stages is not None and self.stages.engine is not None:
-            self.stages.engine.shutdown()
+        share_engine = getattr(self.stages, "engine", None)  # a share's lead's own client (StageWeightPush)
+        if share_engine is not None:
+            share_engine.shutdown()
         if self.rollout is not None:
             self.rollout.close()
         if self.logger is not None:

@@ -12,7 +12,10 @@ big memory. One step goes through three phases, in this order, on every rank:
   the memory is free) the trainer's state comes back.
 - update (:meth:`ColocatedPhases.to_update`): the optimizer states and gradients leave, the engine
   resumes its ``weights`` only, generation is paused, and the caller pushes the weights (CUDA IPC or
-  disk); :meth:`ColocatedPhases.to_generate` then offloads the parameters and resumes the rest.
+  disk); :meth:`ColocatedPhases.to_generate` then offloads the parameters, resumes the rest and only
+  then continues generation (a request let through earlier would run on the freed KV cache), and
+  health-checks the servers it lost (the one phase where they can generate; the next push brings
+  the healthy ones back).
 
 So the device holds at most max(trainer state, engine weights + trainer parameters, engine): never
 both sides' full memory. At start-up the engine comes first (servers load their weights at launch
@@ -104,14 +107,18 @@ class ColocatedPhases:
         self._done("update")
 
     def to_generate(self) -> None:
-        """After the push: the parameters leave; the engine resumes its KV cache (and graphs) and generates."""
+        """After the push: the parameters leave; the engine resumes its KV cache (and graphs), then generates;
+        its lost servers that generate again rejoin at the next push."""
         self._enter("generate")
         self.trainer_state.offload(["params"])
         self.after_offload()
         self.barrier()
         if self.engine is not None:
-            self.engine.continue_generation()
             self.engine.resume_memory([tag for tag in self.tags if tag != WEIGHTS])
+            self.engine.continue_generation()
+            check_returning = getattr(self.engine, "check_returning_servers", None)  # SGLang's, not the embedded
+            if check_returning is not None:
+                check_returning()
         self.barrier()
         self._done("generate")
 

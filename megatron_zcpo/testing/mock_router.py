@@ -156,7 +156,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     router.start()
     stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # as SGLang (uvicorn) and the router stop on either
+        signal.signal(stop_signal, lambda *_: stopped.set())
     stopped.wait()
     router.stop()
 

@@ -19,7 +19,9 @@ corruption of a /generate answer at output position 1 (position 0 of a one-token
 "bad_token" (an id far outside any vocabulary), "nan_logprob", "positive_logprob" or
 "mismatched_ids" (``output_token_logprobs`` names another token).
 ``random_faults`` (a probability) adds a random "drop", "503" or "hang" to /generate requests
-(soak runs: benchmarks/soak.py), each appended to ``fault_log`` when given.
+(soak runs: benchmarks/soak.py), each appended to ``fault_log`` when given. LoRA serving
+(``enable_lora``, ``max_lora_rank``, ``lora_target_modules``: SGLang's launch flags) is
+:mod:`megatron_zcpo.testing.mock_lora`'s.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from megatron_zcpo.rollout.sglang.generate_io import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 from megatron_zcpo.testing.mock_continuous import ContinuousBatchingEndpoints
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer
+from megatron_zcpo.testing.mock_lora import LoraEndpoints
 from megatron_zcpo.testing.mock_memory_saver import MEMORY_FAULTS, MemorySaverEndpoints
 
 CORRUPTIONS = ("bad_token", "nan_logprob", "positive_logprob", "mismatched_ids")
@@ -52,11 +55,12 @@ FAULTS = ("drop", "503", "hang", *CORRUPTIONS, *MEMORY_FAULTS)
 COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
-class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, BackgroundHTTPServer):
+class MockSGLangServer(ContinuousBatchingEndpoints, LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
-    ``tp_size`` is what ``/get_server_info`` reports, i.e. how many ranks this server takes in a
-    weight-update group (the mock joins with one process and counts as ``tp_size`` = 1).
+    ``tp_size`` is what ``/get_server_info`` reports: how many blobs ``/update_weights_from_tensor``
+    takes (TP rank k on ``gpus[k]``), and how many ranks it would take in a weight-update group (the
+    mock joins one with one process: only at ``tp_size`` 1).
     ``release``: the SGLang release whose API it speaks. ``events`` records (path, detail) of every
     request, for tests: detail "ok", a fault action, or the status a refused request got.
     Launch settings, as SGLang's flags: ``context_length`` (``--context-length``; None: the
@@ -67,10 +71,13 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
     collective request that arrived while another group's was in flight here. Colocated placement
     (:mod:`megatron_zcpo.testing.mock_memory_saver`): ``memory_saver`` (``--enable-memory-saver``),
     the ``gpus`` it occupies, each memory tag's bytes per GPU (``memory_sizes``) booked in ``ledger``
-    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault.
+    (shared with a test's trainer side), ``release_lag_s`` of a "late_release" fault,
+    ``weights_cpu_backup`` (``--enable-weights-cpu-backup``), ``static_scales``: parameters the server
+    loaded from its checkpoint that no push carries (FP8's ``input_scale``), lost at a release of the
+    weights without the backup.
     ``continuous``: /generate runs on the backend's asynchronous requests, concurrent ones sharing its
     batches, and /pause_generation holds or aborts them as the release does
-    (:mod:`megatron_zcpo.testing.mock_continuous`; asynchronous rollouts).
+    (:mod:`megatron_zcpo.testing.mock_continuous`; asynchronous rollouts; no LoRA adapter).
     """
 
     thread_name = "mock-sglang"
@@ -93,10 +100,16 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
         api_key: Optional[str] = None,
         generate_delay_s: float = 0.0,
         memory_saver: bool = False,
-        gpus: Sequence[int] = (0,),
+        tp_size: int = 1,
+        gpus: Optional[Sequence[int]] = None,
         memory_sizes: Optional[Dict[str, int]] = None,
         ledger: Optional[MemoryLedger] = None,
         release_lag_s: float = 0.5,
+        enable_lora: bool = False,
+        max_lora_rank: Optional[int] = None,
+        lora_target_modules: Sequence[str] = (),
+        weights_cpu_backup: bool = False,
+        static_scales: Optional[Dict[str, Any]] = None,
         continuous: bool = False,
     ):
         if release not in RELEASES:
@@ -150,7 +163,14 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
             "/begin_weight_update": self._begin_session,
             "/end_weight_update": self._end_session,
         }
+        self.tp_size = tp_size
+        gpus = tuple(range(tp_size)) if gpus is None else tuple(gpus)
+        if len(gpus) != tp_size:
+            raise ValueError(f"gpus={gpus}: a server at tp_size {tp_size} has one GPU per TP rank")
         self._init_memory_saver(memory_saver, gpus, memory_sizes, ledger, release_lag_s)
+        self._init_lora(enable_lora, max_lora_rank, lora_target_modules)
+        self.weights_cpu_backup = weights_cpu_backup
+        self.static_scales = {name: tensor.clone() for name, tensor in (static_scales or {}).items()}
         self._init_continuous(continuous)
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -237,7 +257,7 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
         body = await request.json()
         if self.continuous:  # held while paused, as both releases hold it
             await self._open_event().wait()
-        refusal = self.memory_refusal("generate")
+        refusal = self.memory_refusal("generate") or self.lora_refusal(body)
         if refusal:
             return self._refuse(refusal)
         input_ids = body.get("input_ids")
@@ -268,7 +288,9 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
             if self.continuous:
                 results = await self._complete_continuously(prompts, params, rid)
             else:
-                results = await self._blocking(self._run_backend, self.backend.generate, prompts, params, 1)
+                results = await self._blocking(
+                    self._run_backend, self._generate_with, body.get("lora_path"), prompts, params
+                )
         finally:
             self.running_rids.discard(rid)
         answers = []
@@ -296,6 +318,11 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
         if request.get("corrupt"):
             _corrupt(answers[0], request["corrupt"])
         return web.json_response(answers if batch else answers[0])
+
+    def _generate_with(self, adapter: Optional[str], prompts, params):
+        """The backend's samples with ``adapter``'s weights (None: the base); under the backend lock."""
+        self.serve_adapter(adapter)
+        return self.backend.generate(prompts, params, 1)
 
     def _context_refusal(self, body) -> Optional[tuple]:
         """(400, SGLang's message) for a /generate prompt that does not fit the context length, or None."""
@@ -327,7 +354,8 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
     async def _health(self, request):
         from aiohttp import web
 
-        return web.Response(status=200)
+        status = self.health_generation(request)  # SGLang's /health and /health_generate run a token
+        return web.Response(status=status)
 
     async def _model_info(self, request):
         from aiohttp import web
@@ -347,7 +375,7 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
 
         return web.json_response(
             {
-                "tp_size": 1,
+                "tp_size": self.tp_size,
                 "dp_size": 1,
                 "version": self.release,
                 "context_length": self.context_length,
@@ -356,6 +384,8 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
                 "enable_deterministic_inference": self.deterministic_inference,
                 "sampling_backend": "pytorch" if self.deterministic_inference else "flashinfer",
                 "enable_memory_saver": self.memory_saver,
+                **self.lora_server_info(),
+                "enable_weights_cpu_backup": self.weights_cpu_backup,
             }
         )
 
@@ -418,6 +448,8 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
 
     async def _init_group(self, request):
         body = await request.json()
+        if self.tp_size != 1:
+            return self._result(False, f"the mock joins weight-update groups as one rank, not tp_size {self.tp_size}")
         try:
             group = await self._one_at_a_time(
                 request.path,
@@ -490,7 +522,9 @@ class MockSGLangServer(ContinuousBatchingEndpoints, MemorySaverEndpoints, Backgr
 
     def _load(self, named_tensors, weight_version: Optional[str]) -> None:
         version = int(weight_version) if weight_version is not None else self.backend.weight_version()
-        self._run_backend(self.backend.update_weights, named_tensors, version)
+        # Under --enable-lora the adapted projections are renamed: SGLang's load_weights passes them over.
+        kept = ((name, tensor) for name, tensor in named_tensors if not self.skips_under_lora(name))
+        self._run_backend(self.backend.update_weights, kept, version)
         if weight_version is not None:
             self.served_version = str(weight_version)
 
@@ -514,7 +548,8 @@ def _corrupt(answer: Dict[str, Any], action: str) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     """``python -m megatron_zcpo.testing.mock_server --model-path DIR --port P``: a CPU stand-in for
     ``sglang.launch_server`` (other SGLang arguments are accepted and ignored) that serves the
-    Hugging Face checkpoint in DIR with the embedded engine until terminated."""
+    Hugging Face checkpoint in DIR with the embedded engine until terminated (on ``--node-rank`` > 0,
+    a multi-node server's other nodes, it only waits, as SGLang's serve no HTTP)."""
     import argparse
     import signal
 
@@ -531,6 +566,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-memory-saver", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--lora-target-modules", nargs="*", default=[])
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random /generate fault")
     parser.add_argument("--fault-log", default=None, help="append each random fault to this file")
     parser.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate answers no sooner")
@@ -539,7 +578,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=None,
         help="on exit, write the requests, weight updates and update overlaps to DIR/<port>.json",
     )
+    parser.add_argument("--node-rank", type=int, default=0, help="a server spanning nodes: this node's rank")
     args, _ = parser.parse_known_args(argv)
+    stopped = threading.Event()
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # as SGLang (uvicorn) and the router stop on either
+        signal.signal(stop_signal, lambda *_: stopped.set())
+    if args.node_rank > 0:  # as SGLang's: only a multi-node server's first node serves HTTP
+        stopped.wait()
+        return
     engine = EmbeddedEngine(model_config_from_hf(read_hf_config(args.model_path)), seed=args.random_seed)
     with SafetensorsCheckpoint(args.model_path) as checkpoint:
         engine.update_weights(((name, checkpoint.tensor(name)) for name in checkpoint.names()), version=0)
@@ -556,10 +602,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         api_key=args.api_key,
         generate_delay_s=args.generate_delay_s,
         memory_saver=args.enable_memory_saver,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=args.lora_target_modules,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     server.start()
-    stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     stopped.wait()
     server.stop()
     if args.record_dir:

@@ -9,7 +9,9 @@ unpacked (:func:`sglang_source`) so that tests read the release's own files: 0.5
 ``/generate`` JSON contract (``sglang/api/v1/api_types.py``, needs only msgspec), every release's
 request classes and sampling parameters (read from ``io_struct.py`` / ``sampling_params.py``
 without importing them) and its launch-argument parser (``ServerArgs.add_cli_args``, imported in a
-subprocess with the few pure-Python packages of :data:`PARSER_DEPENDENCIES`: no CUDA needed). A download that fails raises
+subprocess with the few pure-Python packages of :data:`PARSER_DEPENDENCIES`: no CUDA needed), and its
+CUDA IPC deserialisation (``utils/patch_torch.py`` with ``MultiprocessingSerializer`` / ``SafeUnpickler``
+cut out of ``utils/common.py``, :func:`open_blobs_with_wheel`, on fake GPUs). A download that fails raises
 :class:`PackageUnavailable`, which tests turn into a skip naming the package.
 """
 
@@ -26,11 +28,18 @@ import urllib.request
 import zipfile
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional, Set, Union
+from typing import List, Optional, Set, Tuple, Union
 
 from megatron_zcpo.rollout.sglang.api import ROUTER_RELEASES
 
-__all__ = ["ROUTER_RELEASES", "PackageUnavailable", "RealRouter", "generate_contract", "parse_launch_args"]
+__all__ = [
+    "ROUTER_RELEASES",
+    "PackageUnavailable",
+    "RealRouter",
+    "generate_contract",
+    "open_blobs_with_wheel",
+    "parse_launch_args",
+]
 
 _DONE = ".complete"
 
@@ -171,14 +180,83 @@ def sampling_fields(version: str) -> Set[str]:
     return _class_fields(tree, "SamplingParams")
 
 
+# SGLang's own CUDA IPC deserialisation, run on a CPU: only the wheel's utils/patch_torch.py (imported as
+# it is) and its MultiprocessingSerializer / SafeUnpickler / _safe_load_torch_storage (cut out of
+# utils/common.py, whose imports need CUDA packages), with the fake GPUs of testing/fake_cuda_ipc.py.
+_OPEN_BLOBS = """
+import ast, base64, functools, importlib, io, json, os, pickle, sys, types
+from multiprocessing.reduction import ForkingPickler
+import torch
+from torch.multiprocessing import reductions
+from megatron_zcpo.testing.fake_cuda_ipc import open_fake_cuda_handle
+request = json.loads(sys.stdin.read())
+root, visible = request["root"], []
+for name in ("sglang", "sglang.srt", "sglang.srt.utils"):
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.join(root, *name.split("."))]
+    sys.modules[name] = package
+path = os.path.join(root, "sglang", "srt", "utils", "common.py")
+tree = ast.parse(open(path).read())
+kept = [n for n in tree.body if getattr(n, "name", None) in ("MultiprocessingSerializer", "SafeUnpickler", "_safe_load_torch_storage")]
+common = types.ModuleType("sglang.srt.utils.common")
+release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+common.__dict__.update(io=io, pickle=pickle, torch=torch, ForkingPickler=ForkingPickler, pybase64=base64,
+                       is_npu=lambda: False, is_musa=lambda: False, torch_release=release)
+exec(compile(ast.Module(body=kept, type_ignores=[]), path, "exec"), common.__dict__)
+sys.modules["sglang.srt.utils.common"] = common
+sys.modules["sglang.srt.utils"].__dict__.update(is_npu=common.is_npu)
+patch_torch = importlib.import_module("sglang.srt.utils.patch_torch")
+torch.cuda.device_count = lambda: len(visible)  # the GPUs this TP rank's process sees
+torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=visible[index])
+reductions.rebuild_cuda_tensor = functools.partial(open_fake_cuda_handle, visible)  # torch's, on emulated handles
+patch_torch.monkey_patch_torch_reductions()  # the scheduler's step before it unpickles (tp_worker.py)
+answers = []
+for blob, sees in request["cases"]:
+    visible[:] = sees
+    try:
+        received = common.MultiprocessingSerializer.deserialize(blob)
+        flat = received["flattened_tensor"]
+        answers.append({"device": getattr(flat, "fake_device", None), "values": flat.double().tolist(),
+                        "names": [meta.name for meta in received["metadata"]]})
+    except Exception as error:
+        answers.append({"error": f"{type(error).__name__}: {error}"})
+print(json.dumps(answers))
+"""
+
+
+def open_blobs_with_wheel(version: str, cases: List[Tuple[str, List[str]]]) -> List[dict]:
+    """Each (blob, visible) of ``cases`` (a ``serialized_named_tensors`` entry of a flattened bucket, the
+    UUIDs of the GPUs a TP rank's process sees: fake ones, :mod:`megatron_zcpo.testing.fake_cuda_ipc`)
+    opened by sglang ``version``'s own code: {"device": the index it opened on, "values", "names"} or
+    {"error": what SGLang raised}. One subprocess (the patches stay out of the caller)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OPEN_BLOBS],
+        input=json.dumps({"root": str(sglang_source(version)), "cases": cases}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"sglang {version}'s deserialiser did not run: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 class RealRouter:
     """sglang-router ``version`` (from :func:`router_package`) in front of ``worker_urls`` on
-    ``127.0.0.1:port``, launched with the command line the launcher uses
+    ``127.0.0.1:port`` (worker checks every ``health_check_interval_s``), launched with the command line the launcher uses
     (:func:`~megatron_zcpo.rollout.sglang.server.router_command`); a context manager that waits until it
     answers ``/readiness`` with every worker healthy, and stops it."""
 
-    def __init__(self, version: str, worker_urls: List[str], port: int, api_key: Optional[str] = None):
+    def __init__(
+        self,
+        version: str,
+        worker_urls: List[str],
+        port: int,
+        api_key: Optional[str] = None,
+        health_check_interval_s: int = 60,
+    ):
         self.version, self.worker_urls, self.port, self.api_key = version, list(worker_urls), port, api_key
+        self.health_check_interval_s = health_check_interval_s
         self._process: Optional[subprocess.Popen] = None
 
     @property
@@ -187,9 +265,17 @@ class RealRouter:
 
     def __enter__(self) -> RealRouter:
         from megatron_zcpo.rollout.sglang.server import SGLangServerConfig, router_command
+        from megatron_zcpo.utils.runtime import free_port
 
-        launch = SGLangServerConfig(model_path="-", router_port=self.port, router_policy="round_robin")
+        launch = SGLangServerConfig(
+            model_path="-",
+            router_port=self.port,
+            router_policy="round_robin",
+            router_health_check_interval_s=self.health_check_interval_s,
+        )
         command = router_command(self.worker_urls, launch, "127.0.0.1", self.api_key)  # the launcher's own line
+        # its metrics exporter binds a fixed port (29000) on every interface: a free one beside other routers
+        command += ["--prometheus-port", str(free_port())]
         env = dict(os.environ, PYTHONPATH=str(router_package(self.version)))
         self._process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Dict, Optional, Sequence
 
 # The exit status of a run stopped by a signal after its checkpoint: EX_TEMPFAIL ("try again"),
@@ -18,10 +19,19 @@ _received_early: Optional[int] = None  # a stop signal recorded by record_stop_s
 
 
 def record_stop_signals() -> None:
-    """Make a stop signal harmless from the start of a process: remember it until a
-    :class:`PreemptionGuard` takes over (the guard starts with it as received). Call first thing in
-    an entry point; this module imports nothing heavy, so the window in which a signal still kills
-    the process is the interpreter's own start-up."""
+    """Make a stop signal harmless from the start of a process and of every process it starts:
+    remember it until a :class:`PreemptionGuard` takes over (the guard starts with it as received).
+    Call first thing in an entry point; this module imports nothing heavy, so the window in which a
+    signal still kills the process is the interpreter's own start-up.
+
+    Slurm signals every process of a job step, not only the rank: megatron-core's checkpoint-queue
+    ``Manager``, multiprocessing's resource tracker and forkserver, reward workers, tool sandboxes.
+    One of them killed breaks the rank's next save (``BrokenPipeError``). So the stop signals are
+    *blocked* here, in this thread and hence in every thread and process started after it (the mask
+    is inherited through fork and exec, and installing a handler does not unblock); one thread takes
+    them with ``sigwait`` and runs this process's Python handler for them (the guard's). Processes
+    started from here on stop on other signals (SIGINT, SIGKILL), never on SIGTERM or SIGUSR1.
+    """
 
     def remember(signum, frame) -> None:
         global _received_early
@@ -29,6 +39,26 @@ def record_stop_signals() -> None:
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, remember)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # CPython's resource tracker unblocks SIGINT and SIGTERM in the thread that first starts it
+    # (resource_tracker.ensure_running, 3.11-3.13), and a process spawned by that thread later (a
+    # forkserver, the checkpoint Manager) would die of SIGTERM: start it now (blocked: it survives
+    # SIGUSR1; it ignores SIGTERM itself) and block again.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(target=_run_handlers_of_blocked_signals, name="zcpo-stop-signals", daemon=True).start()
+
+
+def _run_handlers_of_blocked_signals() -> None:
+    """The thread of :func:`record_stop_signals`: every stop signal the process receives runs the
+    Python handler installed for it when it arrives (the recorder, the guard, or none once ignored)."""
+    while True:
+        signum = signal.sigwait(STOP_SIGNALS)
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            handler(signum, None)
 
 
 def ignore_stop_signals() -> None:
@@ -83,6 +113,7 @@ class PreemptionGuard:
     def __enter__(self) -> PreemptionGuard:
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        self.received = self.received or _received_early  # recorded since __init__
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -153,10 +153,12 @@ class RoutingReplay:
             raise ValueError(f"train.routing_replay must be one of {MODES}, got {mode!r}")
         self.mode, self.top_k, self.sp_size, self.sp_rank = mode, top_k, sp_size, sp_rank
         self.taps: List[RouterTap] = []
+        self._routers = []
         for module in unwrap(policy).modules():
             if isinstance(module, TopKRouter):
                 module.router_replay = RouterTap(module.layer_number - 1)  # megatron numbers layers from 1
                 self.taps.append(module.router_replay)
+                self._routers.append(module)
         self.taps.sort(key=lambda tap: tap.layer)
         self.step: Optional[StepRouting] = None
         self._lengths: Sequence[int] = ()
@@ -226,6 +228,19 @@ class RoutingReplay:
             self._compare(pass_name, owner, position, targets)
         if pass_name == "experience" and self.mode == "experience":
             self._record(owner, position)
+
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Within the block the policy's routers route freely, unrecorded: the reference forward of a
+        LoRA policy (the same routers, adapters off) neither replays nor overwrites the pass's record."""
+        taps = [router.router_replay for router in self._routers]
+        for router in self._routers:
+            router.router_replay = None
+        try:
+            yield
+        finally:
+            for router, tap in zip(self._routers, taps):
+                router.router_replay = tap
 
     def _record(self, owner: torch.Tensor, position: torch.Tensor) -> None:
         """R2: keep each token's experts from this experience-pass forward."""

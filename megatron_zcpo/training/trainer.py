@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from megatron_zcpo.megatron.lora import AdaptersOffReference, LoraConfig, apply_lora
 from megatron_zcpo.megatron.model import ModelConfig, build_gpt_model, transformer_config
 from megatron_zcpo.megatron.offload import HostOffload
 from megatron_zcpo.megatron.pipeline import ModelChunks, install_hidden_state_head
@@ -96,6 +97,11 @@ class PolicyTrainer:
     ``due(step) -> bool``, ``run(policy_update, rollout_step) -> dict`` and
     ``before_minibatch(policy_update, rollout_step, index) -> dict`` (a :class:`PolicyUpdate` and
     the :class:`RolloutStep`); when due, ``run`` runs between calibration and the update, on every rank.
+
+    ``lora`` (``model.lora``): the policy is the frozen base plus LoRA adapters
+    (:mod:`megatron_zcpo.megatron.lora`); only the adapters are trained, checkpointed and optimised, and
+    the reference is the same model with the adapters off (no ``reference_weights``, no second model).
+    ``lora_base``: {"path", "fingerprint"} of the base, recorded in checkpoints and checked on resume.
     """
 
     def __init__(
@@ -109,6 +115,8 @@ class PolicyTrainer:
         reference_weights: Weights = None,
         temperature: float = 1.0,
         diagnostics=None,
+        lora: Optional[LoraConfig] = None,
+        lora_base: Optional[Dict[str, Any]] = None,
     ):
         from megatron.core import parallel_state as ps
 
@@ -125,6 +133,11 @@ class PolicyTrainer:
         self.skips = SkippedSteps()  # optimizer steps skipped for non-finite values
         self.last_coefficients: Optional[torch.Tensor] = None
         self.diagnostics = diagnostics
+        if lora is not None and reference_weights is not None:
+            raise ValueError(
+                "model.reference: a LoRA policy's reference is its base with the adapters off; leave it unset"
+            )
+        self.lora, self.lora_base = lora, lora_base
         self.reference_is_initial_policy = reference_weights is None
         check_experts(model_config, parallel, train, diagnostics is not None)
         self.config = transformer_config(
@@ -154,37 +167,46 @@ class PolicyTrainer:
         self.counts_once = self.dp_rank == 0 and self.cp_rank == 0
 
     def _build_models(self, initial_weights: Weights, reference_weights: Weights) -> None:
-        """``self.models``: the policy (DDP-wrapped) and the frozen reference, loaded and headless."""
+        """``self.models``: the policy (DDP-wrapped) and the frozen reference, loaded and headless
+        (with LoRA: the adapted policy and its adapters-off view)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from megatron_zcpo.checkpoint.io import load_model_checkpoint
         from megatron_zcpo.megatron.weights import gather_global_state_dict, load_global_state_dict
 
         policy = build_gpt_model(self.model_config, self.config)
-        reference = build_gpt_model(self.model_config, self.config)
-        if initial_weights is None:
+        reference = None if self.lora is not None else build_gpt_model(self.model_config, self.config)
+        if initial_weights is None and reference is not None:
             # Same starting point for both: the reference is the initial policy.
             initial_weights = gather_global_state_dict(policy)
-        for model, source in (
-            (policy, initial_weights),
-            (reference, initial_weights if reference_weights is None else reference_weights),
-        ):
+        loads = [(policy, initial_weights)]
+        if reference is not None:
+            loads.append((reference, initial_weights if reference_weights is None else reference_weights))
+        for model, source in loads:
             if isinstance(source, dict):
                 load_global_state_dict(model, source)
-            else:  # a model checkpoint directory: each rank reads only its own shard
+            elif source is not None:  # a model checkpoint directory: each rank reads only its own shard
                 load_model_checkpoint(model, source)
+        if self.lora is not None:  # the base is loaded: freeze it, add the adapters
+            apply_lora(policy, self.lora, self.train_config.seed)
         for model in (policy, reference):
-            install_hidden_state_head(model)
+            if model is not None:
+                install_hidden_state_head(model)
         if self.train_config.bf16:
             # megatron's mixed precision: the whole module in bf16 (norms included), inputs cast on
             # the first stage; the last stage keeps its bf16 hidden states (fp32_output=False): the
             # fused op computes exact fp32 logits from bf16 operands, as the output layer would see.
             from megatron.core.transformer.module import Float16Module
 
-            policy, reference = Float16Module(self.config, policy), Float16Module(self.config, reference)
-        reference.eval()
-        for param in reference.parameters():
-            param.requires_grad_(False)
+            from megatron_zcpo.megatron.weights import expert_biases_kept_in_float32
+
+            with expert_biases_kept_in_float32(policy, reference):
+                policy = Float16Module(self.config, policy)
+                reference = Float16Module(self.config, reference) if reference is not None else None
+        if reference is not None:
+            reference.eval()
+            for param in reference.parameters():
+                param.requires_grad_(False)
         policy = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(
@@ -193,7 +215,13 @@ class PolicyTrainer:
             policy,
         )
         # Offloaded between uses through reused pinned host buffers (asynchronous copies).
-        offload = HostOffload(reference, pin=True) if self.train_config.reference_offload and has_cuda() else None
+        offload = (
+            HostOffload(reference, pin=True)
+            if reference is not None and self.train_config.reference_offload and has_cuda()
+            else None
+        )
+        if reference is None:  # LoRA: the policy with its adapters off
+            reference = AdaptersOffReference(policy)
         self.models = ModelChunks(policy, reference, {"fp32_output": False} if self.train_config.bf16 else {}, offload)
         self.routing = None  # MoE models: routing record / replay / comparison on the policy's routers
         if self.model_config.is_moe:
@@ -210,6 +238,8 @@ class PolicyTrainer:
                 sp_rank=ps.get_tensor_model_parallel_rank() if sequence_parallel else 0,
             )
             self.models.around_forward = self.routing.micro_batch
+            if isinstance(reference, AdaptersOffReference):  # the reference routes freely through the same routers
+                reference.around_forward = self.routing.bypassed
 
     @property
     def policy(self):
@@ -467,11 +497,12 @@ class PolicyTrainer:
     gradient_dot = staticmethod(gradient_dot)
 
     # ----------------------------------------------------------------------------- weights & state
-    def global_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The whole policy as a global state dict (gathered over TP and PP; every rank)."""
+    def global_state_dict(self, part: str = "all", merged: bool = False) -> Dict[str, torch.Tensor]:
+        """The whole policy as a global state dict (gathered over TP and PP; every rank): its base
+        (LoRA: ``merged`` with the adapters), or ``part`` "adapters" the LoRA adapters alone."""
         from megatron_zcpo.megatron.weights import gather_full_state_dict
 
-        return gather_full_state_dict(self.policy)
+        return gather_full_state_dict(self.policy, part=part, merged=merged)
 
     def save(self, root, extra_state: Optional[Dict[str, Any]] = None, keep_last: int = 2):
         """Checkpoint policy, optimizer, scheduler and ``extra_state`` (the loop's) under ``root``.
@@ -486,6 +517,10 @@ class PolicyTrainer:
             "expert_parallel": self.parallel.expert,
             **(extra_state or {}),
         }
+        if self.lora is not None:
+            from megatron_zcpo.checkpoint.lora_base import lora_record
+
+            state["lora"] = lora_record(self.lora, self.lora_base)
         return save_checkpoint(root, self.step, self.policy, self.optimizer, state, keep_last=keep_last)
 
     def load(self, path) -> Dict[str, Any]:
@@ -493,12 +528,16 @@ class PolicyTrainer:
 
         A checkpoint of another model architecture is refused with the differing fields named, one
         whose optimizer megatron-core cannot reshard to this expert parallelism (see
-        :func:`~megatron_zcpo.training.config.check_resume_expert_parallel`) naming ``parallel.expert``.
+        :func:`~megatron_zcpo.training.config.check_resume_expert_parallel`) naming ``parallel.expert``,
+        and one of other LoRA adapters, another base or the other kind of run (LoRA or not) naming
+        the ``model.lora`` keys or the base (:func:`~megatron_zcpo.checkpoint.lora_base.check_lora_resume`).
         """
         from pathlib import Path
 
         from megatron_zcpo.checkpoint.io import TRAINER_STATE, load_checkpoint, read_plain_state
+        from megatron_zcpo.checkpoint.lora_base import check_lora_resume, read_lora_record
 
+        check_lora_resume(read_lora_record(Path(path) / "weights"), self.lora, self.lora_base, path)
         if (Path(path) / TRAINER_STATE).is_file():
             check_resume_expert_parallel(
                 read_plain_state(Path(path) / TRAINER_STATE).get("expert_parallel", 1), self.parallel.expert, path

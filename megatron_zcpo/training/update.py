@@ -372,7 +372,7 @@ def gradient_vector(
 
     ``loss_fn(LossInputs) -> scalar`` is evaluated on every micro-batch of this rank's
     ``indices`` (normalise with ``inputs.normalizer``, the global ``normalizer``). The
-    gradient is reduced over data-parallel ranks; the vector holds the parameters this rank
+    gradient is reduced over data-parallel ranks; the vector holds the trained parameters this rank
     owns in the model-parallel group (no TP duplicates, no second copy of a tied embedding),
     so :func:`gradient_dot` of two such vectors is the full-model inner product. The update's
     gradient buffers are zeroed afterwards: probes never reach an optimizer step. Collective.
@@ -390,8 +390,8 @@ def gradient_vector(
     gpt = unwrap(policy)
     tied_copy = gpt.share_embeddings_and_output_weights and not gpt.pre_process
     for name, param in gpt.named_parameters():
-        if not tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
-            continue
+        if not param.requires_grad or not tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
+            continue  # a frozen parameter (a LoRA policy's base) has no gradient
         if tied_copy and name == "output_layer.weight":
             continue
         grad = getattr(param, "main_grad", None)

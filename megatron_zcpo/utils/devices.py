@@ -43,6 +43,17 @@ def local_cuda_device(local_rank: int) -> int:
     return local_rank
 
 
+def cuda_device_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` as torch prints it: what names a device across processes that
+    see different ``CUDA_VISIBLE_DEVICES`` (SGLang maps a CUDA IPC handle's UUID to its own index)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def slot_device(slot: int) -> torch.device:
+    """The device of GPU slot ``slot`` (``cuda:slot``) when this process sees CUDA, else the CPU."""
+    return torch.device("cuda", slot) if has_cuda() else torch.device("cpu")
+
+
 @functools.cache
 def triton_importable() -> bool:
     """Whether ``import triton`` works in this process (asked once)."""

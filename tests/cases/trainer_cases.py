@@ -2,6 +2,8 @@
 
 import random
 
+import torch
+
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.training.rollout_step import RolloutStep
 
@@ -42,6 +44,41 @@ QWEN3_MOE = ModelConfig(
     num_experts_per_tok=2,
     moe_intermediate_size=32,
 )
+# DeepSeek-V3's architecture in small: multi-latent attention with a query latent and YaRN, layer 0
+# dense, 8 experts in 4 groups (2 eligible, top-4), a shared expert, the sigmoid router with its
+# correction bias scaled by 2.5 (megatron's MLA and MoE layers; SequentialMLP experts on CPUs).
+DEEPSEEK = ModelConfig(
+    family="deepseek_v3",
+    vocab_size=200,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    num_experts=8,
+    num_experts_per_tok=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    router_score_function="sigmoid",
+    router_expert_bias=True,
+    router_num_groups=4,
+    router_group_topk=2,
+)
 
 
 def rollout(num_groups=5, group_sizes=(3, 4, 2, 5, 4), seed=0, vocab=MODEL.vocab_size):
@@ -75,6 +112,19 @@ def weights(seed, model=MODEL):
     return gather_full_state_dict(build_gpt_model(model, transformer_config(model)))
 
 
+def deepseek_weights(seed):
+    """:func:`weights` of :data:`DEEPSEEK` with routers whose choices are well apart (larger router
+    weights and a random correction bias), so float noise of another layout does not flip a tie."""
+    state = weights(seed, DEEPSEEK)
+    generator = torch.Generator().manual_seed(seed)
+    for name in state:
+        if name.endswith("mlp.router.weight"):
+            state[name] = 25 * state[name]
+        elif name.endswith("mlp.router.expert_bias"):
+            state[name] = 0.2 * torch.randn(state[name].shape, generator=generator)
+    return state
+
+
 def policy_and_reference(rank, world):
     """Distinct policy and reference weights, so drifts (and ZCPO's K) are non-zero."""
     return weights(21), weights(22)
@@ -98,6 +148,7 @@ def make_trainer(
     etp=None,
     train_overrides=None,
     first_stage_layers=None,
+    lora=None,
     **algorithm_overrides,
 ):
     from megatron_zcpo.algorithms import AlgorithmConfig
@@ -143,6 +194,7 @@ def make_trainer(
         ),
         initial_weights=policy,
         reference_weights=reference,
+        lora=lora,
     )
 
 

@@ -104,6 +104,7 @@ def test_every_arm_is_validated_before_anything_is_built(arms, message, monkeypa
         diagnostics=None,
         jobs=1,
         reuse=False,
+        lora=False,
     )
     with pytest.raises(ConfigError, match=message):
         demo.run(args)

@@ -48,14 +48,21 @@ def test_demo_runs_and_reports_the_paired_gain(tmp_path, monkeypatch):
         diagnostics=None,
         jobs=None,
         reuse=False,
+        lora=True,  # `zcpo demo --lora`: LoRA through the whole recipe (the comparison below trains every weight)
     )
     assert demo.run(args) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["seed"] == 2 and summary["steps"] == 2 and summary["problems"] == 8
     assert abs(summary["gain"] - (summary["after"] - summary["before"])) < 1e-12
-    run_config = yaml.safe_load((tmp_path / "out" / "zcpo" / "config.yaml").read_text())
+    run = tmp_path / "out" / "zcpo-lora"
+    run_config = yaml.safe_load((run / "config.yaml").read_text())
     assert run_config["rollout"]["seed"] == 2 and run_config["data"]["seed"] == 2
-    assert len(list((tmp_path / "out" / "zcpo" / "eval").glob("step_*.json"))) == 3  # steps 0, 1, 2
+    assert run_config["model"]["lora"]["rank"] == 16
+    assert len(list((run / "eval").glob("step_*.json"))) == 3  # steps 0, 1, 2
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step_one = next(r for r in records if "selfcheck/kl_max" in r)
+    assert step_one["selfcheck/kl_max"] == 0.0 and step_one["experience/kl"] == 0.0  # B = 0: the policy is the base
+    assert (run / "checkpoints" / "step_00000002" / "weights" / "lora.json").is_file()
     for plot in ("heldout_accuracy.png", "report.png"):
         assert (tmp_path / "out" / plot).stat().st_size > 0
 
@@ -87,6 +94,7 @@ def test_scratchpad_assets_and_beta0_zcpo_equals_dapo_with_max_abs(tmp_path, mon
         diagnostics=False,
         jobs=2,
         reuse=False,
+        lora=False,
     )
     assert demo.run(args) == 0
     runs = [tmp_path / "out" / name / "seed_3" for name in ("zcpo-beta0", "dapo+algorithm.reward_norm=max_abs")]
@@ -134,6 +142,7 @@ def test_calculator_task_trains_on_trajectories_that_call_the_tool(tmp_path, mon
         diagnostics=None,
         jobs=None,
         reuse=False,
+        lora=False,
     )
     assert demo.run(args) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

@@ -90,10 +90,14 @@ MODELS = {
     "qwen2.5-32b-code-tool-zcpo": QWEN25_32B,  # the Instruct model's config.json has the same architecture
     "llama-3.3-70b-zcpo": LLAMA33_70B,
     "qwen2.5-72b-zcpo": QWEN25_72B,
+    "llama-3.3-70b-lora-zcpo": LLAMA33_70B,
+    "qwen2.5-72b-lora-zcpo": QWEN25_72B,
     "qwen3-4b-long-context-zcpo": QWEN3_4B_THINKING,
     # mixture of experts: the hub's config.json fields (megatron_zcpo/convert/presets.py)
     "qwen3-30b-a3b-zcpo": preset_model_config("Qwen3-30B-A3B"),
     "qwen3-235b-a22b-zcpo": preset_model_config("Qwen3-235B-A22B"),
+    "deepseek-v3-671b-zcpo": preset_model_config("DeepSeek-V3"),
+    "moonlight-16b-a3b-zcpo": preset_model_config("Moonlight-16B-A3B"),
 }
 # (training GPUs, GiB per GPU) quoted in the example's config.yaml and examples/README.md.
 QUOTED = {
@@ -103,9 +107,13 @@ QUOTED = {
     "qwen2.5-32b-code-tool-zcpo": (32, 57.25),
     "llama-3.3-70b-zcpo": (64, 59.03),
     "qwen2.5-72b-zcpo": (64, 60.73),
+    "llama-3.3-70b-lora-zcpo": (8, 56.65),
+    "qwen2.5-72b-lora-zcpo": (8, 58.31),
     "qwen3-4b-long-context-zcpo": (32, 61.39),
     "qwen3-30b-a3b-zcpo": (16, 65.93),
     "qwen3-235b-a22b-zcpo": (128, 75.57),
+    "deepseek-v3-671b-zcpo": (512, 68.40),
+    "moonlight-16b-a3b-zcpo": (8, 64.78),
 }
 # The configured layout is the planner's (memory-only) suggestion, except where the config says why not.
 SUGGESTED_INSTEAD = {
@@ -248,8 +256,23 @@ def test_layout_fits_80gb_h100_and_is_the_planners_suggestion(example, tmp_path)
         assert (suggested.layout.describe(), round(suggested.total_bytes / GIB, 2)) == SUGGESTED_INSTEAD[example]
     else:
         assert suggested.layout == layout
-    # Rollout nodes: the rest of the allocation, whole SGLang servers per node.
-    assert rollout_nodes(settings) >= 1 and gpus_per_node % int(settings["ROLLOUT_TP"]) == 0
+    # Rollout nodes: the rest of the allocation, whole SGLang servers per node (or whole nodes per server).
+    rollout_gpus, server_gpus = rollout_nodes(settings) * gpus_per_node, int(settings["ROLLOUT_TP"])
+    assert rollout_nodes(settings) >= 1 and rollout_gpus % server_gpus == 0
+    assert gpus_per_node % server_gpus == 0 or server_gpus % gpus_per_node == 0
+
+
+@pytest.mark.parametrize("example,quoted", [("qwen2.5-72b-lora-zcpo", 59.17), ("llama-3.3-70b-lora-zcpo", 57.50)])
+def test_lora_examples_train_on_four_gpus_where_the_full_weights_need_sixty_four(example, quoted, tmp_path):
+    """The fewest GPUs their config.yaml states: TP4 DP1 fits (TP2 would hold 72 GB of frozen weights alone)."""
+    config = run_config(example, tmp_path)
+    model = model_config_of(config)
+    layout, workload = plan_inputs(config, 4)
+    plan = plan_memory(model, layout, workload)
+    assert plan.fits and round(plan.total_bytes / GIB, 2) == quoted
+    assert workload.reference == "adapters_off" and plan.components["reference_model"] == 0
+    two = plan_memory(model, dataclasses.replace(layout, tensor_parallel=2, data_parallel=1), workload)
+    assert not two.fits
 
 
 def test_70b_eight_node_variant_fits_with_the_reference_offloaded(tmp_path):
@@ -424,4 +447,9 @@ def test_expert_parallelism_the_model_cannot_take_is_refused_before_any_rank_sta
     dense = run_config("qwen2.5-32b-zcpo", tmp_path, ["parallel.expert=2"])
     assert "parallel.expert=2, parallel.expert_tensor=None: the qwen2 model has no experts" in layout_problems(
         dense, MODELS["qwen2.5-32b-zcpo"], 32
+    )
+    mla = run_config("moonlight-16b-a3b-zcpo", tmp_path, ["parallel.context=2"])
+    assert any(
+        problem.startswith("parallel.context=2: context parallelism is not supported with multi-latent attention")
+        for problem in layout_problems(mla, MODELS["moonlight-16b-a3b-zcpo"], 16)
     )

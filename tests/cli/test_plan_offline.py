@@ -201,8 +201,8 @@ def test_the_modelled_servers_decode_only_the_requests_in_flight(capsys):
 
 
 def test_plan_checks_every_timeout_against_the_predicted_durations(capsys):
-    """The shipped 32B example passes; with the 7,200 s it shipped before, dynamic sampling's first round
-    (12,288 samples, ~9,990 s) outlasts rollout_timeout_s: the plan says which key to raise and fails."""
+    """The shipped 32B example passes; with 6,000 s, dynamic sampling's first round (12,288 samples,
+    ~6,920 s) outlasts rollout_timeout_s: the plan says which key to raise and fails."""
     assert main(["plan", QWEN_EXAMPLE, "--gpus", "32", "--preset", "Qwen2.5-32B"]) == 0
     text = capsys.readouterr().out
     assert "rollout.sglang.client.rollout_timeout_s" in text and "parallel.collective_timeout_s" in text
@@ -216,7 +216,7 @@ def test_plan_checks_every_timeout_against_the_predicted_durations(capsys):
                 "32",
                 "--preset",
                 "Qwen2.5-32B",
-                "rollout.sglang.client.rollout_timeout_s=7200",
+                "rollout.sglang.client.rollout_timeout_s=6000",
                 "--json",
             ]
         )
@@ -224,7 +224,7 @@ def test_plan_checks_every_timeout_against_the_predicted_durations(capsys):
     )
     failed = [check for check in json.loads(capsys.readouterr().out)["timeouts"] if not check["ok"]]
     assert {check["key"] for check in failed} == {"rollout.sglang.client.rollout_timeout_s"}
-    assert any("first round" in check["bounds"] and 9900 < check["predicted_s"] < 10100 for check in failed)
+    assert any("first round" in check["bounds"] and 6800 < check["predicted_s"] < 7000 for check in failed)
 
 
 def test_without_the_cluster_size_short_timeouts_are_reported_not_fatal(capsys):

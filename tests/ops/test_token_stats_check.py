@@ -9,14 +9,12 @@ import warnings
 
 import pytest
 import torch
-
-from megatron_zcpo.utils.devices import has_cuda
-
-pytest.importorskip("triton")
+import triton  # noqa: F401 -- the dev extra installs it: a broken install fails here, never skips
 
 from megatron_zcpo.ops import token_stats_check, token_stats_triton
 from megatron_zcpo.ops.token_stats import fused_token_stats, vocab_parallel_token_stats
 from megatron_zcpo.testing import run_distributed
+from megatron_zcpo.utils.devices import has_cuda
 from tests.ops.test_token_stats import FIELDS, HIDDEN, PADDED_VOCAB, TOKENS, VOCAB, mixed_logits, spread_targets
 
 DEVICE = torch.device("cuda" if has_cuda() else "cpu")

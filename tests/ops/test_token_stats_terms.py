@@ -3,10 +3,7 @@ the mutations of the KL gradient they must catch. Under Triton's interpreter wit
 
 import pytest
 import torch
-
-from megatron_zcpo.utils.devices import has_cuda
-
-pytest.importorskip("triton")
+import triton  # noqa: F401 -- the dev extra installs it: a broken install fails here, never skips
 
 from megatron_zcpo.ops import token_stats_triton
 from megatron_zcpo.testing import run_distributed
@@ -18,6 +15,7 @@ from megatron_zcpo.testing.token_stats_terms import (
     fused_value_errors,
     logits_term_errors,
 )
+from megatron_zcpo.utils.devices import has_cuda
 
 DEVICE = torch.device("cuda" if has_cuda() else "cpu")
 TOKENS, HIDDEN, VOCAB, PADDED_VOCAB = 23, 16, 250, 256

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from megatron_zcpo.utils.devices import has_cuda, kernel_backend
-
-pytest.importorskip("triton")
+import triton  # noqa: F401 -- the dev extra installs it: a broken install fails here, never skips
 
 from megatron_zcpo.ops.token_stats import fused_token_stats, vocab_parallel_token_stats
 from megatron_zcpo.testing import run_distributed
+from megatron_zcpo.utils.devices import has_cuda, kernel_backend
 from tests.ops.test_token_stats import (
     FIELDS,
     HIDDEN,

@@ -14,7 +14,8 @@ from megatron_zcpo.planning.decode_rate import generation_time
 def test_prediction_within_the_band_of_the_published_figure(run):
     seconds, tokens = predict(run, preset_model_config(run.preset))
     if run.known_out:  # documented misses stay on their side, so a change that moves them is noticed
-        assert seconds / run.published_s < 1 - BAND, f"{run.name}: {seconds:.1f} s is no longer fast"
+        fast_throughput = run.published_tokens_per_s_per_gpu and tokens / run.published_tokens_per_s_per_gpu > 1 + BAND
+        assert seconds / run.published_s < 1 - BAND or fast_throughput, f"{run.name}: {seconds:.1f} s is no longer fast"
         return
     assert 1 - BAND <= seconds / run.published_s <= 1 + BAND, f"{run.name}: {seconds:.1f} s vs {run.published_s} s"
     if run.published_tokens_per_s_per_gpu:

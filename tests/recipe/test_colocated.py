@@ -1,6 +1,10 @@
 """`zcpo train` with rollout.placement=colocated on a CPU: against the mock SGLang server's memory saver and
 with the embedded engine, the same losses as disaggregated, exact resume, the refusals."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from megatron_zcpo.recipe.config import RolloutConfig, _derived_defaults, build_run_config
@@ -133,3 +137,56 @@ def test_colocated_offloads_the_reference_and_refuses_keeping_it_resident(tmp_pa
     }
     with pytest.raises(ValueError, match="train.reference_offload=false with rollout.placement=colocated"):
         build_run_config({**tiny, **told})
+
+
+def test_a_colocated_tensor_push_comes_from_every_rank_and_the_run_ends_cleanly(tmp_path, tiny_model):
+    """`zcpo train` at TP2 beside a server at TP2 with weight_sync=tensor (the GPU default, forced on a CPU):
+    both ranks walk the whole model and hand the server rank on their GPU a handle of their own bucket
+    (the two blobs of every post must hold the same bucket), and the run closes its share engines cleanly."""
+    from megatron_zcpo.convert.hf_checkpoint import read_hf_config
+    from megatron_zcpo.convert.mapping import model_config_from_hf
+    from megatron_zcpo.rollout.embedded import EmbeddedEngine
+    from megatron_zcpo.testing.mock_server import MockSGLangServer
+    from megatron_zcpo.utils.runtime import free_port
+
+    backend = EmbeddedEngine(model_config_from_hf(read_hf_config(tiny_model)), seed=7)
+    client = {"weight_sync": "tensor", "bucket_bytes": 50_000, "max_concurrency": 4}
+    with MockSGLangServer(backend, port=free_port(), memory_saver=True, tp_size=2) as server:
+        path = write_config(
+            tmp_path,
+            tiny_model,
+            rollout={
+                "engine": "sglang",
+                "placement": "colocated",
+                "sglang": {"server_urls": [server.url], "client": client},
+            },
+            train={"steps": 1},
+            eval={"at_start": False, "at_end": False},
+        )
+        # output to a file, not a pipe: torch's shared-memory manager, started by the ranks for the CPU handles,
+        # inherits the run's stdout and lives while this process (the mock) holds handles it served
+        log = tmp_path / "train.log"
+        with open(log, "w") as out:
+            env = {**{k: v for k, v in os.environ.items() if k != "RANK"}, "OMP_NUM_THREADS": "1"}
+            command = [sys.executable, "-m", "megatron_zcpo.cli.main", "train", str(path)]
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600)
+        assert done.returncode == 0, log.read_text()[-3000:]
+        posts = [detail for path_, detail in server.events if path_ == "/update_weights_from_tensor"]
+        assert len(posts) > 2 and set(posts) == {"ok"}  # several buckets per push, each taken
+        assert server.crashed is None and server.served_version == "1" and not server.memory.released
+
+
+def test_a_colocated_tensor_push_comes_from_every_gpu_and_needs_the_whole_model_on_each_rank(tmp_path):
+    from megatron_zcpo.recipe.weight_push import GPUWeightPush, stage_weight_push
+
+    tiny = {
+        "model": {"architecture": {"family": "qwen2"}, "tokenizer": str(tmp_path)},
+        "logging": {"run_dir": str(tmp_path)},
+    }
+    client = {"weight_sync": "tensor", "bucket_bytes": 1000}
+    rollout = {
+        "rollout": {"placement": "colocated", "engine": "sglang", "sglang": {"server_urls": ["u"], "client": client}}
+    }
+    assert stage_weight_push(build_run_config({**tiny, **rollout}), None, None) == GPUWeightPush(1000, None)
+    with pytest.raises(ValueError, match="with parallel.pipeline > 1 or parallel.expert > 1 no rank holds it"):
+        build_run_config({**tiny, **rollout, "parallel": {"pipeline": 2}})

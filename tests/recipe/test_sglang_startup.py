@@ -67,14 +67,14 @@ def test_short_timeouts_stop_the_start_naming_the_key(model_dir):
 
 
 def test_the_32b_examples_first_round_outlasts_the_old_rollout_timeout(tmp_path):
-    """Dynamic sampling's first round (ceil(512 x 1.5) x 16 = 12,288 samples) is predicted at ~9,990 s on
-    the example's 8 TP4 servers: the old 7,200 s is refused, the shipped 21,600 s is not."""
+    """Dynamic sampling's first round (ceil(512 x 1.5) x 16 = 12,288 samples) is predicted at ~6,920 s on
+    the example's 8 TP4 servers: 6,000 s is refused, the shipped 21,600 s is not."""
     servers = RolloutServers(count=8, tp_size=4)
-    old = run_config("qwen2.5-32b-zcpo", tmp_path, ["rollout.sglang.client.rollout_timeout_s=7200"])
+    old = run_config("qwen2.5-32b-zcpo", tmp_path, ["rollout.sglang.client.rollout_timeout_s=6000"])
     [failed] = [
         check for check in timeout_checks(old, QWEN25_32B, servers) if not check.ok and "first round" in check.bounds
     ]
-    assert failed.key == "rollout.sglang.client.rollout_timeout_s" and 9900 < failed.predicted_s < 10100
+    assert failed.key == "rollout.sglang.client.rollout_timeout_s" and 6800 < failed.predicted_s < 7050
     shipped = run_config("qwen2.5-32b-zcpo", tmp_path)
     assert all(check.ok for check in timeout_checks(shipped, QWEN25_32B, servers))
     # the ranks that wait for rank 0 wait longer than its longest stretch: rollouts of several rounds
@@ -96,12 +96,12 @@ def test_a_tiny_models_short_requests_start_with_a_short_request_timeout(model_d
 
 
 def test_unsure_predictions_warn_with_the_key_and_sure_ones_refuse(tmp_path, caplog):
-    """The 32B example's first round (~9,990 s) against rollout_timeout_s=7200: refused on the planned
+    """The 32B example's first round (~6,920 s) against rollout_timeout_s=6000: refused on the planned
     H100s; on servers of unknown hardware (start-up: SGLang does not report its GPU type) or for a
     tiny model it warns naming the key, and the run starts."""
-    keys = ["rollout.sglang.client.rollout_timeout_s=7200", "rollout.sglang.client.request_timeout_s=1000"]
+    keys = ["rollout.sglang.client.rollout_timeout_s=6000", "rollout.sglang.client.request_timeout_s=1400"]
     short = run_config("qwen2.5-32b-zcpo", tmp_path, keys)
-    with pytest.raises(ValueError, match="rollout.sglang.client.rollout_timeout_s = 7,200 s does not outlast"):
+    with pytest.raises(ValueError, match="rollout.sglang.client.rollout_timeout_s = 6,000 s does not outlast"):
         check_timeouts(short, QWEN25_32B, RolloutServers(count=8, tp_size=4))
     unknown = RolloutServers(count=8, tp_size=4, known_hardware=False)
     with caplog.at_level(logging.WARNING, logger="megatron_zcpo.recipe.timeouts"):

@@ -2,6 +2,7 @@
 
 import os
 import signal
+from pathlib import Path
 
 from megatron_zcpo.testing import run_distributed
 from megatron_zcpo.training.preemption import PreemptionGuard
@@ -55,3 +56,27 @@ def test_a_launcher_relays_a_stop_through_the_file_its_ranks_read(tmp_path, monk
         launcher.relay_to(str(relay))
         os.kill(os.getpid(), signal.SIGTERM)
     assert rank.should_stop() == "SIGTERM"
+
+
+def test_a_ranks_helper_processes_survive_the_stop_signals_slurm_sends_to_every_process(tmp_path):
+    """Slurm signals every process of a step: megatron-core's checkpoint Manager, the resource tracker
+    and a forkserver reward worker must survive SIGUSR1 and SIGTERM, so that the save after the stop
+    works (before: BrokenPipeError from the dead Manager)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.training.stop_signal_probe", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    helpers = " ".join(result["helpers"])
+    assert "resource_tracker" in helpers and "spawn_main" in helpers and "forkserver" in helpers, helpers
+    assert result["survived"] and result["stop"] == "SIGTERM", result
+    assert "metadata.json" in result["second_save"] and result["reward"] == "ok", result
+    assert result["reward_worker_restarts"] == 0, result

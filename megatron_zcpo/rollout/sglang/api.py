@@ -26,6 +26,9 @@ mock server (:mod:`mock_server`, which validates every request against this tabl
 | POST /pause_generation, /continue_generation | yes (no body) | yes (mode; torch_empty_cache) | nothing / 200 |
 | POST /begin_weight_update | no (404) | yes (from 0.5.21) | {} / {success, message}: opens the weight-update session |
 | POST /end_weight_update | no (404) | yes (from 0.5.21) | {} / {success, message}: closes it, finalises quantised weights |
+| POST /load_lora_adapter | yes | yes | lora_name, lora_path (a PEFT folder the server reads) / {success, error_message, loaded_adapters: {name: path}} |
+| POST /unload_lora_adapter | yes | yes | lora_name / {success, error_message, loaded_adapters} |
+| POST /load_lora_adapter_from_tensors | no (404) | yes | not used (one ForkingPickler blob of CUDA IPC handles per TP rank: same-node servers only) |
 
 Weight-update sessions (:data:`WEIGHT_UPDATE_SESSIONS_SINCE`, read from 0.5.21's and 0.5.23's
 ``managers/scheduler_components/weight_updater.py``): ``/update_weights_from_distributed`` outside a
@@ -33,6 +36,23 @@ session answers 400 "update_weights_from_distributed must run between begin_weig
 end_weight_update()"; a second ``begin`` while one is open, or an ``end`` without one, answers 400.
 ``/update_weights_from_disk`` needs none. 0.5.20 has no such endpoints. The transport reads every
 server's version (``/get_server_info``) and opens a session around each push on those that need one.
+
+LoRA serving (``model.lora.push: adapter``; read from both releases' ``http_server.py``,
+``io_struct.py``, ``managers/tokenizer_*_mixin.py``, ``lora/lora_manager.py`` and ``lora_registry.py``):
+servers launched with ``--enable-lora --max-lora-rank R --lora-target-modules q_proj ...`` load a PEFT
+folder by name (``/load_lora_adapter``) and a ``/generate`` naming it in ``lora_path`` runs with it (no
+``lora_path``: the base). Refused with 400 and ``success`` false: loading a name that is loaded ("Failed
+to load LoRA adapter NAME because it is already loaded"), an adapter of a rank above ``--max-lora-rank``
+or of modules outside ``--lora-target-modules`` ("... is incompatible with the current LoRA memory
+pool configuration ..."), any LoRA request to a server without ``--enable-lora`` ("LoRA is not
+enabled. Please set `--enable-lora` to enable LoRA."), unloading a name that is not loaded ("LoRA with
+name NAME does not exist. Loaded LoRAs: ..."), and a ``/generate`` naming an adapter that is not
+loaded (0.5.3.post3: "The following requested LoRA adapters are not loaded: NAME"; 0.5.23 first
+reloads an adapter it had loaded and unloaded, from its path, and refuses one it never had: "Got LoRA
+adapter that has never been loaded: NAME"). An unload waits for the requests using the adapter.
+Under ``--enable-lora`` every adapted projection's weights are renamed (``base_layer``): a full
+weight push into such a server skips them without an error (``load_weights``: names not in the
+model are passed over), so a merged push never goes to a LoRA-enabled server (checked at start-up).
 
 Seeds: 0.5.3.post3 packs the batch's ``sampling_seed`` values into an int32 tensor
 (``sampling/sampling_batch_info.py``): a seed of 2**31 or more crashes its scheduler (the server
@@ -125,6 +145,13 @@ WEIGHT_UPDATE_SESSIONS_SINCE = "0.5.21"  # /begin_weight_update and /end_weight_
 SEED_LIMIT = 2**31  # 0.5.3.post3 packs sampling seeds as int32: seeds stay in [0, SEED_LIMIT)
 ROUTER_READY_PATH = "/readiness"  # 200 once the router has healthy workers (0.2.0 and 0.3.2)
 ROUTER_KEY_CHECK_PATH = "/workers"  # GET, behind the router's --api-key (0.2.0 and 0.3.2)
+# What the router's periodic worker checks ask (its --health-check-endpoint; default "/health", which
+# generates a token in both releases, http_server.py: on a colocated server's released memory during
+# training, or blocked behind a push's writer lock). /get_model_info reads the tokenizer manager's
+# fields only (0.5.3.post3 http_server.py:468, 0.5.23 :802): a liveness check that never generates.
+# Both router releases send their --api-key with it (tests/rollout/sglang/test_real_router.py).
+ROUTER_HEALTH_CHECK_PATH = "/get_model_info"
+ROUTER_HEALTH_CHECK_INTERVAL_S = 60  # sglang-router 0.2.0's and 0.3.2's --health-check-interval-secs
 # Fields sglang-router 0.2.0 / 0.3.2 add to every /generate body it forwards (read off the wire).
 ROUTER_GENERATE_FIELDS = (
     "log_metrics",
@@ -213,8 +240,11 @@ _GENERATE = {
     # added by the routers (GenerateReqInput fields but "model", which SGLang ignores)
     **{name: _optional(_BOOL) for name in ROUTER_GENERATE_FIELDS if name != "model"},
     "model": _optional(_STR),
+    "lora_path": _optional(lambda v: _STR(v) or _list_of(_optional(_STR))(v)),  # a loaded adapter's name
 }
 _SESSION = {"selector": _STR}
+_LORA_NAME = {"lora_name": _STR}
+_LORA_OPTIONAL = {"rid": _RID, "lora_id": _optional(_STR)}
 
 ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
     SGLangEndpoint("/generate", ("POST", "PUT"), optional=_GENERATE, releases=(PINNED_RELEASE,)),
@@ -273,6 +303,30 @@ ENDPOINTS: Tuple[SGLangEndpoint, ...] = (
     SGLangEndpoint("/destroy_weights_update_group", ("POST",), optional={"rid": _RID, **_GROUP}),
     SGLangEndpoint("/begin_weight_update", ("POST",), optional=_SESSION, releases=(NEWEST_CHECKED_RELEASE,)),
     SGLangEndpoint("/end_weight_update", ("POST",), optional={}, releases=(NEWEST_CHECKED_RELEASE,)),
+    SGLangEndpoint(
+        "/load_lora_adapter",
+        ("POST",),
+        required={**_LORA_NAME, "lora_path": _STR},
+        optional={**_LORA_OPTIONAL, "pinned": _BOOL},
+    ),
+    SGLangEndpoint("/unload_lora_adapter", ("POST",), required=_LORA_NAME, optional=_LORA_OPTIONAL),
+    SGLangEndpoint(
+        "/load_lora_adapter_from_tensors",
+        ("POST",),
+        required={
+            **_LORA_NAME,
+            "config_dict": lambda v: isinstance(v, dict),
+            "serialized_named_tensors": _list_of(_STR),
+        },
+        optional={
+            **_LORA_OPTIONAL,
+            "pinned": _BOOL,
+            "added_tokens_config": _optional(lambda v: isinstance(v, dict)),
+            "load_format": _optional(_STR),
+            "expected_checksums": _optional(lambda v: isinstance(v, dict)),
+        },
+        releases=(NEWEST_CHECKED_RELEASE,),
+    ),
 )
 
 

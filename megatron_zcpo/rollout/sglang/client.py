@@ -18,7 +18,10 @@ checked); every endpoint, field and status code used here is listed, per release
 - ``load_format: "flattened_bucket"`` in /update_weights_from_distributed: the bucket arrives as one
   uint8 broadcast (SGLang with sgl-project/sglang#13824, merged 2025-11-24; not in v0.5.3);
 - ``POST /begin_weight_update`` {} and ``POST /end_weight_update`` {} around every push to servers
-  reporting SGLang 0.5.21 or newer (they refuse distributed updates outside such a session).
+  reporting SGLang 0.5.21 or newer (they refuse distributed updates outside such a session);
+- ``POST /load_lora_adapter`` {lora_name, lora_path} and ``POST /unload_lora_adapter`` {lora_name}
+  (``model.lora.push: adapter``, :meth:`SGLangEngine.update_adapter`), then ``lora_path`` (the
+  adapter's name) in every ``/generate``;
 - ``POST /pause_generation`` and ``POST /continue_generation`` around a push while requests run
   (asynchronous rollouts: :mod:`megatron_zcpo.rollout.sglang.partial`).
 Each returns {success, message} with 200, or 400 with the reason. The HTTP plumbing lives in
@@ -58,6 +61,7 @@ from megatron_zcpo.rollout.sglang.memory_saver import MemorySaverClient
 from megatron_zcpo.rollout.sglang.partial import PausableGeneration, continuation_sampling, join_segments
 from megatron_zcpo.rollout.sglang.server_pool import ServersLostError
 from megatron_zcpo.rollout.sglang.update_weight import weight_update_for
+from megatron_zcpo.rollout.sglang.update_weight.lora_adapter import LoraAdapterUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +78,12 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
         self._on_shutdown = on_shutdown
         self._http = SGLangHTTP(config)
         self._weights = weight_update_for(self._http, config)
+        self._adapter: Optional[LoraAdapterUpdate] = None  # model.lora.push=adapter: made by the first push
         self._closed = False
         self.rejected_samples = 0  # answers rejected by the output checks, over the engine's life
         self._memory_tags: Optional[Tuple[str, ...]] = None  # the servers' memory-saver tags, asked once
+        self._released: Dict[str, set] = {}  # url -> memory-saver tags it released (colocated placement)
+        self._returning: set = set()  # lost servers found generating in the generate phase
         self._init_pausable()
 
     # -- generation ----------------------------------------------------------------------------
@@ -218,6 +225,9 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
             }
             if self.config.return_routed_experts:
                 payload["return_routed_experts"] = True  # SGLang >= 0.5.7 with --enable-return-routed-experts
+            served = self._adapter.current if self._adapter is not None else None
+            if served is not None:  # the current LoRA adapter, never an older one
+                payload["lora_path"] = served.name
 
             async def fresh_request_id():
                 # The timed-out or dropped attempt may still run on the server: drop it, retry anew.
@@ -239,7 +249,10 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
                 raise
         if isinstance(response, list):  # a batch answer; we send one prompt per request
             response = response[0]
-        return completion_from_sglang(input_ids, response, vocab_size=self.config.vocab_size, server=url), epoch
+        completion = completion_from_sglang(input_ids, response, vocab_size=self.config.vocab_size, server=url)
+        if served is not None:  # the base's served version stays SGLang's initial one: the adapter's is the policy's
+            completion.weight_version, completion.output_versions = served.version, None
+        return completion, epoch
 
     async def _request_on_a_server(self, index: int, payload, before_retry, server_key: int) -> Tuple[str, Any]:
         """(url, answer) of /generate request ``index``: moved to another server while servers are lost.
@@ -284,9 +297,10 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
         current weights, if the transport can (disk), and rejoin. Returns whether enough servers are back."""
         pool = self._http.pool
         lost = list(pool.lost)
+        transport = self._adapter if self._adapter is not None else self._weights
         for url, healthy in zip(lost, await self._health(lost)):
             try:
-                if healthy and await self._weights.resync(url):
+                if healthy and await transport.resync(url):
                     pool.bring_back(url)
             except RolloutError as err:
                 logger.warning("re-syncing %s failed: %s", url, err)
@@ -294,14 +308,15 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
 
     # -- health, start-up checks, cache, versions -----------------------------------------------
 
-    def check_servers(self, max_prompt_length: int, max_new_tokens: int):
+    def check_servers(self, max_prompt_length: int, max_new_tokens: int, lora=None):
         """The start-up check of :func:`megatron_zcpo.rollout.sglang.server_checks.check_servers`: the API key,
-        every server's context length against ``max_prompt_length + max_new_tokens``, seeds and load
-        format. Returns the servers' :class:`~megatron_zcpo.rollout.sglang.server_checks.ServerFacts`."""
+        every server's context length against ``max_prompt_length + max_new_tokens``, seeds, load
+        format and LoRA serving (``lora``: the run's ``model.lora``). Returns the servers'
+        :class:`~megatron_zcpo.rollout.sglang.server_checks.ServerFacts`."""
         from megatron_zcpo.rollout.sglang.server_checks import check_servers
 
         self._check_open()
-        return check_servers(self._http, self.config, max_prompt_length, max_new_tokens)
+        return check_servers(self._http, self.config, max_prompt_length, max_new_tokens, lora)
 
     def wait_until_healthy(
         self, timeout_s: Optional[float] = None, poll_s: float = 2.0, is_alive: Optional[Callable[[], bool]] = None
@@ -395,7 +410,10 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
         return versions
 
     def weight_version(self) -> int:
-        """The version all servers serve; raises ``RolloutError`` naming them when they disagree."""
+        """The version all servers serve (with a LoRA adapter pushed: the adapter's); raises ``RolloutError``
+        naming them when they disagree."""
+        if self._adapter is not None and self._adapter.current is not None:
+            return self._adapter.current.version
         versions = self.served_weight_versions()
         if len(set(versions.values())) > 1:
             raise RolloutError(f"SGLang servers serve different weight versions: {versions}")
@@ -422,6 +440,22 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
         self._weights.push(self._quantized(named_hf_tensors), version)
         self._flush_and_verify(version)
 
+    def update_adapter(
+        self, named_peft_tensors: Iterable[Tuple[str, torch.Tensor]], adapter_config: dict, version: int
+    ) -> int:
+        """Serve a LoRA adapter (PEFT names, ``adapter_config.json`` as a dict) as ``version`` on every server
+        (:class:`~megatron_zcpo.rollout.sglang.update_weight.lora_adapter.LoraAdapterUpdate`: a new name per
+        version, the older ones unloaded); every later request names it, and its completions carry
+        ``version``. Servers out of rotation that are healthy again are included first. Returns the bytes
+        written for the servers."""
+        self._check_open()
+        self._bring_back_returning_servers()
+        if self._adapter is None:
+            self._adapter = LoraAdapterUpdate(self._http, self.config)
+        written = self._adapter.push(named_peft_tensors, adapter_config, version)
+        self.flush_cache()
+        return written
+
     def push_part(
         self, named_hf_tensors: Iterable[Tuple[str, torch.Tensor]], version: int, file_prefix: str = "model"
     ) -> Optional[Dict[str, str]]:
@@ -434,6 +468,34 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
         self._check_open()
         self._bring_back_returning_servers()
         return self._weights.push_part(self._quantized(named_hf_tensors), version, file_prefix)
+
+    # -- the per-GPU push (weight_sync "tensor", colocated: update_weight/tensor_ipc.py's push_from_every_gpu) --
+
+    def begin_tensor_push(self) -> List[int]:
+        """Open a per-GPU push (returning servers rejoin first); the GPU slots whose blobs it needs."""
+        self._check_open()
+        self._bring_back_returning_servers()
+        return self._tensor_transport().begin()
+
+    def post_tensor_bucket(self, blobs: Dict[int, str], version: Optional[int], nbytes: int, tensors: int) -> None:
+        """One bucket, serialised on each GPU slot (``blobs``); ``version`` with the last."""
+        self._tensor_transport().post(blobs, version, nbytes, tensors)
+
+    def finish_tensor_push(self, version: int) -> None:
+        """Close the push, then flush every cache and verify that the servers serve ``version``."""
+        self._tensor_transport().end()
+        self._flush_and_verify(version)
+
+    def abort_tensor_push(self) -> None:
+        """Close a failed push's sessions, as far as the servers answer."""
+        self._tensor_transport().end(ok=False)
+
+    def _tensor_transport(self):
+        from megatron_zcpo.rollout.sglang.update_weight import TensorIPCWeightUpdate
+
+        if not isinstance(self._weights, TensorIPCWeightUpdate):
+            raise RolloutError(f"a per-GPU push needs weight_sync='tensor', not {self.config.weight_sync!r}")
+        return self._weights
 
     def rotation_for_push(self) -> List[str]:
         """The servers a push by shares goes to: those in rotation, after the lost ones that answer their
@@ -476,13 +538,20 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
 
     def _bring_back_returning_servers(self) -> None:
         """Servers out of rotation that answer their health check again rejoin it for this push
-        (which then re-syncs them to the current weights before they get any request)."""
+        (which then re-syncs them to the current weights before they get any request). With
+        generation paused (colocated placement's update phase) no server can generate: those that
+        :meth:`check_returning_servers` found healthy in the generate phase rejoin instead."""
         pool = self._http.pool
         lost = list(pool.lost)
-        if lost:
-            for url, healthy in zip(lost, self._http.run(self._health(lost))):
-                if healthy:
-                    pool.bring_back(url)
+        if self.paused:
+            healthy_ones = [url for url in lost if url in self._returning]
+        elif lost:
+            healthy_ones = [url for url, healthy in zip(lost, self._http.run(self._health(lost))) if healthy]
+        else:
+            healthy_ones = []
+        for url in healthy_ones:
+            pool.bring_back(url)
+            self._returning.discard(url)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

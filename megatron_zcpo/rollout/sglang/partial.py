@@ -74,6 +74,7 @@ class PausableGeneration:
         self._resolved_pause_mode: Optional[str] = None
         self._submitted: set = set()
         self._submit_limit: Optional[asyncio.Semaphore] = None
+        self.paused = False  # this client paused generation (a /health_generate would wait out its 20 s)
 
     def pause_mode(self) -> str:
         """ "retract" or "abort": the configured ``pause_mode``, "auto" resolved from the servers' release
@@ -98,11 +99,13 @@ class PausableGeneration:
         # 0.5.3.post3 takes no body and aborts; 0.5.23 needs one (its mode defaults to "abort")
         body = {"mode": "retract"} if mode == "retract" else {}
         self._http.run(self._http.on_servers_in_rotation("POST", "/pause_generation", body))
+        self.paused = True
 
     def continue_generation(self) -> None:
         """``/continue_generation`` on every server in rotation; held and aborted requests go on."""
         self._check_open()
         self._http.run(self._http.on_servers_in_rotation("POST", "/continue_generation", {}))
+        self.paused = False
         self._http.run(self._set_open(True))
 
     async def _set_open(self, is_open: bool) -> None:

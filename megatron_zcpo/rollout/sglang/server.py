@@ -27,6 +27,8 @@ from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
     DETERMINISTIC_ATTENTION_BACKENDS,
     ROUTER_DEFAULT_REQUEST_TIMEOUT_S,
+    ROUTER_HEALTH_CHECK_INTERVAL_S,
+    ROUTER_HEALTH_CHECK_PATH,
     required_context_length,
 )
 from megatron_zcpo.utils.network import is_loopback, resolve
@@ -56,7 +58,9 @@ class SGLangServerConfig:
     server command. ``server_module`` / ``router_module`` can point at stand-ins (tests).
     ``api_key``: ``--api-key`` of every server and the router (None: a fresh random key per
     launcher, :attr:`SGLangLauncher.api_key`). ``router_request_timeout_s``: the router's
-    ``--request-timeout-secs`` (the client's ``router_timeout_s``).
+    ``--request-timeout-secs`` (the client's ``router_timeout_s``); its periodic worker checks ask
+    :data:`~megatron_zcpo.rollout.sglang.api.ROUTER_HEALTH_CHECK_PATH` (never a generation) every
+    ``router_health_check_interval_s``.
     ``enable_deterministic_inference``: per-request seeds are used (the client's
     ``sampling_seeds``); SGLang then needs ``attention_backend`` among
     :data:`~megatron_zcpo.rollout.sglang.api.DETERMINISTIC_ATTENTION_BACKENDS` (fa3, SGLang's
@@ -65,9 +69,25 @@ class SGLangServerConfig:
     the server releases and resumes its weights, KV cache and CUDA graphs on request; its processes
     then run without ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` (the memory saver's
     virtual-memory mapping and CUDA IPC of its tensors break with it).
+    ``enable_weights_cpu_backup``: ``--enable-weights-cpu-backup``, a host copy of the weights across a
+    release (:func:`server_config_for_run` sets it for quantised colocated servers: a release keeps only
+    the model's buffers, and the FP8 activation scales are parameters no push carries).
     ``gpu_memory_gib`` (80: H100) and ``communicator_mib`` (one NCCL communicator's device memory,
     :data:`NCCL_COMMUNICATOR_MIB`): what :func:`server_config_for_run` takes off
     ``mem_fraction_static`` for the weight pushes.
+
+    Large models (DeepSeek-V3 / Kimi-K2): a ``tp_size`` above the node's GPUs makes each server span
+    ``tp_size / gpus_per_node`` consecutive nodes (``--nnodes``, ``--node-rank``, ``--dist-init-addr``
+    on its first node's ``dist_init_port``; its URL is the first node's); ``dp_attention`` > 1 runs
+    the attention data-parallel in that many groups (``--enable-dp-attention --dp-size``: each group
+    keeps its own requests' KV cache, which multi-latent attention would otherwise copy to every GPU,
+    at the price of a copy of the attention weights per group); ``attention_backend`` is passed
+    whenever set (``fa3`` when deterministic inference needs one); ``trust_remote_code`` for
+    checkpoints whose tokenizer is code (Kimi-K2). The same flags in 0.5.3.post3 and 0.5.23 (checked
+    with both releases' parsers).
+    ``lora_rank`` (``model.lora.push: adapter``): ``--enable-lora --max-lora-rank R
+    --lora-target-modules ...`` (``lora_target_modules``, Hugging Face names), the servers then take
+    the run's adapter by name; None: no LoRA serving (a merged push goes into the base).
     """
 
     model_path: str
@@ -95,19 +115,35 @@ class SGLangServerConfig:
     startup_timeout_s: float = 1200.0
     api_key: Optional[str] = None
     router_request_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
+    router_health_check_interval_s: int = ROUTER_HEALTH_CHECK_INTERVAL_S
     enable_deterministic_inference: bool = False
     attention_backend: Optional[str] = None
     enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
     gpu_memory_gib: float = 80.0
     communicator_mib: float = NCCL_COMMUNICATOR_MIB
+    dp_attention: int = 1
+    trust_remote_code: bool = False
+    dist_init_port: int = 29700
+    lora_rank: Optional[int] = None
+    lora_target_modules: List[str] = field(default_factory=list)
 
     def validate(self, prefix: str = "rollout.servers") -> None:
         """Raise ``ValueError`` naming the offending key."""
         if not self.model_path:
             raise ValueError(f"{prefix}.model_path must name a Hugging Face model directory")
+        if self.lora_rank is not None and (self.lora_rank < 1 or not self.lora_target_modules):
+            raise ValueError(
+                f"{prefix}.lora_rank={self.lora_rank} needs a positive rank and {prefix}.lora_target_modules"
+            )
         for key in ("tp_size", "base_port", "port_stride", "router_port"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{prefix}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.dp_attention < 1 or self.tp_size % self.dp_attention:
+            raise ValueError(
+                f"{prefix}.dp_attention={self.dp_attention} must divide tp_size={self.tp_size} (SGLang's --dp-size "
+                f"groups of the attention; 1: off)"
+            )
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(
                 f"{prefix}.ep_size={self.ep_size} must be 1 or tp_size={self.tp_size} (SGLang splits a "
@@ -144,24 +180,43 @@ def weight_update_reserve_bytes(groups: int, bucket_bytes: int, communicator_mib
 
 
 def server_config_for_run(
-    launch: Mapping[str, Any], client, max_prompt_length: int, max_new_tokens: int, weight_groups: int = 1
+    launch: Mapping[str, Any],
+    client,
+    max_prompt_length: int,
+    max_new_tokens: int,
+    weight_groups: int = 1,
+    lora=None,
 ) -> SGLangServerConfig:
     """The launcher config of ``launch`` (``rollout.sglang.launch``) with what must agree with the
     client (``client``, its SGLangEngineConfig) and the run's lengths filled in where ``launch``
     leaves it: ``--context-length`` that serves ``max_prompt_length + max_new_tokens`` in full,
     the router's ``--request-timeout-secs`` from ``client.router_timeout_s``, deterministic
-    inference when ``client.sampling_seeds`` and the client's API key. ``--mem-fraction-static``
+    inference when ``client.sampling_seeds``, the client's API key, and a host copy of the weights
+    (``--enable-weights-cpu-backup``) for a memory-saver server of FP8 rollouts. ``--mem-fraction-static``
     gives up what the weight pushes hold outside SGLang's static pool (:func:`weight_update_reserve_bytes`
     of ``weight_groups`` groups, see :func:`weight_update_groups`, on GPUs of ``gpu_memory_gib``), so
     SGLang keeps the memory it plans for its activations (its static pool, model weights included,
-    shrinks instead: the planner's decode rate sees the lowered fraction)."""
+    shrinks instead: the planner's decode rate sees the lowered fraction). ``lora`` (the run's
+    ``model.lora`` when its adapters are pushed alone) sets the LoRA serving flags."""
     derived = {
         "context_length": required_context_length(max_prompt_length, max_new_tokens),
         "router_request_timeout_s": client.router_timeout_s,
         "enable_deterministic_inference": bool(client.sampling_seeds),
         "api_key": client.api_key,
     }
+    if lora is not None and lora.push == "adapter":
+        from megatron_zcpo.convert.peft import hf_target_modules
+
+        derived.update(lora_rank=lora.rank, lora_target_modules=hf_target_modules(lora))
     config = SGLangServerConfig(**{**derived, **{key: value for key, value in launch.items() if value is not None}})
+    if config.enable_memory_saver and (client.quantization == "fp8" or config.quantization):
+        if launch.get("enable_weights_cpu_backup") is False:
+            raise ValueError(
+                "rollout.sglang.launch.enable_weights_cpu_backup=false with quantised rollouts on memory-saver "
+                "(colocated) servers: a release keeps only the model's buffers and loses the FP8 activation "
+                "scales no push carries; leave it unset"
+            )
+        config = dataclasses.replace(config, enable_weights_cpu_backup=True)
     groups = weight_groups if client.weight_sync == "distributed" else 0
     reserve = weight_update_reserve_bytes(groups, client.bucket_bytes, config.communicator_mib)
     fraction = config.mem_fraction_static - reserve / (config.gpu_memory_gib * 2**30)
@@ -194,15 +249,22 @@ def without_expandable_segments(env: Mapping[str, str]) -> Dict[str, str]:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One SGLang server: where it runs, its HTTP port and the GPU ids it owns on its node."""
+    """One SGLang server: where it runs (``node``, which serves HTTP; a server spanning nodes runs on
+    all of ``hosts``, ``node`` first), its HTTP port and the GPU ids it owns on each of its nodes."""
 
     node: str
     port: int
     gpu_ids: tuple
+    hosts: tuple = ()
 
     @property
     def url(self) -> str:
         return f"http://{self.node}:{self.port}"
+
+    @property
+    def nodes(self) -> tuple:
+        """Every node the server runs on, its first (HTTP) node first."""
+        return self.hosts or (self.node,)
 
 
 def _gpus_per_node(config: SGLangServerConfig, env: Mapping[str, str]) -> int:
@@ -226,12 +288,9 @@ def server_specs(config: SGLangServerConfig, env: Optional[Mapping[str, str]] = 
         expand_slurm_nodelist(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") else [_this_host(env)]
     )
     gpus = _gpus_per_node(config, env)
-    if config.tp_size > gpus:
-        raise ValueError(
-            f"rollout.servers.tp_size={config.tp_size} exceeds the {gpus} GPUs of a node "
-            f"(servers spanning nodes are not supported)"
-        )
     visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",") if env.get("CUDA_VISIBLE_DEVICES") else None
+    if config.tp_size > gpus:
+        return _multi_node_specs(config, nodes, gpus, visible)
     specs: List[ServerSpec] = []
     for node in nodes:
         for index in range(gpus // config.tp_size):
@@ -243,13 +302,34 @@ def server_specs(config: SGLangServerConfig, env: Optional[Mapping[str, str]] = 
     return specs
 
 
+def _multi_node_specs(config: SGLangServerConfig, nodes: List[str], gpus: int, visible) -> List[ServerSpec]:
+    """Servers of ``tp_size / gpus`` consecutive nodes each, every GPU of those nodes."""
+    if config.tp_size % gpus:
+        raise ValueError(
+            f"rollout.servers.tp_size={config.tp_size} spans nodes of {gpus} GPUs: it must be a multiple of {gpus}"
+        )
+    per_server = config.tp_size // gpus
+    if len(nodes) % per_server:
+        raise ValueError(
+            f"{len(nodes)} rollout nodes do not split into servers of {per_server} nodes (tp_size={config.tp_size})"
+        )
+    gpu_ids = tuple(visible) if visible else tuple(str(i) for i in range(gpus))
+    specs = [
+        ServerSpec(nodes[i], config.base_port, gpu_ids, tuple(nodes[i : i + per_server]))
+        for i in range(0, len(nodes), per_server)
+    ]
+    return specs[: config.num_servers] if config.num_servers is not None else specs
+
+
 def _this_host(env: Mapping[str, str]) -> str:
     return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Optional[str] = None) -> List[str]:
+def server_command(
+    spec: ServerSpec, config: SGLangServerConfig, api_key: Optional[str] = None, node_rank: int = 0
+) -> List[str]:
     """The ``python -m sglang.launch_server ...`` command line of one server (``api_key``: default
-    ``config.api_key``)."""
+    ``config.api_key``) on its ``node_rank``-th node (servers spanning nodes)."""
     command = [
         config.python,
         "-m",
@@ -275,6 +355,15 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
         command += ["--quantization", config.quantization]
     if config.enable_deterministic_inference:
         command += ["--enable-deterministic-inference", "--attention-backend", config.attention_backend or "fa3"]
+    elif config.attention_backend:
+        command += ["--attention-backend", config.attention_backend]
+    if len(spec.nodes) > 1:
+        command += ["--nnodes", str(len(spec.nodes)), "--node-rank", str(node_rank)]
+        command += ["--dist-init-addr", f"{spec.nodes[0]}:{config.dist_init_port}"]
+    if config.dp_attention > 1:
+        command += ["--enable-dp-attention", "--dp-size", str(config.dp_attention)]
+    if config.trust_remote_code:
+        command += ["--trust-remote-code"]
     if api_key or config.api_key:
         command += ["--api-key", api_key or config.api_key]
     if config.ep_size > 1:
@@ -283,6 +372,11 @@ def server_command(spec: ServerSpec, config: SGLangServerConfig, api_key: Option
         command += ["--enable-return-routed-experts"]
     if config.enable_memory_saver:
         command += ["--enable-memory-saver"]
+    if config.lora_rank is not None:
+        command += ["--enable-lora", "--max-lora-rank", str(config.lora_rank), "--lora-target-modules"]
+        command += list(config.lora_target_modules)
+    if config.enable_weights_cpu_backup:
+        command += ["--enable-weights-cpu-backup"]
     return command + list(config.extra_args)
 
 
@@ -290,7 +384,10 @@ def router_command(
     worker_urls: List[str], config: SGLangServerConfig, host: str, api_key: Optional[str] = None
 ) -> List[str]:
     """The ``python -m sglang_router.launch_router ...`` command line over ``worker_urls``, bound to
-    ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``."""
+    ``host`` (the router node's name), cutting requests after ``config.router_request_timeout_s``.
+    Its worker checks never generate (:data:`~megatron_zcpo.rollout.sglang.api.ROUTER_HEALTH_CHECK_PATH`):
+    SGLang's ``/health`` would run a token on a colocated server's released memory during training,
+    and block behind a long weight push until the router marks the workers unhealthy."""
     command = [
         config.python,
         "-m",
@@ -303,6 +400,10 @@ def router_command(
         config.router_policy,
         "--request-timeout-secs",
         str(int(config.router_request_timeout_s)),
+        "--health-check-endpoint",
+        ROUTER_HEALTH_CHECK_PATH,
+        "--health-check-interval-secs",
+        str(int(config.router_health_check_interval_s)),
         "--worker-urls",
         *worker_urls,
     ]
@@ -357,12 +458,16 @@ class SGLangLauncher:
         """Spawn the processes that belong to this node."""
         os.makedirs(self.config.log_dir, exist_ok=True)
         for spec in self.specs:
-            if self._is_this_node(spec.node):
+            for rank, host in enumerate(spec.nodes):
+                if not self._is_this_node(host):
+                    continue
                 check_bind_address(spec.node)
                 env = dict(self.env, CUDA_VISIBLE_DEVICES=",".join(spec.gpu_ids))
                 if self.config.enable_memory_saver:
                     env = without_expandable_segments(env)
-                self._spawn(f"server-{spec.node}-{spec.port}", server_command(spec, self.config, self.api_key), env)
+                command = server_command(spec, self.config, self.api_key, node_rank=rank)
+                suffix = f"-node{rank}" if len(spec.nodes) > 1 else ""
+                self._spawn(f"server-{spec.node}-{spec.port}{suffix}", command, env)
         if self.config.router and self._is_this_node(self.specs[0].node):
             self._spawn(
                 "router",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import (
@@ -38,7 +38,10 @@ logger = logging.getLogger(__name__)
 class ServerFacts:
     """What one server reports: its URL, GPUs (``tp_size``), SGLang ``version``, the most prompt +
     new tokens it serves in full (``served_tokens``, None if unknown), whether it uses per-request
-    seeds (``deterministic``) and its ``mem_fraction_static`` (None if unknown)."""
+    seeds (``deterministic``), its ``mem_fraction_static`` (None if unknown), its LoRA serving
+    (``lora_rank``: ``--max-lora-rank`` under ``--enable-lora``, None without; ``lora_target_modules``),
+    and whether it releases memory on request (``memory_saver``) keeping a host copy of its weights
+    (``weights_cpu_backup``)."""
 
     url: str
     tp_size: int
@@ -46,6 +49,10 @@ class ServerFacts:
     served_tokens: Optional[int]
     deterministic: bool
     mem_fraction_static: Optional[float]
+    lora_rank: Optional[int] = None
+    lora_target_modules: Tuple[str, ...] = ()
+    memory_saver: bool = False
+    weights_cpu_backup: bool = False
 
     @classmethod
     def from_server_info(cls, url: str, info: Dict[str, Any]) -> ServerFacts:
@@ -58,6 +65,10 @@ class ServerFacts:
             served_tokens=served_tokens(info),
             deterministic=bool(info.get("enable_deterministic_inference")),
             mem_fraction_static=None if fraction is None else float(fraction),
+            lora_rank=int(info.get("max_lora_rank") or 0) if info.get("enable_lora") else None,
+            lora_target_modules=tuple(info.get("lora_target_modules") or ()),
+            memory_saver=bool(info.get("enable_memory_saver")),
+            weights_cpu_backup=bool(info.get("enable_weights_cpu_backup")),
         )
 
 
@@ -69,9 +80,37 @@ def unauthorized(url: str, error: SGLangHTTPError) -> str:
     )
 
 
-def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_tokens: int) -> List[str]:
-    """What keeps the server of ``facts`` from serving the run (``config``: its SGLangEngineConfig)."""
-    problems = []
+def lora_problems(facts: ServerFacts, lora) -> List[str]:
+    """What keeps the server of ``facts`` from taking the run's weights: ``lora`` (``model.lora``, or None)
+    pushed as an adapter needs LoRA serving of its rank and modules; every other push (whole or merged
+    weights) needs a server without it, which would pass over the adapted projections' weights."""
+    from megatron_zcpo.convert.peft import hf_target_modules
+
+    if lora is None or lora.push != "adapter":
+        if facts.lora_rank is None:
+            return []
+        return [
+            f"{facts.url} was launched with --enable-lora: SGLang renames the projections it adapts, and a weight "
+            f"push (model.lora.push=merged, or no model.lora) would pass over them without an error; launch it "
+            f"without --enable-lora, or push the adapter alone (model.lora.push=adapter)"
+        ]
+    modules = hf_target_modules(lora)
+    flags = f"--enable-lora --max-lora-rank {lora.rank} --lora-target-modules {' '.join(modules)}"
+    if facts.lora_rank is None:
+        return [f"model.lora.push=adapter, but {facts.url} has no LoRA serving: launch it with {flags}"]
+    missing = sorted(set(modules) - set(facts.lora_target_modules))
+    if facts.lora_rank < lora.rank or missing:
+        return [
+            f"{facts.url} serves LoRA adapters up to rank {facts.lora_rank} on {list(facts.lora_target_modules)}, "
+            f"model.lora needs rank {lora.rank} on {modules}: launch it with {flags}"
+        ]
+    return []
+
+
+def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_tokens: int, lora=None) -> List[str]:
+    """What keeps the server of ``facts`` from serving the run (``config``: its SGLangEngineConfig;
+    ``lora``: the run's ``model.lora``)."""
+    problems = lora_problems(facts, lora)
     longest = max_prompt_length + max_new_tokens
     if facts.served_tokens is not None and facts.served_tokens < longest:
         problems.append(
@@ -105,6 +144,15 @@ def server_problems(facts: ServerFacts, config, max_prompt_length: int, max_new_
             f"load format of /update_weights_from_distributed exists from {FLATTENED_BUCKETS_SINCE} on; an older "
             f"server ignores it and waits for tensors one by one, so the push hangs; set "
             f"{KEY}.flattened_buckets=false"
+        )
+    if config.quantization == "fp8" and facts.memory_saver and not facts.weights_cpu_backup:
+        problems.append(
+            f"rollout.quantization=fp8 with {facts.url} launched with --enable-memory-saver (colocated placement) "
+            f"but without --enable-weights-cpu-backup: a release keeps only the model's buffers "
+            f"(scheduler weight_updater.py: _export_static_state), so the FP8 activation scales (input_scale "
+            f"parameters, which come from the server's checkpoint and no push carries) are lost at the first "
+            f"release; launch the servers with --enable-weights-cpu-backup (rollout.sglang.launch and "
+            f"examples/common/sglang_node.py --run-config add it)"
         )
     if config.return_routed_experts and not release_at_least(facts.version, ROUTED_EXPERTS_RELEASE):
         problems.append(
@@ -154,15 +202,16 @@ async def gather_facts(http, urls: List[str], router_url: Optional[str]) -> List
     return [answer for answer in answers if isinstance(answer, ServerFacts)]
 
 
-def check_servers(http, config, max_prompt_length: int, max_new_tokens: int) -> List[ServerFacts]:
+def check_servers(http, config, max_prompt_length: int, max_new_tokens: int, lora=None) -> List[ServerFacts]:
     """Check the servers of ``config`` (an SGLangEngineConfig; ``http`` its SGLangHTTP) against the
-    run: the key, then each server's context length, seeds and load format. Returns their facts;
-    raises ``RolloutError`` listing every problem, each naming the key or launch flag that fixes it."""
+    run: the key, then each server's context length, seeds, load format and LoRA serving (``lora``:
+    the run's ``model.lora``). Returns their facts; raises ``RolloutError`` listing every problem,
+    each naming the key or launch flag that fixes it."""
     facts = http.run(gather_facts(http, list(config.server_urls), config.router_url))
     for warning in filter(None, map(untested_version, facts)):
         logger.warning(warning)
     problems = [
-        problem for fact in facts for problem in server_problems(fact, config, max_prompt_length, max_new_tokens)
+        problem for fact in facts for problem in server_problems(fact, config, max_prompt_length, max_new_tokens, lora)
     ]
     if problems:
         raise RolloutError("SGLang start-up check failed:\n  " + "\n  ".join(problems))

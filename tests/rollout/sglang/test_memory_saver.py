@@ -55,10 +55,10 @@ def test_phases_in_order_work_and_out_of_order_requests_fail():
         engine.resume_memory(["weights"])
         engine.pause_generation()
         engine.update_weights(iter(TENSORS), 1)
-        engine.continue_generation()
-        with pytest.raises(RolloutError, match="kv_cache"):
-            engine.generate([[5]], PARAMS)  # the KV cache is still released
+        with pytest.raises(SGLangHTTPError, match=r"continue_generation while \['kv_cache'\] released"):
+            engine.continue_generation()  # the parked and the next requests would run on the freed KV cache
         engine.resume_memory(["kv_cache"])
+        engine.continue_generation()
         assert engine.generate([[5]], PARAMS)[0][0].weight_version == 1
         assert {name: t.tolist() for name, t in server.backend.received.items()} == {
             name: t.tolist() for name, t in TENSORS
@@ -74,8 +74,10 @@ def test_the_newest_release_has_the_cuda_graph_tag_and_refuses_a_release_while_r
         assert server.memory.released == {"weights", "kv_cache", "cuda_graph"}
         engine.resume_memory(["weights"])
         engine.pause_generation()  # 0.5.23 wants a body here (its mode), 0.5.3.post3 none
+        assert server.paused and engine.paused
+        engine.resume_memory(["kv_cache", "cuda_graph"])
         engine.continue_generation()
-        assert server.memory.released == {"kv_cache", "cuda_graph"} and not server.paused
+        assert server.memory.released == set() and not server.paused and not engine.paused
 
 
 def test_a_resume_answered_with_502_is_retried():
@@ -214,3 +216,95 @@ def test_the_tensor_push_opens_a_weight_update_session_where_the_release_needs_o
         sessions = [path for kind, path, _ in server.weight_updates if kind == "session"]
         assert sessions == ([] if release == "0.5.3.post3" else ["/begin_weight_update", "/end_weight_update"])
         assert not server.session_open and server.backend.version == 1
+
+
+def test_a_health_check_generates_and_dies_on_released_memory_and_waits_out_a_pause():
+    """The double of SGLang's /health and /health_generate (a token each): 503 while paused, death on
+    released memory (an illegal memory access on the server)."""
+    import urllib.error
+    import urllib.request
+
+    with MockSGLangServer(ScriptedEngine(), memory_saver=True) as server, _engine(server) as engine:
+        engine.release_memory(None)
+        engine.resume_memory(["weights"])
+        engine.pause_generation()
+        with pytest.raises(urllib.error.HTTPError, match="503"):
+            urllib.request.urlopen(server.url + "/health_generate", timeout=5)
+        server.paused = False  # what an unpaused, released server meets
+        with pytest.raises(OSError):
+            urllib.request.urlopen(server.url + "/health", timeout=5)
+        assert "generated a token while ['kv_cache'] released" in server.crashed
+
+
+def test_a_lost_server_follows_the_memory_phases_and_rejoins_after_the_generate_phase():
+    """Server B leaves the rotation while generating. Its memory still sits on the trainer's GPUs, so it is
+    released and resumed with the others; it is health-checked only where it can generate (after the
+    generate phase resumed it), never in the paused update phase, and the next push brings it back."""
+    with (
+        MockSGLangServer(ScriptedEngine(), memory_saver=True) as first,
+        MockSGLangServer(ScriptedEngine(), memory_saver=True) as second,
+    ):
+        config = _config(first.url, weight_sync="tensor", max_retries=1)
+        config.server_urls = [first.url, second.url]
+        with SGLangEngine(config) as engine:
+            trainer = LedgerTrainer(MemoryLedger(1), {"params": 0, "grads": 0, "optimizer": 0})
+            release_for_training(engine)
+            trainer.onload(["params", "grads", "optimizer"])
+            phases = ColocatedPhases(trainer, engine)
+            _to_generate(phases, engine)
+            engine._http.pool.take_out(second.url, "its /generate failed its retries")
+            phases.to_train()
+            assert second.memory.released == {"weights", "kv_cache"}  # its memory left the trainer's GPUs
+            phases.to_update()
+            engine.update_weights(iter(TENSORS), 2)  # paused: no /health_generate (it would wait 20 s, 503)
+            assert second.url in engine._http.pool.lost and second.crashed is None
+            phases.to_generate()  # everything resumed: B generates again, and rejoins at the next push
+            assert engine._returning == {second.url} and not second.memory.released
+            phases.to_train()
+            phases.to_update()
+            engine.update_weights(iter(TENSORS), 3)
+            phases.to_generate()
+            assert engine.served_weight_versions() == {first.url: 3, second.url: 3}
+        checks = [p for p, _ in second.events if p in ("/health", "/health_generate")]
+        assert checks == ["/health_generate"] and second.crashed is None
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["cpu-backup", "no-backup"])
+def test_fp8_activation_scales_survive_a_release_only_with_the_weights_cpu_backup(backup):
+    """FP8 rollouts push each linear's FP8 weight and weight_scale; its activation scale (input_scale, a
+    parameter) comes from the server's checkpoint. A release keeps only buffers, so without
+    --enable-weights-cpu-backup the first release erases it (the double then refuses to generate): the
+    launcher adds the flag to quantised memory-saver servers and the start-up check refuses one without."""
+    from megatron_zcpo.rollout.sglang.server import ServerSpec, server_command, server_config_for_run
+
+    input_scale = {"model.layers.0.self_attn.q_proj.input_scale": torch.tensor([0.0125])}
+    # what an FP8 push carries besides the FP8 weights (rollout/quantization.py): the weight scales
+    pushed = [
+        ("model.layers.0.self_attn.q_proj.weight_scale", torch.tensor(0.01)),
+        ("model.norm.weight", torch.ones(4)),
+    ]
+    server = MockSGLangServer(ScriptedEngine(), memory_saver=True, weights_cpu_backup=backup, static_scales=input_scale)
+    with server, _engine(server) as engine, _engine(server, quantization="fp8") as fp8_client:
+        if not backup:
+            with pytest.raises(RolloutError, match="without --enable-weights-cpu-backup"):
+                fp8_client.check_servers(8, 4)
+        engine.release_memory(None)
+        engine.resume_memory(["weights"])
+        engine.pause_generation()
+        engine.update_weights(iter(pushed), 1)
+        engine.resume_memory(["kv_cache"])
+        engine.continue_generation()
+        if backup:
+            fp8_client.check_servers(8, 4)
+            assert engine.generate([[5]], PARAMS)[0][0].weight_version == 1
+            assert torch.equal(
+                server.static_scales["model.layers.0.self_attn.q_proj.input_scale"], torch.tensor([0.0125])
+            )
+        else:
+            with pytest.raises(RolloutError, match=r"input_scale'\] lost at a release"):
+                engine.generate([[5]], PARAMS)
+    launch = {"model_path": "/m", "enable_memory_saver": True, "quantization": "modelopt_fp8"}
+    config = server_config_for_run(launch, _config("http://x", quantization="fp8"), 8, 8)
+    assert "--enable-weights-cpu-backup" in server_command(ServerSpec("n", 1, ("0",)), config)
+    plain = server_config_for_run({"model_path": "/m", "enable_memory_saver": True}, _config("http://x"), 8, 8)
+    assert "--enable-weights-cpu-backup" not in server_command(ServerSpec("n", 1, ("0",)), plain)

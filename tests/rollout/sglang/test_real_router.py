@@ -110,3 +110,42 @@ def test_the_job_scripts_health_wait_passes_through_the_router(router_release):
             timeout=60,
         )
     assert done.returncode == 0 and "2 endpoints healthy" in done.stdout, done.stdout + done.stderr
+
+
+def test_requests_naming_the_lora_adapter_keep_it_through_the_router(router_release, tmp_path):
+    """model.lora.push=adapter names the current adapter in every /generate (lora_path): both routers
+    forward the field, so the request runs on the adapter, not on the base."""
+    from megatron_zcpo.convert.peft import peft_adapter_config
+    from tests.rollout.sglang.test_sglang_lora import LORA, MODULES, _adapter
+
+    with (
+        MockSGLangServer(ScriptedEngine(), enable_lora=True, max_lora_rank=8, lora_target_modules=MODULES) as server,
+        RealRouter(router_release, [server.url], free_port()) as router,
+    ):
+        config = _config(server.url, router_url=router.url, weight_dir=str(tmp_path))
+        with SGLangEngine(config) as engine:
+            engine.wait_until_healthy(timeout_s=60, poll_s=0.1)
+            engine.update_adapter(_adapter(1).items(), peft_adapter_config(LORA), version=4)
+            [[completion]] = engine.generate([[5, 6]], SamplingParams(max_new_tokens=3))
+        assert completion.info["server"] == router.url and completion.weight_version == 4
+        assert server.lora_requests == list(server.loaded_adapters) and server.lora_requests[0].endswith("-v4")
+
+
+def test_the_routers_worker_checks_never_generate_on_a_released_server(router_release):
+    """sglang-router checks its workers every --health-check-interval-secs; at its default endpoint, SGLang's
+    /health, each check generates a token: on a colocated server whose memory is released for training
+    that is an illegal memory access (the double dies), and behind a long weight push it blocks until
+    the router drops the worker. The launcher's line checks a path that never generates."""
+    import time
+
+    from megatron_zcpo.rollout.sglang.api import ROUTER_HEALTH_CHECK_PATH
+
+    with (
+        MockSGLangServer(ScriptedEngine(), memory_saver=True, api_key=KEY) as server,
+        RealRouter(router_release, [server.url], free_port(), api_key=KEY, health_check_interval_s=1),
+    ):
+        with SGLangEngine(_config(server.url, api_key=KEY)) as engine:
+            engine.release_memory(None)  # the train phase: released, not paused
+        time.sleep(3)
+        checks = [path for path, _ in server.events if path == ROUTER_HEALTH_CHECK_PATH]
+        assert server.crashed is None and len(checks) >= 2, server.events

@@ -52,8 +52,10 @@ def test_plan_from_slurm_environment():
     env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     specs = server_specs(SGLangServerConfig(model_path="/m", tp_size=2, nodes=["h"], num_servers=1), env)
     assert specs == [ServerSpec("h", 30000, ("4", "5"))]
-    with pytest.raises(ValueError, match="tp_size=16 exceeds the 8 GPUs"):
+    with pytest.raises(ValueError, match="1 rollout nodes do not split into servers of 2 nodes"):
         server_specs(SGLangServerConfig(model_path="/m", tp_size=16), {"SLURM_GPUS_ON_NODE": "8"})
+    with pytest.raises(ValueError, match="tp_size=12 spans nodes of 8 GPUs: it must be a multiple of 8"):
+        server_specs(SGLangServerConfig(model_path="/m", tp_size=12), {"SLURM_GPUS_ON_NODE": "8"})
     with pytest.raises(ValueError, match="rollout.servers.gpus_per_node"):
         server_specs(SGLangServerConfig(model_path="/m"), {})
 
@@ -86,6 +88,10 @@ def test_command_lines():
         "cache_aware",
         "--request-timeout-secs",
         "1800",
+        "--health-check-endpoint",  # the router's checks never generate: a liveness check
+        "/get_model_info",
+        "--health-check-interval-secs",
+        "60",
         "--worker-urls",
         "http://a:1",
         "http://b:2",

@@ -41,6 +41,9 @@ REQUEST_CLASSES = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
 }
 
 
@@ -53,32 +56,70 @@ def release(request):
     return request.param
 
 
-def test_the_launch_line_parses_with_the_releases_own_parser(release):
-    routed = release_at_least(release, ROUTED_EXPERTS_RELEASE)
-    newest = release == NEWEST_CHECKED_RELEASE
-    config = SGLangServerConfig(
+ALIASES = {"tensor_parallel_size": "tp_size", "expert_parallel_size": "ep_size", "data_parallel_size": "dp_size"}
+KEYS = ["model_path", "host", "port", "tp_size", "ep_size", "context_length", "quantization", "dtype"]
+KEYS += ["mem_fraction_static", "random_seed", "enable_deterministic_inference", "attention_backend", "api_key"]
+KEYS += ["dp_size", "enable_dp_attention", "trust_remote_code", "nnodes", "node_rank", "dist_init_addr"]
+KEYS += ["enable_lora", "max_lora_rank", "lora_target_modules", "enable_memory_saver", "enable_weights_cpu_backup"]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _qwen_launch(release):
+    return SGLangServerConfig(
         model_path="/models/qwen",
         tp_size=4,
         context_length=4096,
-        quantization="modelopt_fp8" if newest else None,
+        quantization="modelopt_fp8" if release == NEWEST_CHECKED_RELEASE else None,
         enable_deterministic_inference=True,
         api_key="k",
         ep_size=4,
-        return_routed_experts=routed,
+        return_routed_experts=release_at_least(release, ROUTED_EXPERTS_RELEASE),
+        lora_rank=16,
+        lora_target_modules=LORA_TARGETS,
+        enable_memory_saver=True,  # colocated, FP8: the weights' host copy keeps the activation scales
+        enable_weights_cpu_backup=True,
     )
-    argv = server_command(ServerSpec("node1", 30000, (0, 1, 2, 3)), config)[3:]  # after python -m module
-    keys = ["model_path", "host", "port", "tp_size", "ep_size", "context_length", "quantization", "dtype"]
-    keys += ["mem_fraction_static", "random_seed", "enable_deterministic_inference", "attention_backend", "api_key"]
-    aliases = {"tensor_parallel_size": "tp_size", "expert_parallel_size": "ep_size"}  # 0.5.3.post3's dests
+
+
+# DeepSeek-V3 at TP32 on 8-GPU nodes: 2 servers of 4 nodes each (their first node serves HTTP),
+# experts over the 32 ranks, attention data-parallel in 4 groups, the fa3 backend, remote code.
+DEEPSEEK_LAUNCH = SGLangServerConfig(
+    model_path="/models/dsv3",
+    tp_size=32,
+    ep_size=32,
+    dp_attention=4,
+    attention_backend="fa3",
+    trust_remote_code=True,
+    nodes=[f"n{i}" for i in range(8)],
+    gpus_per_node=8,
+    api_key="k",
+)
+
+
+@pytest.fixture(scope="module")
+def parsed_launches(release):
+    """Every launch line of this file parsed by the release's own parser, in one subprocess: the
+    Qwen line (plain, with routed experts, with modelopt_fp8) and the 4 nodes of a DeepSeek-V3 server."""
+    from megatron_zcpo.rollout.sglang.server import server_specs
+
+    argv = server_command(ServerSpec("node1", 30000, (0, 1, 2, 3)), _qwen_launch(release))[3:]  # after python -m module
+    spanning = server_specs(DEEPSEEK_LAUNCH, env={})[1]
     argvs = [argv, argv + ["--enable-return-routed-experts"], argv + ["--quantization", "modelopt_fp8"]]
+    argvs += [server_command(spanning, DEEPSEEK_LAUNCH, node_rank=rank)[3:] for rank in range(4)]
+    routed = ["enable_return_routed_experts"] * release_at_least(release, ROUTED_EXPERTS_RELEASE)
     try:
-        parsed, with_routed, with_fp8 = parse_launch_args(
-            release, argvs, keys + list(aliases) + ["enable_return_routed_experts"] * routed
-        )
+        answers = parse_launch_args(release, argvs, KEYS + list(ALIASES) + routed)
     except PackageUnavailable as error:
         pytest.skip(f"sglang {release}'s parser dependencies could not be installed: {error}")
+    return [{ALIASES.get(k, k): v for k, v in a.items()} if isinstance(a, dict) else a for a in answers]
+
+
+def test_the_launch_line_parses_with_the_releases_own_parser(release, parsed_launches):
+    routed = release_at_least(release, ROUTED_EXPERTS_RELEASE)
+    newest = release == NEWEST_CHECKED_RELEASE
+    parsed, with_routed, with_fp8 = parsed_launches[:3]
     assert isinstance(parsed, dict), parsed
-    assert {aliases.get(key, key): value for key, value in parsed.items()} == {
+    assert parsed == {
         "model_path": "/models/qwen",
         "host": "node1",
         "port": 30000,
@@ -92,6 +133,17 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release):
         "enable_deterministic_inference": True,
         "attention_backend": "fa3",
         "api_key": "k",
+        "dp_size": 1,
+        "enable_dp_attention": False,
+        "trust_remote_code": False,
+        "nnodes": 1,
+        "node_rank": 0,
+        "dist_init_addr": None,
+        "enable_lora": True,
+        "max_lora_rank": 16,
+        "lora_target_modules": LORA_TARGETS,
+        "enable_memory_saver": True,
+        "enable_weights_cpu_backup": True,
         **({"enable_return_routed_experts": True} if routed else {}),
     }
     # Routing replay needs a newer server (the pinned one refuses the flag); 0.5.3.post3 has no
@@ -100,6 +152,21 @@ def test_the_launch_line_parses_with_the_releases_own_parser(release):
     if not newest:
         assert "unrecognized arguments: --enable-return-routed-experts" in with_routed
         assert "argument --quantization: invalid choice: 'modelopt_fp8'" in with_fp8
+
+
+def test_deepseek_v3_servers_spanning_nodes_parse_with_the_releases_own_parser(parsed_launches):
+    from megatron_zcpo.rollout.sglang.server import server_specs
+
+    specs = server_specs(DEEPSEEK_LAUNCH, env={})
+    assert [(s.url, s.nodes) for s in specs] == [
+        ("http://n0:30000", ("n0", "n1", "n2", "n3")),
+        ("http://n4:30000", ("n4", "n5", "n6", "n7")),
+    ]
+    for rank, answer in enumerate(parsed_launches[3:]):
+        assert isinstance(answer, dict), answer
+        expected = dict(tp_size=32, ep_size=32, dp_size=4, enable_dp_attention=True, attention_backend="fa3")
+        expected.update(trust_remote_code=True, nnodes=4, node_rank=rank, dist_init_addr="n4:29700")
+        assert {key: answer[key] for key in expected} == expected
 
 
 def test_every_field_of_the_endpoint_table_is_a_field_of_the_releases_request_class(release):
@@ -138,5 +205,23 @@ def test_the_generate_bodies_we_send_pass_the_newest_releases_json_contract():
     assert len(server.bodies) == 4
     for body in server.bodies:
         contract.GenerateRequest.from_json_value(body)  # raises JsonContractError on a violation
+    contract.GenerateRequest.from_json_value({**body, "lora_path": "zcpo-lora-v3"})  # model.lora.push=adapter
     with pytest.raises(contract.JsonContractError, match="unknown field `seed`"):
         contract.GenerateRequest.from_json_value({**body, "sampling_params": {"seed": 1}})
+
+
+# Where each release's DeepSeek-V3 loader lives, and the lines the weight push's bucketing relies on
+# (megatron_zcpo/convert/deepseek.py, sglang_load_partner): the q_a_proj / kv_a_proj_with_mqa cache
+# is local to one load_weights call, and that call rebuilds w_kc / w_vc of the kv_b_proj it loaded.
+DEEPSEEK_LOADERS = {
+    PINNED_RELEASE: "sglang/srt/models/deepseek_v2.py",
+    NEWEST_CHECKED_RELEASE: "sglang/srt/models/deepseek_common/deepseek_weight_loader.py",
+}
+
+
+def test_the_deepseek_loader_fuses_the_query_and_key_latents_within_one_call(release):
+    source = (sglang_source(release) / DEEPSEEK_LOADERS[release]).read_text()
+    assert "cached_a_proj = {} if fuse_qkv_a_proj else None" in source
+    assert '"fused_qkv_a_proj_with_mqa"' in source
+    assert "self.post_load_weights(is_nextn=is_nextn, weight_names=weight_names)" in source
+    assert 'if "kv_b_proj" in name:' in source  # post_load_weights: the layers whose kv_b_proj came

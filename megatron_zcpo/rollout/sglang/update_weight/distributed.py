@@ -20,10 +20,11 @@ import contextlib
 import datetime
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_zcpo.convert.deepseek import sglang_load_partner
 from megatron_zcpo.megatron.weights import bucket_tensors, flatten_tensors
 from megatron_zcpo.rollout.engine import RolloutError
 from megatron_zcpo.rollout.sglang.api import SERVER_INFO_PATHS
@@ -31,6 +32,15 @@ from megatron_zcpo.rollout.sglang.update_weight.session import session_members, 
 from megatron_zcpo.rollout.weight_sync import dtype_name, init_custom_process_group, start_broadcast
 from megatron_zcpo.utils.network import master_address_for
 from megatron_zcpo.utils.runtime import free_port
+
+
+def push_buckets(
+    stream: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """The broadcast's buckets of ``stream``: at most ``bucket_bytes`` each, except that a tensor SGLang
+    must load in one call with a later one (DeepSeek-V3's ``q_a_proj`` and ``kv_a_proj_with_mqa``,
+    :func:`~megatron_zcpo.convert.deepseek.sglang_load_partner`) keeps its bucket open until it came."""
+    return bucket_tensors(stream, bucket_bytes, sglang_load_partner)
 
 
 class DistributedWeightUpdate:
@@ -79,7 +89,7 @@ class DistributedWeightUpdate:
 
     def _send_buckets(self, stream: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Broadcast ``stream`` in buckets through the joined group; the last carries ``version``."""
-        buckets = bucket_tensors(stream, self.config.bucket_bytes)
+        buckets = push_buckets(stream, self.config.bucket_bytes)
         bucket = next(buckets, None)
         if bucket is None:
             raise ValueError("update_weights got an empty weight stream")
