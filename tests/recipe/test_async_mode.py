@@ -33,6 +33,44 @@ def test_the_mode_keys_and_their_refusals(tmp_path):
     assert config.train.importance_sampling.enabled  # on by default off-policy
     with pytest.raises(ValueError, match="does not support tools.enabled .multi-turn. or train.routing_replay"):
         build_run_config({**tiny, "rollout": {"mode": "async"}, "train": {"routing_replay": "experience"}})
+    sglang = {"server_urls": ["http://127.0.0.1:1"], "client": {"weight_dir": str(tmp_path)}}
+    with pytest.raises(ValueError, match="rollout.mode=async takes model.lora.push=merged"):
+        build_run_config(
+            {
+                **tiny,
+                "model": {**tiny["model"], "lora": {"push": "adapter"}},
+                "rollout": {"mode": "async", "engine": "sglang", "sglang": sglang},
+            }
+        )
+
+
+def test_the_async_push_asks_lost_servers_back_before_it_pauses(monkeypatch):
+    """SGLang's /health_generate waits out 20 s while generation is paused: lost servers are asked before the
+    pause (the push then brings the healthy ones back and re-syncs them), never during it."""
+    from megatron_zcpo.recipe import weight_push
+    from megatron_zcpo.recipe.async_mode import AsynchronousRollouts
+
+    calls = []
+
+    class Engine:
+        def check_returning_servers(self):
+            calls.append("check")
+
+        def pause_generation(self):
+            calls.append("pause")
+
+        def continue_generation(self):
+            calls.append("continue")
+
+    class Producer:
+        def on_push(self, version):
+            calls.append(f"on_push {version}")
+
+    monkeypatch.setattr(weight_push, "push_weights", lambda trainer, engine, version, *rest: calls.append("push"))
+    rollouts = AsynchronousRollouts(None, None, None, Engine(), None, {})
+    rollouts.producer = Producer()
+    rollouts.push(3)
+    assert calls == ["check", "pause", "push", "continue", "on_push 3"]
 
 
 def _records(run_dir):
