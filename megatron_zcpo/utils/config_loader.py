@@ -132,14 +132,36 @@ def apply_overrides(data: Dict[str, Any], overrides: Sequence[str]) -> Dict[str,
     return data
 
 
+class _RepeatedKeyRefusingLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with a key written twice (PyYAML keeps the last silently)."""
+
+
+def _mapping_without_repeats(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Dict[Any, Any]:
+    seen: Dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                f"while reading the mapping from line {node.start_mark.line + 1}",
+                node.start_mark,
+                f"key {key!r} is written twice (first on line {seen[key].line + 1}): the first would be dropped",
+                key_node.start_mark,
+            )
+        seen[key] = key_node.start_mark
+    return loader.construct_mapping(node, deep=True)
+
+
+_RepeatedKeyRefusingLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_repeats)
+
+
 def load_yaml(path: str | Path) -> Dict[str, Any]:
-    """Read a YAML mapping from ``path`` (an empty file is an empty mapping)."""
+    """Read a YAML mapping from ``path`` (an empty file is an empty mapping; a key written twice is an error)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     text = path.read_text()
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_RepeatedKeyRefusingLoader) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         if mark is None:

@@ -15,6 +15,7 @@ from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.planning.planner import GIB, plan_memory, suggest_layout
 from megatron_zcpo.recipe.config import load_run_config
 from megatron_zcpo.rollout.sglang.client import SGLangEngineConfig
+from megatron_zcpo.utils.config_loader import load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -400,6 +401,13 @@ def test_every_hyper_parameter_says_whether_it_is_the_papers_or_ours(path):
         ):
             untagged.append(f"{path}:{number + 1}: {line.strip()}")
     assert not untagged, "hyper-parameters without [paper: ...] / [ours: ...]:\n" + "\n".join(untagged)
+
+
+def test_no_key_is_written_twice():
+    """The run config loader refuses a repeated key (PyYAML alone keeps the last and drops the first
+    silently: an example with a key twice would say one thing and run another)."""
+    for path in sorted(EXAMPLES.glob("*/config.yaml")) + [ROOT / "megatron_zcpo" / "cli" / "demo.yaml"]:
+        load_yaml(path)
 
 
 def load_sglang_node():

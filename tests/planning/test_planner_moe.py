@@ -7,6 +7,7 @@ import pytest
 
 from megatron_zcpo.cli.main import main
 from megatron_zcpo.convert.presets import preset_model_config
+from megatron_zcpo.planning.decode_rate import kv_bytes_per_token
 from megatron_zcpo.planning.memory_model import STAGES, Layout, Workload
 from megatron_zcpo.planning.planner import candidate_layouts, plan_memory
 from megatron_zcpo.planning.step_time import (
@@ -25,6 +26,19 @@ WORKLOAD = Workload(micro_batch_tokens=10240, max_sequence_length=10240)
 def test_presets_have_the_published_total_and_active_sizes():
     assert 30.4e9 < A3B.num_parameters < 30.6e9 and 3.3e9 < A3B.num_active_parameters < 3.4e9
     assert 235.0e9 < A22B.num_parameters < 235.2e9 and 22.1e9 < A22B.num_active_parameters < 22.3e9
+
+
+def test_deepseek_presets_have_the_published_sizes_and_a_latent_kv_cache():
+    """DeepSeek-V3 671B (37B active, the multi-token-prediction layer not counted), Kimi-K2 1T (32B),
+    Moonlight 16B (3B), as their model cards say. SGLang's MLA pool keeps kv_lora_rank +
+    qk_rope_head_dim = 576 elements per token and layer, whole on every GPU of an attention group."""
+    v3, k2 = preset_model_config("DeepSeek-V3"), preset_model_config("Kimi-K2")
+    moonlight = preset_model_config("Moonlight-16B-A3B")
+    assert 670.5e9 < v3.num_parameters < 671.5e9 and 37.0e9 < v3.num_active_parameters < 38.0e9
+    assert 1.02e12 < k2.num_parameters < 1.04e12 and 32.0e9 < k2.num_active_parameters < 33.5e9
+    assert 15.5e9 < moonlight.num_parameters < 16.5e9 and 2.5e9 < moonlight.num_active_parameters < 3.5e9
+    assert kv_bytes_per_token(v3) == 61 * 576 * 2
+    assert kv_bytes_per_token(v3, 32, dp_attention=8) == 4 * 61 * 576 * 2  # 8 groups of 4 GPUs
 
 
 def test_expert_parallelism_divides_the_experts_and_their_optimizer_state():
