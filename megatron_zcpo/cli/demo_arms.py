@@ -52,6 +52,15 @@ ARMS: Dict[str, Tuple[dict, str]] = {
         "ZCPO training LoRA adapters (rank 16, alpha 32, lr 2e-3) on the frozen warmed-up model; its reference "
         "is the base with the adapters off (no second model)",
     ),
+    # The rollout modes (README, "On-policy (default), overlapped or asynchronous rollouts").
+    "zcpo-overlap": (
+        {"algorithm": {"name": "zcpo"}, "rollout": {"mode": "overlap"}},
+        "ZCPO with overlapped rollouts (one step off-policy)",
+    ),
+    "zcpo-async": (
+        {"algorithm": {"name": "zcpo"}, "rollout": {"mode": "async"}},
+        "ZCPO with asynchronous rollouts (max_staleness 1, responses continued across pushes)",
+    ),
 }
 LORA_ARM = "zcpo-lora"  # what `zcpo demo --lora` runs
 DEFAULT_ARMS = "dapo,dapo-k3,zcpo"

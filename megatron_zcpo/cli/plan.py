@@ -9,7 +9,7 @@ import dataclasses
 import json
 from typing import Optional
 
-from megatron_zcpo.recipe.config import RunConfig
+from megatron_zcpo.recipe.config import RunConfig, read_rollout_mode
 from megatron_zcpo.recipe.layout_checks import layout_problems, plan_inputs, run_architecture
 from megatron_zcpo.utils.config_loader import apply_overrides, from_dict, load_yaml, validate_tree
 
@@ -20,7 +20,7 @@ PLANNED_SECTIONS = ("parallel", "train", "rollout", "algorithm")
 
 def load_plan_config(path: str, overrides=()) -> RunConfig:
     """The run config of ``path`` + overrides, validating only :data:`PLANNED_SECTIONS`."""
-    config = from_dict(RunConfig, apply_overrides(load_yaml(path), overrides))
+    config = from_dict(RunConfig, read_rollout_mode(apply_overrides(load_yaml(path), overrides)))
     for section in PLANNED_SECTIONS:
         validate_tree(getattr(config, section), section)
     if config.model.lora is not None:  # model.lora changes what is planned; the model's paths need not exist
@@ -230,7 +230,8 @@ def _step_time(args, config: RunConfig, model, plan, gpus: int, hardware):
         pipeline_parallel=layout.pipeline_parallel,
         recompute=layout.recompute,
         expert_parallel=layout.expert_parallel,
-        overlap=config.rollout.overlap and not colocated,
+        rollout_mode=config.rollout.mode,
+        max_staleness=max(1, config.rollout.max_staleness),
         expert_imbalance=plan.workload.expert_imbalance,
         offloaded_bytes_per_gpu=sum(plan.components[key] for key in offloaded) if colocated else 0.0,
         frozen_base=lora is not None,
@@ -330,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise SystemExit(f"zcpo plan: {error}") from None
     best = suggest_layout(model, workload, gpus, hardware=hardware, base=layout) if args.gpus else None
-    overlap = config.rollout.overlap
+    rollout_mode = config.rollout.mode
     # The rollout's durations scale with the cluster: without --gpus (or --rollout-gpus) its size is a
     # guess (the fewest GPUs that fit), so a short timeout is reported but does not fail the plan.
     cluster_given = bool(args.gpus or args.rollout_gpus)
@@ -397,27 +398,37 @@ def run(args: argparse.Namespace) -> int:
     from megatron_zcpo.planning.step_time import format_seconds as duration
 
     if timing.mode == "colocated":
-        ignored = " (rollout.overlap ignored: the same GPUs generate and train)" if overlap else ""
+        ignored = (
+            f" (rollout.mode={rollout_mode} ignored: the same GPUs generate and train)"
+            if rollout_mode != "sync"
+            else ""
+        )
         print(
             f"rollout mode: colocated (rollout.placement=colocated){ignored}; predicted step "
             f"{duration(timing.predicted_s)} (generation on all {gpus} GPUs {duration(timing.rollout_s)}, of which "
             f"the longest response {duration(timing.tail_s)}; training {duration(timing.train_s)}; offload/onload "
             f"{duration(timing.offload_s)}; IPC weight push {duration(timing.ipc_push_s)}); disaggregated on "
             f"{gpus} + {args.rollout_gpus or gpus} GPUs: sequential {duration(timing.sequential_s)}, overlapped "
-            f"{duration(timing.overlapped_s)}"
+            f"{duration(timing.overlapped_s)}, asynchronous {duration(timing.asynchronous_s)}"
         )
     else:
-        mode = (
-            f"overlapped (rollout.overlap=true, max_staleness {config.rollout.max_staleness})"
-            if overlap
-            else "sequential, on-policy (rollout.overlap=false)"
+        described = {
+            "sync": "sequential, on-policy (rollout.mode=sync)",
+            "overlap": f"overlapped (rollout.mode=overlap, max_staleness {config.rollout.max_staleness})",
+            "async": f"asynchronous (rollout.mode=async, max_staleness {config.rollout.max_staleness})",
+        }
+        others = (
+            f"sequential {duration(timing.sequential_s)}, overlapped {duration(timing.overlapped_s)}, asynchronous "
+            f"{duration(timing.asynchronous_s)} (k = {timing.max_staleness}): the last two "
+            f"{timing.sequential_s / timing.overlapped_s:.2f}x and {timing.sequential_s / timing.asynchronous_s:.2f}x "
+            "as fast as sequential"
         )
-        other = "overlapped" if not overlap else "sequential"
         print(
-            f"rollout mode: {mode}; predicted step {duration(timing.predicted_s)} "
-            f"(rollout {duration(timing.rollout_s)}, of which the longest response {duration(timing.tail_s)}; "
-            f"training {duration(timing.train_s)}; weight push {duration(timing.push_per_stage_s)} per stage vs "
-            f"{duration(timing.push_funnel_s)} through rank 0); {other}: {duration(timing.step_s(not overlap))}"
+            f"rollout mode: {described[rollout_mode]}; predicted step {duration(timing.predicted_s)} "
+            f"(rollout {duration(timing.rollout_s)}: all tokens at the full batch {duration(timing.bulk_s)}, the "
+            f"longest response {duration(timing.tail_s)}; training {duration(timing.train_s)}; weight push "
+            f"{duration(timing.push_per_stage_s)} per stage vs {duration(timing.push_funnel_s)} through rank 0); "
+            f"{others}"
         )
     print(f"throughput: {timing.tokens_per_s_per_gpu:,.0f} trained tokens/s per GPU ({timing.mode})")
     if model.is_moe:

@@ -281,7 +281,7 @@ def predict(run: PublishedRun, model: ModelConfig) -> Tuple[float, Optional[floa
         pipeline_parallel=run.layout.pipeline_parallel,
         recompute=run.layout.recompute,
         expert_parallel=run.layout.expert_parallel,
-        overlap=run.overlap,
+        rollout_mode="overlap" if run.overlap else "sync",
         offloaded_bytes_per_gpu=offloaded,
     )
     return timing.predicted_s, timing.tokens_per_s_per_gpu

@@ -31,8 +31,12 @@ holds the model to it). Term by term:
   A LoRA adapter pushed alone (``adapter_push_bytes``) is costed as a push of its bytes (the fixed
   part dominates; not calibrated on a published adapter refit).
 * step: disaggregated sequential = generation + training + push; overlapped (one step
-  off-policy) = max(generation, training) + push; colocated = generation on all GPUs + training +
-  offload / onload + IPC push (nothing overlaps: the same GPUs do both).
+  off-policy) = max(generation, training) + push; asynchronous (``rollout.mode=async``, staleness
+  k) = max(bulk, training, tail / (k + 1)) + push: the engine decodes all the time at its full
+  batch (the bulk), training overlaps it, and the longest response no longer holds a step: it
+  continues across pushes and only has to finish within the k + 1 steps it may take before it is
+  too stale; colocated = generation on all GPUs + training + offload / onload + IPC push (nothing
+  overlaps: the same GPUs do both).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def training_mfu(model: ModelConfig) -> float:
 
 
 PLACEMENTS = ("disaggregated", "colocated")
+ROLLOUT_MODES = {"sync": "sequential", "overlap": "overlapped", "async": "asynchronous"}  # rollout.mode -> StepTime
 
 
 @dataclass(frozen=True)
@@ -183,12 +188,14 @@ def all_to_all_s(
 @dataclass
 class StepTime:
     """Seconds per term and per mode; ``idle_share_*``: fraction of all GPUs' time spent waiting
-    (disaggregated modes). ``rollout_s`` is the generation (``tail_s``: its longest response);
+    (disaggregated modes). ``rollout_s`` is the generation (``bulk_s``: its tokens at the full batch's
+    throughput, ``tail_s``: its longest response); ``asynchronous_s`` the asynchronous step at ``max_staleness``;
     ``push_per_stage_s`` / ``push_funnel_s`` the NCCL push; ``colocated_s`` the colocated step,
     of which ``offload_s`` and ``ipc_push_s``; ``predicted_s`` the step of the chosen mode and
     ``tokens_per_s_per_gpu`` the trained tokens per second per GPU of the run it implies."""
 
     rollout_s: float
+    bulk_s: float
     tail_s: float
     train_s: float  # all-to-all included
     all_to_all_s: float
@@ -196,18 +203,21 @@ class StepTime:
     push_per_stage_s: float
     sequential_s: float
     overlapped_s: float
+    asynchronous_s: float
+    max_staleness: int
     offload_s: float
     ipc_push_s: float
     colocated_s: float
     idle_share_sequential: float
     idle_share_overlapped: float
+    idle_share_asynchronous: float
     mode: str
     predicted_s: float
     tokens_per_s_per_gpu: float
 
-    def step_s(self, overlap: bool) -> float:
-        """The predicted disaggregated step time with or without overlap (per-stage push)."""
-        return self.overlapped_s if overlap else self.sequential_s
+    def step_s(self, rollout_mode: str) -> float:
+        """The predicted disaggregated step time of ``rollout_mode`` (sync | overlap | async; per-stage push)."""
+        return getattr(self, f"{ROLLOUT_MODES[rollout_mode]}_s")
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
@@ -227,17 +237,23 @@ def predict_step_time(
     pipeline_parallel: int = 1,
     recompute: str = "none",
     expert_parallel: int = 1,
-    overlap: bool = False,
+    rollout_mode: str = "sync",
+    max_staleness: int = 1,
     expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE,
     offloaded_bytes_per_gpu: float = 0.0,
     frozen_base: bool = False,
     adapter_push_bytes: Optional[float] = None,
 ) -> StepTime:
-    """Seconds of one step's terms and modes (module docstring). ``overlap``: the disaggregated
-    mode chosen (ignored when colocated); ``offloaded_bytes_per_gpu``: the training state a
-    colocated GPU moves to the host and back (parameters, gradients, optimizer, reference);
-    ``frozen_base``: a LoRA policy (no weight gradients of the base); ``adapter_push_bytes``: a LoRA
-    adapter pushed alone, through rank 0, instead of the weights."""
+    """Seconds of one step's terms and modes (module docstring). ``rollout_mode``: the disaggregated
+    mode chosen, sync | overlap | async (ignored when colocated), ``max_staleness`` its k (async);
+    ``offloaded_bytes_per_gpu``: the training state a colocated GPU moves to the host and back
+    (parameters, gradients, optimizer, reference); ``frozen_base``: a LoRA policy (no weight
+    gradients of the base); ``adapter_push_bytes``: a LoRA adapter pushed alone, through rank 0,
+    instead of the weights."""
+    if rollout_mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout_mode must be one of {tuple(ROLLOUT_MODES)}, got {rollout_mode!r}")
+    if max_staleness < 1:
+        raise ValueError(f"max_staleness must be >= 1, got {max_staleness}")
     load.validate()
     cluster.validate()
     generation = generation_time(
@@ -267,15 +283,16 @@ def predict_step_time(
     per_stage = nccl_push_s(stage_bytes if adapter_push_bytes is None else adapter_push_bytes)
     sequential = rollout + train + per_stage
     overlapped = max(rollout, train) + per_stage
+    asynchronous = max(generation.bulk_s, train, generation.tail_s / (max_staleness + 1)) + per_stage
     offload = offload_onload_s(offloaded_bytes_per_gpu)
     ipc = ipc_push_s(2 * model.num_parameters)
     colocated = rollout + train + offload + ipc
-    if cluster.placement == "colocated":
-        mode, predicted = "colocated", colocated
-    else:
-        mode, predicted = ("overlapped", overlapped) if overlap else ("sequential", sequential)
+    modes = {"sequential": sequential, "overlapped": overlapped, "asynchronous": asynchronous}
+    mode = "colocated" if cluster.placement == "colocated" else ROLLOUT_MODES[rollout_mode]
+    predicted = colocated if mode == "colocated" else modes[mode]
     return StepTime(
         rollout_s=rollout,
+        bulk_s=generation.bulk_s,
         tail_s=generation.tail_s,
         train_s=train,
         all_to_all_s=exchange,
@@ -283,11 +300,14 @@ def predict_step_time(
         push_per_stage_s=per_stage,
         sequential_s=sequential,
         overlapped_s=overlapped,
+        asynchronous_s=asynchronous,
+        max_staleness=max_staleness,
         offload_s=offload,
         ipc_push_s=ipc,
         colocated_s=colocated,
         idle_share_sequential=_idle_share(sequential, rollout, train, cluster),
         idle_share_overlapped=_idle_share(overlapped, rollout, train, cluster),
+        idle_share_asynchronous=_idle_share(asynchronous, generation.bulk_s, train, cluster),
         mode=mode,
         predicted_s=predicted,
         tokens_per_s_per_gpu=load.trained_sequences * sequence / (predicted * cluster.total_gpus),

@@ -14,6 +14,7 @@ from megatron_zcpo.diagnostics.config import DiagnosticsConfig
 from megatron_zcpo.megatron.lora import LoraConfig
 from megatron_zcpo.megatron.model import ModelConfig
 from megatron_zcpo.rewards.config import RewardConfig
+from megatron_zcpo.rollout.async_rollout import ON_STALE
 from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingConfig
 from megatron_zcpo.training.config import ParallelConfig, TrainConfig, check_context_parallel
 from megatron_zcpo.utils.config_loader import (
@@ -105,6 +106,9 @@ class SGLangSection:
             from_dict(SGLangServerConfig, self.launch, prefix="rollout.sglang.launch").validate("rollout.sglang.launch")
 
 
+ROLLOUT_MODES = ("sync", "overlap", "async")
+
+
 @dataclass
 class RolloutConfig:
     """The ``rollout:`` section: engine, sampling, group size and dynamic sampling."""
@@ -119,10 +123,14 @@ class RolloutConfig:
     stop_token_ids: List[int] = field(default_factory=list)  # the tokenizer's EOS is always added
     seed: int = 1234
     quantization: Optional[str] = None  # "fp8": the rollout policy holds FP8 weights (modelopt)
-    # Overlapped rollouts: generate step k+1 with the weights of step k-1 or older while step k
-    # trains (one step off-policy; train.importance_sampling defaults to on). Off: on-policy.
-    overlap: bool = False
-    max_staleness: int = 1  # weight versions a trained sample may lag behind the trainer
+    # sync: on-policy, rollout -> train -> push. overlap: step k+1's rollout is generated while step k
+    # trains (one step off-policy). async: a producer keeps the engine busy, the trainer takes groups
+    # as they complete, responses continue across pushes (megatron_zcpo/rollout/async_rollout.py).
+    # overlap and async turn train.importance_sampling on unless it is set. (`overlap: true` is read
+    # as `mode: overlap`, `overlap: false` as `mode: sync`.)
+    mode: str = "sync"
+    max_staleness: int = 1  # weight versions a trained token may lag behind the trainer (overlap, async)
+    on_stale: str = "drop"  # async: drop (counted) or correct (IS) groups with a token older than max_staleness
     # disaggregated: the engine on GPUs of its own; colocated: on the training GPUs, the two taking
     # turns (megatron_zcpo/rollout/placement.py; SGLang servers launched with --enable-memory-saver).
     placement: str = "disaggregated"
@@ -145,13 +153,17 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"rollout.quantization must be null or 'fp8', got {self.quantization!r}")
-        if self.overlap and self.max_staleness < 1:
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(f"rollout.mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
+        if self.mode != "sync" and self.max_staleness < 1:
             raise ValueError(
-                f"rollout.max_staleness must be >= 1 with rollout.overlap=true (the rollout in "
-                f"flight is one version behind), got {self.max_staleness}"
+                f"rollout.max_staleness must be >= 1 with rollout.mode={self.mode} (the rollout in "
+                f"flight is at least one version behind), got {self.max_staleness}"
             )
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.on_stale not in ON_STALE:
+            raise ValueError(f"rollout.on_stale must be one of {ON_STALE}, got {self.on_stale!r}")
         self._check_placement()
 
     def _check_placement(self) -> None:
@@ -161,11 +173,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.placement != "colocated":
             return
-        if self.overlap:
+        if self.mode != "sync":
             raise ValueError(
-                "rollout.overlap=true generates the next rollout while the trainer trains; with "
+                f"rollout.mode={self.mode} generates while the trainer trains; with "
                 "rollout.placement=colocated both would need the same GPUs' memory at once: "
-                "set rollout.overlap=false or rollout.placement=disaggregated"
+                "set rollout.mode=sync or rollout.placement=disaggregated"
             )
         if self.sglang.client.get("weight_sync") == "distributed":
             raise ValueError(
@@ -289,6 +301,11 @@ class RunConfig:
                 "train.reference_offload=false with rollout.placement=colocated keeps the reference on the GPU "
                 "while the engine generates there: leave train.reference_offload unset (true when colocated)"
             )
+        if self.rollout.mode == "async" and (self.tools.enabled or self.train.routing_replay != "none"):
+            raise ValueError(
+                "rollout.mode=async continues responses across weight pushes one request at a time: it does not "
+                "support tools.enabled (multi-turn) or train.routing_replay (set them off, or rollout.mode=overlap)"
+            )
         self._check_lora()
         if (
             self.rollout.placement == "colocated"
@@ -346,21 +363,51 @@ class RunConfig:
             )
         if self.rollout.quantization:
             raise ValueError("model.lora.push=adapter serves the base as launched: rollout.quantization must be null")
+        if self.rollout.mode == "async":
+            raise ValueError(
+                "model.lora.push=adapter unloads the older adapter at each push while requests paused across it still "
+                "name it: rollout.mode=async takes model.lora.push=merged"
+            )
 
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir or Path(self.logging.run_dir) / "checkpoints")
 
 
+def read_rollout_mode(data: Dict[str, Any]) -> Dict[str, Any]:
+    """``data`` (a run config as a plain dict) with the older ``rollout.overlap`` (true: ``mode: overlap``,
+    false: ``mode: sync``) read as ``rollout.mode``; the two disagreeing are refused, naming both keys."""
+    rollout = data.get("rollout")
+    if not isinstance(rollout, dict) or "overlap" not in rollout:
+        return data
+    data, rollout = dict(data), dict(rollout)
+    data["rollout"] = rollout
+    overlap = rollout.pop("overlap")
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"rollout.overlap must be true or false (it stands for rollout.mode), got {overlap!r}")
+    mode = rollout.setdefault("mode", "overlap" if overlap else "sync")
+    if overlap != (mode == "overlap"):  # (overlap: false beside mode: async agrees)
+        raise ConfigError(
+            f"rollout.overlap={str(overlap).lower()} and rollout.mode={rollout['mode']} disagree: "
+            "set rollout.mode alone (sync | overlap | async)"
+        )
+    return data
+
+
 def _derived_defaults(data: Dict[str, Any]) -> Dict[str, Any]:
-    """Fill keys whose default follows another key: the overlong penalty's L_max is the
-    generation cap (with tools: per turn, times tools.max_turns), and its buffer L_cache 1/5 of it up
-    to 4,096 (the paper: 20,480 and 4,096); overlapped rollouts turn the importance-sampling correction
-    on unless it is set; colocated placement offloads the reference between uses unless
-    ``train.reference_offload`` is set."""
+    """Fill keys whose default follows another key: ``rollout.overlap`` is read as ``rollout.mode``; the
+    overlong penalty's L_max is the generation cap (with tools: per turn, times tools.max_turns), and its
+    buffer L_cache 1/5 of it up to 4,096 (the paper: 20,480 and 4,096); overlapped and asynchronous
+    rollouts turn the importance-sampling correction on unless it is set; colocated placement offloads
+    the reference between uses unless ``train.reference_offload`` is set."""
+    data = read_rollout_mode(data)
     rollout = data.get("rollout") or {}
     train = data.get("train")
-    if isinstance(rollout, dict) and rollout.get("overlap") is True and (train is None or isinstance(train, dict)):
+    if (
+        isinstance(rollout, dict)
+        and rollout.get("mode") in ("overlap", "async")
+        and (train is None or isinstance(train, dict))
+    ):
         sampling = data.setdefault("train", {}).setdefault("importance_sampling", {})
         if isinstance(sampling, dict):
             sampling.setdefault("enabled", True)

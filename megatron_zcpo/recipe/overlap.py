@@ -1,4 +1,4 @@
-"""The recipe's overlapped rollouts (``rollout.overlap``): step k+1 generates while step k trains."""
+"""The recipe's overlapped rollouts (``rollout.mode=overlap``): step k+1 generates while step k trains."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class OverlappedRollouts:
 def overlapped_rollouts(
     config, rollout, trainer, engine, stages, loop_state: Dict[str, Any], waits=None
 ) -> Optional[OverlappedRollouts]:
-    """The run's :class:`OverlappedRollouts` when ``rollout.overlap`` is on, else None (on-policy)."""
-    if not config.rollout.overlap:
+    """The run's :class:`OverlappedRollouts` with ``rollout.mode=overlap``, else None."""
+    if config.rollout.mode != "overlap":
         return None
     return OverlappedRollouts(config, rollout, trainer, engine, stages, loop_state.get("in_flight", {}), waits)

@@ -352,7 +352,7 @@ class Rollout:
         samples = samples_from_groups(result, group_offset=step * 10**6)
         metrics = dict(result.metrics)
         metrics["rollout/rejected_samples"] = float(getattr(self.engine, "rejected_samples", 0) - rejected_before)
-        if not rollout.overlap:  # (overlapped rollouts report their staleness themselves)
+        if rollout.mode == "sync":  # (overlapped rollouts report their staleness themselves)
             # The engine serves version `step` (pushed after the previous step): anything else is stale.
             metrics["rollout/stale_samples"] = float(
                 sum(c.weight_version not in (None, step) for group in result.completions for c in group)

@@ -30,6 +30,7 @@ class RLRecipe:
         self.logger = None
         self.stages = None
         self.overlap = None
+        self.asynchronous = None  # rollout.mode=async: the producer's side (recipe/async_mode.py)
         self.waits = None  # the Rank0Wait group: where the other ranks wait for rank 0 alone
         self.colocation = None  # rollout.placement=colocated: the phase machine (rollout/placement.py)
         self.push_bytes: Optional[int] = None  # bytes of the last weight push (rank 0)
@@ -40,6 +41,7 @@ class RLRecipe:
         import torch.distributed as dist
 
         from megatron_zcpo.megatron.initialize import setup_megatron
+        from megatron_zcpo.recipe.async_mode import asynchronous_rollouts
         from megatron_zcpo.recipe.inputs import eval_records, load_tokenizer
         from megatron_zcpo.recipe.overlap import overlapped_rollouts
         from megatron_zcpo.recipe.rank0_wait import Rank0Wait
@@ -91,6 +93,9 @@ class RLRecipe:
         self.stages = stage_weight_push(config, self.engine, self.waits, self.trainer.policy)
         self.push(self.start_step)
         self.overlap = overlapped_rollouts(
+            config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state, self.waits
+        )
+        self.asynchronous = asynchronous_rollouts(
             config, self.rollout, self.trainer, self.engine, self.stages, self.loop_state, self.waits
         )
 
@@ -201,8 +206,13 @@ class RLRecipe:
         if checkpoint is not None:
             self.loop_state = self.trainer.load(checkpoint).get("loop", {})
             self.start_step = self.trainer.step
-            if self.rank == 0 and "data" in self.loop_state:
-                self.rollout.dataset.load_state_dict(self.loop_state["data"])
+            # The data position: the loop's, or an asynchronous run's (whose producer restores it itself
+            # when the resumed run is asynchronous too).
+            data = self.loop_state.get("data")
+            if data is None and self.config.rollout.mode != "async":
+                data = self.loop_state.get("async", {}).get("data")
+            if self.rank == 0 and data is not None:
+                self.rollout.dataset.load_state_dict(data)
         return checkpoint
 
     def _make_logger(self):
@@ -265,15 +275,18 @@ class RLRecipe:
     def train_step(self, step: int) -> None:
         """Rollout (rank 0) -> broadcast -> trainer step -> weight push; logs the step's metrics.
 
-        With ``rollout.overlap`` the step takes the rollout generated during the previous step,
-        pushes the current weights and starts the next rollout before training.
+        With ``rollout.mode=overlap`` the step takes the rollout generated during the previous step,
+        pushes the current weights and starts the next rollout before training; with ``async`` it
+        takes the producer's oldest complete groups and pushes after training without draining.
         """
         from megatron_zcpo.convert.verify import logprob_tolerance
         from megatron_zcpo.recipe.rollout import broadcast_samples
 
         started = time.perf_counter()
-        overlap = self.overlap
-        if overlap is None:
+        overlap, asynchronous = self.overlap, self.asynchronous
+        if asynchronous is not None:  # the oldest complete groups the producer holds
+            samples, rollout_stats = asynchronous.collect(step)
+        elif overlap is None:
             samples, rollout_stats = self.rollout.collect(step) if self.rank == 0 else (None, {})
         else:  # take step k's rollout, push, and generate step k+1's while step k trains
             samples, rollout_stats = overlap.collect(step)
@@ -288,7 +301,9 @@ class RLRecipe:
             self.colocation.to_train()
         metrics = self.trainer.train_step(samples)
         started_push = time.perf_counter()
-        if overlap is None:
+        if asynchronous is not None:
+            asynchronous.push(self.trainer.step)
+        elif overlap is None:
             self.push(self.trainer.step)
         if self.rank != 0:
             return
@@ -321,7 +336,8 @@ class RLRecipe:
 
     def evaluate(self, step: int) -> Dict[str, float]:
         """Held-out metrics at trainer step ``step`` (rank 0, when there are held-out prompts; {} otherwise).
-        Collective with ``rollout.overlap`` (the engine first gets the current weights)."""
+        Collective with ``rollout.mode=overlap`` (the engine first gets the current weights); with
+        ``async`` the engine has them and keeps generating the producer's groups meanwhile."""
         if self.overlap is not None:
             self.overlap.settle()
         from megatron_zcpo.recipe.evaluation import run_evaluation
@@ -356,7 +372,10 @@ class RLRecipe:
         if self.rank == 0:
             if self.overlap is not None:  # first: the rollout in flight advances the prompt stream
                 loop["in_flight"] = self.overlap.state()
-            loop["data"] = self.rollout.dataset.state_dict()
+            if self.asynchronous is not None:  # the producer's groups and its data position, taken together
+                loop["async"] = self.asynchronous.state()
+            else:
+                loop["data"] = self.rollout.dataset.state_dict()
         # Every rank passes its state; rank 0's is the one written (it owns the prompt stream).
         self.trainer.save(
             self.config.checkpoint_dir,
@@ -370,6 +389,8 @@ class RLRecipe:
         """Stop the rollout side (engines, reward workers) and close the loggers."""
         if self.overlap is not None:
             self.overlap.close()
+        if self.asynchronous is not None:
+            self.asynchronous.close()
         share_engine = getattr(self.stages, "engine", None)  # a share's lead's own client (StageWeightPush)
         if share_engine is not None:
             share_engine.shutdown()

@@ -10,6 +10,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import numbers
+import threading
 import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -124,7 +125,8 @@ class RewardWorkerPool:
     A call that raises, returns a non-number, overruns its timeout (the worker is killed) or kills its
     worker yields a :class:`CallOutcome` saying so; killed or dead workers are replaced, so the pool
     survives any reward function. Timeouts are enforced by the calling thread with
-    ``multiprocessing.connection.wait`` (no signals), so ``map`` works from any thread.
+    ``multiprocessing.connection.wait`` (no signals), so ``map`` works from any thread; calls from several
+    threads at once (an asynchronous rollout's producer beside an evaluation) run one ``map`` after the other.
     The function is imported here first, so a bad path fails at construction.
 
     Calls go to a worker in chunks of up to ``max_chunk_size`` (one message each way per call costs two
@@ -155,6 +157,7 @@ class RewardWorkerPool:
         self.restarts = 0
         self._context = multiprocessing.get_context(start_method)
         self._workers: List[_Worker] = [self._start_worker() for _ in range(num_workers)]
+        self._one_map_at_a_time = threading.Lock()  # the workers' pipes carry one map's calls
 
     def _start_worker(self) -> _Worker:
         return _Worker(self._context, self.function_path, self.startup_timeout_s)
@@ -166,6 +169,10 @@ class RewardWorkerPool:
 
     def map(self, calls: Sequence[Tuple[Any, ...]]) -> List[CallOutcome]:
         """Run the function once per argument tuple; returns one :class:`CallOutcome` per call, in order."""
+        with self._one_map_at_a_time:
+            return self._map(calls)
+
+    def _map(self, calls: Sequence[Tuple[Any, ...]]) -> List[CallOutcome]:
         if not self._workers:
             raise RuntimeError("RewardWorkerPool.map called after close()")
         for worker in list(self._workers):

@@ -146,6 +146,8 @@ class EmbeddedEngine(RolloutEngine):
         self.quantization = quantization
         self.pad_token_id = pad_token_id
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seed = seed
+        self._async = None  # the AsyncBatcher of submit(), started on first use
         # Tied embeddings appear under both names here; either name loads the shared tensor.
         self._targets: Dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
         self._loaded: Set[str] = set()
@@ -221,6 +223,16 @@ class EmbeddedEngine(RolloutEngine):
             named_hf_tensors = fake_quantize_fp8_hf_weights(named_hf_tensors)
         if self.memory is not None:
             self.memory.require("update_weights")
+        if self._async is not None:  # no decode step may read a half-loaded model
+            self._async.pause()
+        try:
+            self._load(named_hf_tensors)
+        finally:
+            if self._async is not None:
+                self._async.resume()
+        self._version = int(version)
+
+    def _load(self, named_hf_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_hf_tensors:
             name, target = self._target_of(name)
             if target is None:
@@ -233,7 +245,6 @@ class EmbeddedEngine(RolloutEngine):
                 )
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self._loaded.add(name)
-        self._version = int(version)
 
     def _target_of(self, name: str):
         """(name, tensor to copy into) of a pushed Hugging Face tensor. transformers>=5 keeps an MoE
@@ -322,6 +333,34 @@ class EmbeddedEngine(RolloutEngine):
         )
         return out.logits[:, -1], getattr(out, self._cache_kwarg)
 
+    def _prefill(self, rows: List[List[int]], owners: List[int]):
+        """Prefill the batch ``rows`` (token ids; ``owners[i]`` names row i's input, equal owners are
+        consecutive and share one prefill). Returns (logits [B, V], cache, attention_mask [B, P],
+        next_position [B, 1], expand [B]: row -> its row in the prefill batch, prefill routing or None)."""
+        batch = len(rows)
+        owner = torch.tensor(owners)
+        first = torch.ones(batch, dtype=torch.bool)
+        first[1:] = owner[1:] != owner[:-1]
+        expand = torch.cumsum(first.long(), 0) - 1  # row -> its prompt's row in the prefill batch
+        unique_rows = [r for r, is_first in zip(rows, first.tolist()) if is_first]
+        input_ids, attention_mask, position_ids = left_pad(unique_rows, self.pad_token_id)
+        logits, cache = self._forward(input_ids, attention_mask, position_ids, None)
+        prefill_routing = self._routed(len(unique_rows))  # [unique rows, padded prompt, layers, k] or None
+        if len(unique_rows) < batch:
+            cache.batch_select_indices(expand.to(self.device))
+            logits, attention_mask, position_ids = (
+                logits[expand.to(logits.device)],
+                attention_mask[expand],
+                position_ids[expand],
+            )
+        return logits, cache, attention_mask, position_ids[:, -1:] + 1, expand, prefill_routing
+
+    def _decode_step(self, tokens: torch.Tensor, attention_mask, next_position, cache):
+        """Feed one sampled token per row [B]; returns (logits [B, V], cache, attention_mask, next_position)."""
+        attention_mask = torch.cat([attention_mask, torch.ones(len(tokens), 1, dtype=torch.long)], dim=1)
+        logits, cache = self._forward(tokens[:, None], attention_mask, next_position, cache)
+        return logits, cache, attention_mask, next_position + 1
+
     def _generate_batch(
         self, rows: List[List[int]], owners: List[int], params: SamplingParams, generator
     ) -> List[Completion]:
@@ -331,27 +370,12 @@ class EmbeddedEngine(RolloutEngine):
         context = self.model_config.max_position_embeddings
         budgets = torch.tensor([min(params.max_new_tokens, context - len(r)) for r in rows])
         stop_ids = torch.tensor(params.stop_token_ids or [-1], dtype=torch.long)
-        owner = torch.tensor(owners)
-        first = torch.ones(batch, dtype=torch.bool)
-        first[1:] = owner[1:] != owner[:-1]
-        expand = torch.cumsum(first.long(), 0) - 1  # row -> its prompt's row in the prefill batch
-        unique_rows = [r for r, is_first in zip(rows, first.tolist()) if is_first]
-        input_ids, attention_mask, position_ids = left_pad(unique_rows, self.pad_token_id)
-        logits, cache = self._forward(input_ids, attention_mask, position_ids, None)
-        prefill_routing = self._routed(len(unique_rows))  # [unique rows, padded prompt, layers, k] or None
+        logits, cache, attention_mask, next_position, expand, prefill_routing = self._prefill(rows, owners)
         decode_routing = []  # per step [batch, 1, layers, k]: the routing of that step's sampled token
-        if len(unique_rows) < batch:
-            cache.batch_select_indices(expand.to(self.device))
-            logits, attention_mask, position_ids = (
-                logits[expand.to(logits.device)],
-                attention_mask[expand],
-                position_ids[expand],
-            )
         tokens_out, logprobs_out = [], []
         lengths = torch.zeros(batch, dtype=torch.long)
         stopped = torch.zeros(batch, dtype=torch.bool)
         finished = torch.zeros(batch, dtype=torch.bool)
-        next_position = position_ids[:, -1:] + 1
         for _ in range(int(budgets.max())):
             tokens, logprobs = sample_next_tokens(logits, params, generator)
             tokens, logprobs = tokens.cpu(), logprobs.cpu()
@@ -363,11 +387,11 @@ class EmbeddedEngine(RolloutEngine):
             if bool(finished.all()):
                 break
             # Finished rows keep decoding (cheaper than reshaping the cache); their tokens are cut off.
-            attention_mask = torch.cat([attention_mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
-            logits, cache = self._forward(tokens[:, None], attention_mask, next_position, cache)
+            logits, cache, attention_mask, next_position = self._decode_step(
+                tokens, attention_mask, next_position, cache
+            )
             if prefill_routing is not None:
                 decode_routing.append(self._routed(batch))
-            next_position = next_position + 1
         all_tokens = torch.stack(tokens_out, dim=1).tolist()
         all_logprobs = torch.stack(logprobs_out, dim=1).tolist()
         return [
@@ -384,7 +408,49 @@ class EmbeddedEngine(RolloutEngine):
             for i in range(batch)
         ]
 
+    # -- asynchronous requests (rollout.mode=async) --------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, n: int = 1):
+        """Sample ``n`` responses to one prompt on the engine's scheduler thread; see
+        :meth:`RolloutEngine.submit` and :mod:`megatron_zcpo.rollout.embedded_async`."""
+        if self._routing is not None:
+            raise RolloutError("asynchronous requests do not record routed experts (train.routing_replay)")
+        if self.memory is not None:
+            self.memory.require("generate")
+        self._check_loaded()
+        params.validate(self.model_config.vocab_size)
+        validate_prompts([prompt_ids], n, self.model_config.vocab_size)
+        if len(prompt_ids) >= self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.model_config.max_position_embeddings}"
+            )
+        if self._async is None:
+            from megatron_zcpo.rollout.embedded_async import AsyncBatcher
+
+            self._async = AsyncBatcher(
+                self, torch.Generator(device=self.device).manual_seed(self._seed), sample_next_tokens
+            )
+        return self._async.submit(prompt_ids, params, n)
+
+    def pause_generation(self) -> None:
+        """Hold the asynchronous requests (returns once no decode step runs); they keep their tokens."""
+        if self._async is not None:
+            self._async.pause()
+
+    def continue_generation(self) -> None:
+        """Continue the held requests from their tokens, with the weights the engine holds now."""
+        if self._async is not None:
+            self._async.resume()
+
+    def abort_requests(self, futures=None) -> int:
+        """End every asynchronous request now (or those of ``futures``, futures of :meth:`submit`): each
+        future resolves with the tokens it has ("abort")."""
+        return self._async.abort(futures) if self._async is not None else 0
+
     def shutdown(self) -> None:
         """Drop the model (frees its memory); the engine cannot generate afterwards."""
+        if self._async is not None:
+            self._async.close()
+            self._async = None
         self.model = None
         self._targets, self._loaded = {}, set()

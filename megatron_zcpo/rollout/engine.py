@@ -73,6 +73,9 @@ class Completion:
     ``output_mask`` (multi-turn rollouts, :mod:`megatron_zcpo.rollout.multi_turn`): per output token
     1 where the policy produced it (trained) and 0 where a tool's turn was appended (its
     ``output_logprobs`` are placeholders 0.0); None: every output token is the policy's.
+    ``output_versions`` (asynchronous rollouts, whose responses may continue across weight pushes):
+    per output token the weight version that produced it (its ``output_logprobs`` entry is that
+    version's); None: every token is ``weight_version``'s.
     """
 
     prompt_ids: List[int]
@@ -83,6 +86,7 @@ class Completion:
     info: dict = field(default_factory=dict)
     routed_experts: Optional[torch.Tensor] = None
     output_mask: Optional[List[int]] = None
+    output_versions: Optional[List[int]] = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -95,6 +99,10 @@ class Completion:
             raise ValueError(
                 f"Completion has {len(self.output_ids)} output_ids but {len(self.output_mask)} output_mask"
             )
+        if self.output_versions is not None and len(self.output_versions) != len(self.output_ids):
+            raise ValueError(
+                f"Completion has {len(self.output_ids)} output_ids but {len(self.output_versions)} output_versions"
+            )
 
     @property
     def policy_ids(self) -> List[int]:
@@ -102,6 +110,13 @@ class Completion:
         if self.output_mask is None:
             return list(self.output_ids)
         return [t for t, keep in zip(self.output_ids, self.output_mask) if keep]
+
+    @property
+    def token_versions(self) -> List[Optional[int]]:
+        """The weight version of every output token (``weight_version`` for each without ``output_versions``)."""
+        if self.output_versions is not None:
+            return list(self.output_versions)
+        return [self.weight_version] * len(self.output_ids)
 
     @property
     def truncated(self) -> bool:
@@ -159,12 +174,29 @@ class RolloutEngine(abc.ABC):
         raise RolloutError(f"{type(self).__name__} cannot resume its memory (rollout.placement=colocated)")
 
     def pause_generation(self) -> None:
-        """Hold generation (around a weight update); a no-op where nothing can generate meanwhile."""
+        """Hold generation (around a weight update); a no-op where nothing can generate meanwhile.
+        Requests of :meth:`submit` in flight hold with the tokens they have."""
         return None
 
     def continue_generation(self) -> None:
-        """Undo :meth:`pause_generation`."""
+        """Undo :meth:`pause_generation`: held requests continue from their tokens with the weights
+        pushed meanwhile."""
         return None
+
+    # Asynchronous rollouts (rollout.mode=async: megatron_zcpo.rollout.async_rollout).
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, n: int = 1):
+        """Start sampling ``n`` responses to one prompt; returns a ``concurrent.futures.Future`` of its
+        ``n`` Completions, resolved once the last has finished. A request in flight survives weight
+        pushes between :meth:`pause_generation` and :meth:`continue_generation`: it continues from
+        the tokens it has (never re-tokenised), each token's version in ``Completion.output_versions``
+        and its log-prob the one it was drawn with."""
+        raise RolloutError(f"{type(self).__name__} cannot run asynchronous rollouts (rollout.mode=async)")
+
+    def abort_requests(self) -> int:
+        """End every request of :meth:`submit` in flight: their futures resolve with the tokens they
+        have (unfinished samples "abort"). Returns how many requests ended."""
+        return 0
 
     @abc.abstractmethod
     def shutdown(self) -> None:

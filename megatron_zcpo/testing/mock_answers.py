@@ -85,6 +85,17 @@ def finish_reason(kind: str, output_ids: Sequence[int]) -> Dict[str, Any]:
     return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
+def version_spans(versions: Sequence[Any]) -> List[Dict[str, Any]]:
+    """SGLang 0.5.23's ``weight_versions``: [{version, start, end}] over runs of equal per-token versions."""
+    spans: List[Dict[str, Any]] = []
+    for position, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = position + 1
+        else:
+            spans.append({"version": str(version), "start": position, "end": position + 1})
+    return spans
+
+
 def generate_answer(
     release: str,
     *,
@@ -96,9 +107,11 @@ def generate_answer(
     finish: str,
     weight_version: str,
     tokenizer: bool,
+    output_versions: Optional[Sequence[Any]] = None,
 ) -> Dict[str, Any]:
     """One ``/generate`` answer of release ``release`` with :data:`META_KEYS` (the log-prob keys only when
-    ``logprobs_asked``: the request's ``return_logprob``)."""
+    ``logprobs_asked``: the request's ``return_logprob``); ``output_versions``: each output token's weight
+    version where a push came mid-request (else all are ``weight_version``)."""
     values = {
         "id": rid,
         "finish_reason": finish_reason(finish, output_ids),
@@ -111,7 +124,9 @@ def generate_answer(
         "reasoning_tokens": 0,
         "completion_tokens": len(output_ids),
         "cached_tokens": 0,
-        "weight_versions": [{"version": weight_version, "start": 0, "end": len(output_ids)}],
+        "weight_versions": version_spans(
+            [weight_version] * len(output_ids) if output_versions is None else output_versions
+        ),
         "cached_tokens_details": None,
         "dp_rank": None,
         "e2e_latency": 0.0,

@@ -46,9 +46,10 @@ from megatron_zcpo.rollout.sglang.api import (
     needs_api_key,
     release_at_least,
 )
-from megatron_zcpo.rollout.sglang.client import encode_routed_experts
+from megatron_zcpo.rollout.sglang.generate_io import encode_routed_experts
 from megatron_zcpo.rollout.weight_sync import init_custom_process_group, receive_bucket
 from megatron_zcpo.testing import mock_answers
+from megatron_zcpo.testing.mock_continuous import ContinuousBatchingEndpoints
 from megatron_zcpo.testing.mock_http import BackgroundHTTPServer
 from megatron_zcpo.testing.mock_lora import LoraEndpoints
 from megatron_zcpo.testing.mock_memory_saver import MEMORY_FAULTS, MemorySaverEndpoints
@@ -59,7 +60,7 @@ FAULTS = ("drop", "503", "hang", *CORRUPTIONS, *MEMORY_FAULTS)
 COLLECTIVE_UPDATES = ("/init_weights_update_group", "/update_weights_from_distributed")
 
 
-class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer):
+class MockSGLangServer(ContinuousBatchingEndpoints, LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer):
     """Serve ``backend`` on ``host:port`` (0: any free port) from a background thread.
 
     ``tp_size`` is what ``/get_server_info`` reports: how many blobs ``/update_weights_from_tensor``
@@ -81,6 +82,9 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
     ``weights_cpu_backup`` (``--enable-weights-cpu-backup``), ``static_scales``: parameters the server
     loaded from its checkpoint that no push carries (FP8's ``input_scale``), lost at a release of the
     weights without the backup.
+    ``continuous``: /generate runs on the backend's asynchronous requests, concurrent ones sharing its
+    batches, and /pause_generation holds or aborts them as the release does
+    (:mod:`megatron_zcpo.testing.mock_continuous`; asynchronous rollouts; no LoRA adapter).
     """
 
     thread_name = "mock-sglang"
@@ -114,6 +118,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         lora_target_modules: Sequence[str] = (),
         weights_cpu_backup: bool = False,
         static_scales: Optional[Dict[str, Any]] = None,
+        continuous: bool = False,
     ):
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the mock speaks {RELEASES}")
@@ -177,6 +182,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         self._init_lora(enable_lora, max_lora_rank, lora_target_modules)
         self.weights_cpu_backup = weights_cpu_backup
         self.static_scales = {name: tensor.clone() for name, tensor in (static_scales or {}).items()}
+        self._init_continuous(continuous)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -297,9 +303,12 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
         self.running_rids.add(rid)
         try:
             await asyncio.sleep(self.generate_delay_s)
-            results = await self._blocking(
-                self._run_backend, self._generate_with, body.get("lora_path"), prompts, params
-            )
+            if self.continuous:
+                results = await self._complete_continuously(prompts, params, rid)
+            else:
+                results = await self._blocking(
+                    self._run_backend, self._generate_with, body.get("lora_path"), prompts, params
+                )
         finally:
             # a pause or an abort that arrived meanwhile cleared it: SGLang ends the request as aborted
             aborted = rid not in self.running_rids
@@ -317,6 +326,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
                 finish="abort" if aborted else completion.finish_reason,
                 weight_version=self.served_version,
                 tokenizer=self.tokenizer,
+                output_versions=completion.output_versions,
             )
             if routed:
                 answer["meta_info"]["routed_experts"] = encode_routed_experts(completion.routed_experts)
@@ -405,7 +415,7 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
     async def _flush_cache(self, request):
         from aiohttp import web
 
-        status, text = mock_answers.flush_answer(self.release, bool(self.running_rids))
+        status, text = mock_answers.flush_answer(self.release, self.flush_refused())
         return web.Response(status=status, text=text)
 
     async def _abort_request(self, request):
@@ -413,6 +423,8 @@ class MockSGLangServer(LoraEndpoints, MemorySaverEndpoints, BackgroundHTTPServer
 
         body = await request.json()
         self.aborted_rids.add("*" if body.get("abort_all") else body.get("rid"))
+        if self.continuous:
+            self._abort_continuous(None if body.get("abort_all") else body.get("rid"))
         if body.get("abort_all"):
             self.running_rids.clear()  # SGLang ends every running request
         else:

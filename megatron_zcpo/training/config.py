@@ -47,12 +47,20 @@ class ParallelConfig:
             raise ValueError("parallel.sequence_parallel needs parallel.tensor > 1")
 
 
+IMPORTANCE_SAMPLING_MODES = ("truncate", "mask", "icepop")
+
+
 @dataclass
 class ImportanceSamplingConfig:
-    """``train.importance_sampling``: truncated IS against the rollout engine's log-probs.
+    """``train.importance_sampling``: the off-policy correction against the behaviour policy, per token.
 
-    Per token w = pi_old / pi_rollout; ``mode`` "truncate" clamps w into [lower, upper], "mask"
-    zeroes tokens outside it; a sequence with any token ratio below ``veto`` gets weight 0.
+    Per response token r = pi_old / pi_behaviour, with pi_behaviour the log-prob the rollout engine
+    returned for that token (with partial rollouts each token's own weight version's; see
+    :func:`megatron_zcpo.training.update.importance_weights`). ``mode`` "truncate" clamps r into
+    [lower, upper] (truncated IS), "mask" weighs tokens inside it 1 and the rest 0, "icepop" keeps r
+    inside it and zeroes the rest (IcePop's two-sided mask); a response with any token ratio below
+    ``veto`` gets weight 0. ``sequence_mask``: a response whose geometric-mean ratio
+    exp(mean log r) leaves [``sequence_lower``, ``sequence_upper``] gets weight 0 (sequence-level masking).
     """
 
     enabled: bool = False
@@ -60,14 +68,24 @@ class ImportanceSamplingConfig:
     lower: float = 0.5
     veto: float = 1e-4
     mode: str = "truncate"
+    sequence_mask: bool = False
+    sequence_lower: float = 0.5  # [ours: a response whose tokens are on average 2x less likely now]
+    sequence_upper: float = 2.0  # [ours]
 
     def validate(self) -> None:
-        if self.mode not in ("truncate", "mask"):
-            raise ValueError(f"train.importance_sampling.mode must be 'truncate' or 'mask', got {self.mode!r}")
+        if self.mode not in IMPORTANCE_SAMPLING_MODES:
+            raise ValueError(
+                f"train.importance_sampling.mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {self.mode!r}"
+            )
         if not 0 <= self.veto <= self.lower <= 1 <= self.upper:
             raise ValueError(
                 "train.importance_sampling needs 0 <= veto <= lower <= 1 <= upper, got "
                 f"veto={self.veto}, lower={self.lower}, upper={self.upper}"
+            )
+        if not 0 < self.sequence_lower <= 1 <= self.sequence_upper:
+            raise ValueError(
+                "train.importance_sampling needs 0 < sequence_lower <= 1 <= sequence_upper, got "
+                f"sequence_lower={self.sequence_lower}, sequence_upper={self.sequence_upper}"
             )
 
 

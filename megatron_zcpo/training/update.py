@@ -120,39 +120,54 @@ def _micro_batches(update: PolicyUpdate, step: RolloutStep, indices) -> List[Mic
     return collate_micro_batches(step.samples, indices, update.layout)
 
 
-def importance_weights(old_logprob, rollout_logprob, mask, config: ImportanceSamplingConfig, any_rank=None):
-    """Truncated importance-sampling weights pi_old / pi_rollout per token, [N, T] -> [N, T].
+def importance_weights(old_logprob, behaviour_logprob, mask, config: ImportanceSamplingConfig, over_sequence=None):
+    """Importance-sampling weights pi_old / pi_behaviour per token, [N, T] -> [N, T].
 
-    ``mask`` marks response tokens. Sequences with any token ratio below ``config.veto`` get
-    weight 0; "truncate" clamps the rest into [lower, upper], "mask" zeroes tokens outside it.
-    ``any_rank`` ([N] bool -> [N] bool), when given, ORs the veto over the ranks holding the
-    other tokens of the same sequences (context parallelism).
+    ``behaviour_logprob``: the log-prob of each token under the policy that sampled it, as the rollout
+    engine returned it (with partial rollouts a response's tokens come from several weight versions,
+    each with its own); ``mask`` marks response tokens. Per token r = exp(old - behaviour);
+    "truncate" clamps r into [lower, upper], "mask" weighs tokens inside it 1 and the rest 0,
+    "icepop" keeps r inside it and zeroes the rest (two-sided mask). Whole responses get weight 0
+    when a token ratio is below ``config.veto``, or with ``config.sequence_mask`` when their
+    geometric-mean ratio exp(mean log r) leaves [sequence_lower, sequence_upper].
+    ``over_sequence`` ([N, k] float -> [N, k]), when given, sums per-response partial sums over the
+    ranks holding the other tokens of the same responses (context parallelism).
     """
-    ratio = torch.exp((old_logprob - rollout_logprob).clamp(max=20.0)) * mask
-    vetoed = ((ratio < config.veto) & (mask > 0)).any(dim=-1)
-    if any_rank is not None:
-        vetoed = any_rank(vetoed)
-    vetoed = vetoed.unsqueeze(-1)
+    log_ratio = (old_logprob - behaviour_logprob).clamp(max=20.0) * mask
+    ratio = torch.exp(log_ratio) * mask
+    selected = mask > 0
+    per_response = torch.stack(
+        [((ratio < config.veto) & selected).sum(-1), log_ratio.sum(-1), selected.sum(-1)], dim=-1
+    ).to(torch.float32)
+    if over_sequence is not None:
+        per_response = over_sequence(per_response)
+    vetoed, log_sum, count = per_response.unbind(-1)
+    dropped = vetoed > 0
+    if config.sequence_mask:
+        geometric = torch.exp(log_sum / count.clamp(min=1.0))
+        dropped |= (count > 0) & ((geometric < config.sequence_lower) | (geometric > config.sequence_upper))
+    inside = (ratio >= config.lower) & (ratio <= config.upper)
     if config.mode == "truncate":
         weight = ratio.clamp(config.lower, config.upper)
-    else:
-        weight = torch.where(
-            (ratio >= config.lower) & (ratio <= config.upper), torch.ones_like(ratio), torch.zeros_like(ratio)
-        )
-    return torch.where(vetoed, torch.zeros_like(weight), weight) * mask
+    elif config.mode == "mask":
+        weight = inside.to(ratio.dtype)
+    else:  # icepop
+        weight = torch.where(inside, ratio, torch.zeros_like(ratio))
+    return torch.where(dropped.unsqueeze(-1), torch.zeros_like(weight), weight) * mask
 
 
-def any_over_context_parallel(flags: torch.Tensor) -> torch.Tensor:
-    """[N] bool ORed over the context-parallel group (identity without CP). Collective over CP."""
+def sum_over_context_parallel(values: torch.Tensor) -> torch.Tensor:
+    """[N, k] per-response partial sums summed over the context-parallel group (identity without CP).
+    Collective over CP."""
     from megatron.core import parallel_state as ps
 
     if ps.get_context_parallel_world_size() == 1:
-        return flags
+        return values
     import torch.distributed as dist
 
-    counts = flags.to(torch.float32)
-    dist.all_reduce(counts, group=ps.get_context_parallel_group())
-    return counts > 0
+    values = values.clone()
+    dist.all_reduce(values, group=ps.get_context_parallel_group())
+    return values
 
 
 def _rows(flat: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
@@ -191,7 +206,7 @@ def loss_inputs(
     is_config = update.importance_sampling
     if is_config.enabled and mb.rollout_logprobs is not None and update.algorithm.supports_token_weight:
         rollout = _rows(mb.rollout_logprobs, lengths).to(device)
-        token_weight = importance_weights(old, rollout, mask, is_config, any_over_context_parallel)
+        token_weight = importance_weights(old, rollout, mask, is_config, sum_over_context_parallel)
     return LossInputs(
         sample_indices=list(mb.sample_indices),
         logprob=_rows(current.logprob, lengths),
@@ -248,6 +263,11 @@ def _loss_with_report(loss: Callable):
             value = float(value)
             summed = name in result.summed_metrics
             report[name] = (value, 0.0, True) if summed else (value * tokens, tokens, False)
+        if inputs.token_weight is not None and tokens:  # the off-policy correction: its mean and what it zeroed
+            selected = inputs.mask > 0
+            weights = inputs.token_weight[selected].float()
+            report["is_weight_mean"] = (float(weights.sum()), tokens, False)
+            report["is_zeroed_fraction"] = (float((weights == 0).sum()), tokens, False)
         return result.loss, report
 
     return loss_fn

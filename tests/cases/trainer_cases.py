@@ -307,3 +307,56 @@ def bf16_steps(rank, world, tp):
 def build(rank, world, tp, pp, policy, reference, **options):
     """Only construct the trainer (start-up validation); returns nothing."""
     make_trainer(tp, pp, policy, reference, **options)
+
+
+def behaviour_token_weights(rank, world, modes):
+    """The importance weights the update's loss receives when each response's tokens came from two weight
+    versions: behaviour log-probs set to the trainer's own minus log 3 on a response's first half and plus
+    log 4 on its second (per-token ratios 3 and 1/4). Returns {mode: [(weights the loss got [T], the
+    trainer's old log-probs [T], the behaviour log-probs [T])]} per trainable sample of the first mini-batch,
+    and under "calibration" (ZCPO's coefficients [N] of those samples with the two-version behaviour, the same
+    samples' coefficients on-policy, their group ids [N])."""
+    import dataclasses
+    import math
+
+    import torch
+
+    policy, reference = weights(21), weights(22)
+    results = {}
+    for mode in modes:
+        trainer = make_trainer(1, 1, policy, reference, importance_sampling={"mode": mode})
+        samples = rollout()
+        step = trainer.start_step(samples)
+        experience = trainer.experience(samples, step.assignment)
+        for index, sample in enumerate(samples):
+            old = experience[index].old_logprob.double()
+            half = len(sample.response_ids) // 2
+            shift = torch.tensor([math.log(3)] * half + [-math.log(4)] * (len(old) - half), dtype=torch.float64)
+            sample.rollout_logprobs = (old - shift).float().tolist()
+        step.experience = experience
+        step.coefficients, step.stats = trainer.calibrate(samples, experience)
+        on_policy = [dataclasses.replace(sample, rollout_logprobs=None) for sample in samples]
+        results["calibration"] = (
+            step.coefficients,
+            trainer.calibrate(on_policy, experience)[0],
+            torch.tensor([sample.group_id for sample in samples]),
+        )
+        seen = {}
+
+        def capture(inputs, seen=seen, trainer=trainer):
+            for row, index in enumerate(inputs.sample_indices):
+                seen[index] = (inputs.token_weight[row].clone(), inputs.old_logprob[row].clone())
+            return trainer.algorithm_loss(inputs).loss
+
+        first = step.assignment.mine[0]
+        trainer.gradient_vector(step, first, trainer.normalizer(samples, step.assignment.minibatches[0]), capture)
+        results[mode] = [
+            (
+                seen[i][0][: len(samples[i].response_ids)],
+                seen[i][1][: len(samples[i].response_ids)],
+                torch.tensor(samples[i].rollout_logprobs),
+            )
+            for i in first
+            if samples[i].trainable
+        ]
+    return results

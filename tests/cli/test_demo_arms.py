@@ -34,6 +34,11 @@ def test_the_table_holds_the_paper_cells(tmp_path):
         cells["zcpo-no-length-norm"].length_normalize,
         cells["zcpo-no-gate"].gate,
     ) == ("k1", False, False, False)
+    modes = {
+        label: build_run_config(parse_arm(label).config(demo.demo_config(tmp_path, tmp_path / "run", {}))).rollout
+        for label in ("zcpo", "zcpo-overlap", "zcpo-async")
+    }
+    assert [rollout.mode for rollout in modes.values()] == ["sync", "overlap", "async"]
 
 
 def test_overrides_follow_the_name_and_win(tmp_path):

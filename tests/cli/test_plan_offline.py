@@ -55,15 +55,38 @@ def test_a_lone_config_json_is_enough(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"{QUOTED['llama-3.3-70b-zcpo'][1]:.2f}" in text and "rollout mode: sequential, on-policy" in text
     # model.path pointing at a directory that holds only config.json works as well
-    config = load_plan_config(LLAMA_EXAMPLE, [f"model.path={model_dir}", "rollout.overlap=true"])
-    assert model_config_of(config) == LLAMA33_70B and config.rollout.overlap
-    assert main(["plan", LLAMA_EXAMPLE, "--gpus", "64", f"model.path={model_dir}", "rollout.overlap=true"]) == 0
+    config = load_plan_config(LLAMA_EXAMPLE, [f"model.path={model_dir}", "rollout.mode=overlap"])
+    assert model_config_of(config) == LLAMA33_70B and config.rollout.mode == "overlap"
+    assert main(["plan", LLAMA_EXAMPLE, "--gpus", "64", f"model.path={model_dir}", "rollout.mode=overlap"]) == 0
     assert "rollout mode: overlapped" in capsys.readouterr().out
+
+
+def test_the_asynchronous_step_amortises_the_longest_response(capsys):
+    """A long tail (the longest response 4x the mean) on a small batch, where it outlasts the bulk: the
+    sequential and overlapped steps wait for it, the asynchronous one spreads it over the k + 1 steps a
+    response may span; the plan prints all three."""
+    overrides = [
+        "rollout.mode=async",
+        "rollout.max_staleness=2",
+        "rollout.prompts_per_step=32",
+        "--response-fraction",
+        "0.25",
+    ]
+    answer = _plan_json(capsys, *overrides)
+    timing = answer["step_time"]
+    assert answer["rollout_mode"] == "asynchronous" and timing["predicted_s"] == timing["asynchronous_s"]
+    assert timing["tail_s"] > timing["bulk_s"]  # the tail holds the synchronous rollout
+    assert timing["asynchronous_s"] < timing["overlapped_s"] < timing["sequential_s"]
+    assert main(["plan", QWEN_EXAMPLE, "--gpus", "32", "--preset", "Qwen2.5-32B", *overrides]) == 0
+    text = capsys.readouterr().out
+    assert "rollout mode: asynchronous (rollout.mode=async, max_staleness 2)" in text
+    gains = f"{timing['sequential_s'] / timing['overlapped_s']:.2f}x and {timing['sequential_s'] / timing['asynchronous_s']:.2f}x"
+    assert gains + " as fast as sequential" in text
 
 
 def test_planned_sections_are_still_validated():
     with pytest.raises(Exception, match="rollout.max_staleness"):
-        load_plan_config(QWEN_EXAMPLE, ["rollout.overlap=true", "rollout.max_staleness=0"])
+        load_plan_config(QWEN_EXAMPLE, ["rollout.mode=overlap", "rollout.max_staleness=0"])
 
 
 def test_step_time_terms_by_hand():
@@ -91,6 +114,13 @@ def test_step_time_terms_by_hand():
     assert time.overlapped_s == pytest.approx(max(time.rollout_s, time.train_s) + time.push_per_stage_s)
     assert time.overlapped_s < time.sequential_s and time.idle_share_overlapped < time.idle_share_sequential
     assert time.predicted_s == time.sequential_s and time.mode == "sequential"
+    # asynchronous at staleness 2: the bulk, the training or a third of the longest response, then the push
+    tail_bound = predict_step_time(model, load, cluster, pipeline_parallel=2, rollout_mode="async", max_staleness=2)
+    assert tail_bound.predicted_s == tail_bound.asynchronous_s and tail_bound.mode == "asynchronous"
+    assert tail_bound.asynchronous_s == pytest.approx(
+        max(time.bulk_s, time.train_s, time.tail_s / 3) + time.push_per_stage_s
+    )
+    assert time.asynchronous_s == pytest.approx(max(time.bulk_s, time.train_s, time.tail_s / 2) + time.push_per_stage_s)
     # colocated: generation on the 4 training GPUs, offload/onload and the IPC push instead of NCCL
     colocated = predict_step_time(
         model, load, Cluster(**{**vars(cluster), "placement": "colocated"}), offloaded_bytes_per_gpu=5e10
@@ -118,7 +148,7 @@ def test_the_examples_quote_the_predicted_step_time(example, gpus, preset, capsy
     comments = (EXAMPLES / example / "config.yaml").read_text()
     assert f"modelled {answer['decode_tokens_per_s_per_gpu']:,.0f} generated tokens/s per rollout GPU" in comments
     assert f"= {timing['sequential_s']:,.0f} s" in comments
-    assert f"rollout.overlap=true (one step off-policy) {timing['overlapped_s']:,.0f} s" in comments
+    assert f"rollout.mode=overlap (one step off-policy) {timing['overlapped_s']:,.0f} s" in comments
 
 
 def _plan_json(capsys, *extra):

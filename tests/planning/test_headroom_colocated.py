@@ -86,7 +86,7 @@ def test_plan_json_gives_the_chosen_modes_step_and_its_tokens_per_gpu(capsys):
     trained_tokens = 512 * 16 * (1024 + 10240)  # prompts x G x mean (prompt + response)
     assert sequential["tokens_per_s_per_gpu"] == pytest.approx(trained_tokens / (timing["predicted_s"] * 64))
     assert sequential["colocated_memory"] is None
-    assert main([*base, "rollout.overlap=true"]) == 0
+    assert main([*base, "rollout.mode=overlap"]) == 0
     timing = json.loads(capsys.readouterr().out)["step_time"]
     assert timing["predicted_s"] == timing["overlapped_s"]
     # colocated: generation on the 32 training GPUs, offload/onload and the IPC push; the engine's 0.85

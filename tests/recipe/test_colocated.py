@@ -102,7 +102,8 @@ def test_colocated_embedded_run_is_preempted_with_a_checkpoint_and_resumes_exact
     ("rollout", "message"),
     [
         ({"placement": "shared"}, "rollout.placement must be one of"),
-        ({"placement": "colocated", "overlap": True}, "set rollout.overlap=false"),
+        ({"placement": "colocated", "mode": "overlap"}, "set rollout.mode=sync"),
+        ({"placement": "colocated", "mode": "async"}, "rollout.mode=async generates while the trainer trains"),
         (
             {
                 "placement": "colocated",

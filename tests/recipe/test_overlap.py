@@ -158,7 +158,7 @@ def test_overlapped_run_is_one_step_off_policy_and_resumes_exactly(tmp_path, tin
     assert [uninterrupted[s]["rollout/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert all("time/wait_for_data" in m and "time/engine_wait_for_weights" in m for m in uninterrupted.values())
     dumped = (whole / "run" / "config.yaml").read_text()
-    assert "overlap: true" in dumped and "importance_sampling:\n    enabled: true" in dumped  # on by default here
+    assert "mode: overlap" in dumped and "importance_sampling:\n    enabled: true" in dumped  # on by default here
 
     split = tmp_path / "split"
     _overlapped_run(split, tiny_model, 2)

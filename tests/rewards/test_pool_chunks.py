@@ -1,6 +1,8 @@
-"""The reward worker pool's chunked dispatch: per-call timeouts, deaths and errors inside a chunk, order, interruption."""
+"""The reward worker pool's chunked dispatch: per-call timeouts, deaths and errors inside a chunk, order (also from
+two threads at once), interruption."""
 
 import signal
+import threading
 import time
 
 import pytest
@@ -62,6 +64,17 @@ def test_many_calls_on_two_workers_return_in_input_order():
             outcomes = pool.map(_calls([f"echo:{i}" for i in range(num_calls)]))
             assert [outcome.value for outcome in outcomes] == [float(i) for i in range(num_calls)]
             assert {outcome.status for outcome in outcomes} == {"ok"}
+        # two threads at once (an asynchronous rollout's producer beside an evaluation): each gets its own
+        threads, results = [], {}
+        for offset in (0, 1000):
+            calls = _calls([f"echo:{offset + i}" for i in range(300)])
+            threads.append(threading.Thread(target=lambda o=offset, c=calls: results.__setitem__(o, pool.map(c))))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        for offset, outcomes in results.items():
+            assert [outcome.value for outcome in outcomes] == [float(offset + i) for i in range(300)]
 
 
 def _interrupt_after(seconds):

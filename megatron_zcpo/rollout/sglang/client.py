@@ -21,9 +21,13 @@ checked); every endpoint, field and status code used here is listed, per release
   reporting SGLang 0.5.21 or newer (they refuse distributed updates outside such a session);
 - ``POST /load_lora_adapter`` {lora_name, lora_path} and ``POST /unload_lora_adapter`` {lora_name}
   (``model.lora.push: adapter``, :meth:`SGLangEngine.update_adapter`), then ``lora_path`` (the
-  adapter's name) in every ``/generate``.
+  adapter's name) in every ``/generate``;
+- ``POST /pause_generation`` and ``POST /continue_generation`` around a push while requests run
+  (asynchronous rollouts: :mod:`megatron_zcpo.rollout.sglang.partial`).
 Each returns {success, message} with 200, or 400 with the reason. The HTTP plumbing lives in
-:mod:`megatron_zcpo.rollout.sglang.http`, the weight transports in :mod:`megatron_zcpo.rollout.sglang.update_weight`.
+:mod:`megatron_zcpo.rollout.sglang.http`, a request's body and answer in
+:mod:`megatron_zcpo.rollout.sglang.generate_io`, the weight transports in
+:mod:`megatron_zcpo.rollout.sglang.update_weight`.
 """
 
 from __future__ import annotations
@@ -43,11 +47,18 @@ from megatron_zcpo.rollout.engine import (
     SamplingParams,
     validate_prompts,
 )
-from megatron_zcpo.rollout.output_checks import engine_output_problem, rejected_completion, rejected_messages
-from megatron_zcpo.rollout.sglang.api import MODEL_INFO_PATHS, ROUTER_READY_PATH, SEED_LIMIT
+from megatron_zcpo.rollout.output_checks import rejected_completion, rejected_messages
+from megatron_zcpo.rollout.sglang.api import MODEL_INFO_PATHS, ROUTER_READY_PATH
 from megatron_zcpo.rollout.sglang.config import SGLangEngineConfig
+from megatron_zcpo.rollout.sglang.generate_io import (
+    completion_from_sglang,
+    parse_weight_version,
+    request_seed,
+    sglang_sampling_params,
+)
 from megatron_zcpo.rollout.sglang.http import RETRYABLE, SGLangHTTP, SGLangHTTPError
 from megatron_zcpo.rollout.sglang.memory_saver import MemorySaverClient
+from megatron_zcpo.rollout.sglang.partial import PausableGeneration, continuation_sampling, join_segments
 from megatron_zcpo.rollout.sglang.server_pool import ServersLostError
 from megatron_zcpo.rollout.sglang.update_weight import weight_update_for
 from megatron_zcpo.rollout.sglang.update_weight.lora_adapter import LoraAdapterUpdate
@@ -55,100 +66,7 @@ from megatron_zcpo.rollout.sglang.update_weight.lora_adapter import LoraAdapterU
 logger = logging.getLogger(__name__)
 
 
-def request_seed(seed: int, index: int) -> int:
-    """The ``sampling_seed`` of request ``index`` of a call seeded ``seed``: ``seed + index`` wrapped into
-    [0, 2**31) (SGLang 0.5.3.post3 packs seeds as int32; a larger one crashes its scheduler)."""
-    return (int(seed) + index) % SEED_LIMIT
-
-
-def sglang_sampling_params(params: SamplingParams, seed: Optional[int] = None) -> Dict[str, Any]:
-    """SGLang's ``sampling_params`` for ``params`` (``seed`` becomes ``sampling_seed``)."""
-    sampling = {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "max_new_tokens": params.max_new_tokens,
-        "stop_token_ids": list(params.stop_token_ids),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,
-    }
-    if seed is not None:
-        sampling["sampling_seed"] = int(seed)
-    return sampling
-
-
-def parse_weight_version(value: Any) -> int:
-    """A served weight version as an int; SGLang's initial "default" (or anything non-numeric) is -1."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return -1
-
-
-def completion_from_sglang(
-    prompt_ids: Sequence[int], response: Dict[str, Any], *, vocab_size: Optional[int] = None, server: str = "?"
-) -> Completion:
-    """A :class:`Completion` from one /generate answer of ``server``.
-
-    Raises ``RolloutError`` on a malformed answer. An answer with wrong content (token ids
-    outside ``[0, vocab_size)``, NaN or positive log-probs, ids that disagree with
-    ``output_token_logprobs``) becomes a rejected completion (see
-    :func:`megatron_zcpo.rollout.output_checks.rejected_completion`) whose message names the
-    server, the request and the position.
-    """
-    try:
-        meta = response["meta_info"]
-        output_ids = [int(t) for t in response["output_ids"]]
-        entries = meta["output_token_logprobs"]
-        finish = meta["finish_reason"]
-        logprobs, logprob_ids = [float(entry[0]) for entry in entries], [int(entry[1]) for entry in entries]
-    except (KeyError, TypeError, IndexError, ValueError) as err:
-        raise RolloutError(
-            f"malformed /generate response from {server} (bad or missing {err}): {str(response)[:300]}"
-        ) from None
-    info = {"rid": meta.get("id"), "cached_tokens": meta.get("cached_tokens"), "server": server}
-    problem = engine_output_problem(output_ids, logprobs, logprob_ids, vocab_size)
-    if problem is not None:
-        return rejected_completion(prompt_ids, f"server {server}, request {meta.get('id')}: {problem}", info)
-    reason = finish.get("type") if isinstance(finish, dict) else finish
-    if reason not in ("stop", "length", "abort"):
-        raise RolloutError(f"/generate response {meta.get('id')} from {server}: unknown finish_reason {finish!r}")
-    version = meta.get("weight_version")
-    return Completion(
-        prompt_ids=list(prompt_ids),
-        output_ids=output_ids,
-        output_logprobs=logprobs,
-        finish_reason=reason,
-        weight_version=None if version is None else parse_weight_version(version),
-        info=info,
-        routed_experts=None
-        if meta.get("routed_experts") is None
-        else decode_routed_experts(
-            meta["routed_experts"], len(prompt_ids) + len(output_ids) - 1, f"{server}, request {meta.get('id')}"
-        ),
-    )
-
-
-def decode_routed_experts(encoded: str, tokens: int, where: str = "?") -> torch.Tensor:
-    """SGLang's ``meta_info.routed_experts`` (base64 of int32 [tokens, layers, top-k], the experts of
-    every input token: prompt and output but the last) as int32 [tokens, layers * top-k].
-    Raises ``RolloutError`` naming ``where`` when it does not hold ``tokens`` rows."""
-    import base64
-
-    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
-    if tokens <= 0 or flat.numel() % tokens:
-        raise RolloutError(f"routed experts from {where}: {flat.numel()} ids do not split into {tokens} tokens")
-    return flat.reshape(tokens, -1)
-
-
-def encode_routed_experts(routed: torch.Tensor) -> str:
-    """The inverse of :func:`decode_routed_experts`: base64 of the int32 bytes (as SGLang sends them)."""
-    import base64
-
-    return base64.b64encode(routed.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")
-
-
-class SGLangEngine(MemorySaverClient, RolloutEngine):
+class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
     """The trainer's handle on a set of SGLang servers (launched by :mod:`sglang_server`, or given).
 
     ``on_shutdown`` runs at :meth:`shutdown` (e.g. the launcher's termination of the servers).
@@ -166,7 +84,7 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         self._memory_tags: Optional[Tuple[str, ...]] = None  # the servers' memory-saver tags, asked once
         self._released: Dict[str, set] = {}  # url -> memory-saver tags it released (colocated placement)
         self._returning: set = set()  # lost servers found generating in the generate phase
-        self.paused = False  # this client paused generation (a /health_generate would wait out its 20 s)
+        self._init_pausable()
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -220,8 +138,11 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
                 f"rollout.sglang.client.rollout_timeout_s = {self.config.rollout_timeout_s} s"
             ) from None
 
-    async def _generate_all(self, prompts, params: SamplingParams, n: int, affinity=None) -> List[List[Completion]]:
-        limit = asyncio.Semaphore(self.config.max_concurrency)
+    async def _generate_all(
+        self, prompts, params: SamplingParams, n: int, affinity=None, limit: Optional[asyncio.Semaphore] = None
+    ) -> List[List[Completion]]:
+        """Every sample of ``prompts``, at most ``max_concurrency`` requests at once (or ``limit``'s)."""
+        limit = limit or asyncio.Semaphore(self.config.max_concurrency)
         given_up = asyncio.Event()  # set by the first request that fails: queued ones do not start
         tasks = []
         for i, prompt in enumerate(prompts):
@@ -253,13 +174,51 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
         limit: asyncio.Semaphore,
         given_up: asyncio.Event,
         server_key: int,
-    ) -> Completion:
+    ) -> Optional[Completion]:
+        """Sample ``index``: its /generate request, sent again from the tokens it has each time a pause of
+        ours aborted it (:mod:`megatron_zcpo.rollout.sglang.partial`), the answers laid end to end."""
+        segments: List[Completion] = []
+        while True:
+            produced = [t for segment in segments for t in segment.output_ids]
+            answer = await self._generate_segment(
+                index,
+                [*prompt, *produced],
+                continuation_sampling(sampling, len(produced), len(segments)) if segments else sampling,
+                limit,
+                given_up,
+                server_key,
+            )
+            if answer is None:
+                return None
+            segment, epoch = answer
+            if "rejected" in segment.info:
+                return rejected_completion(prompt, segment.info["rejected"], segment.info)
+            segments.append(segment)
+            remaining = sampling["max_new_tokens"] - len(produced) - len(segment.output_ids)
+            if segment.finish_reason == "abort" and self._paused_since(epoch):
+                if remaining > 0:
+                    continue
+                segment.finish_reason = "length"  # aborted exactly at its budget
+            return join_segments(prompt, segments)
+
+    async def _generate_segment(
+        self,
+        index: int,
+        input_ids,
+        sampling: Dict[str, Any],
+        limit: asyncio.Semaphore,
+        given_up: asyncio.Event,
+        server_key: int,
+    ) -> Optional[Tuple[Completion, int]]:
+        """One /generate request of sample ``index`` once generation is not paused: its Completion (a
+        rejected one when lost) and the pause epoch it was sent in; None when the call gave up first."""
         async with limit:
+            epoch = await self._wait_until_open()
             if given_up.is_set():  # the call failed: this request never starts (and raises nothing that
                 return None  # could reach the caller before the failure's own error)
             payload = {
                 "rid": uuid.uuid4().hex,
-                "input_ids": [int(t) for t in prompt],
+                "input_ids": [int(t) for t in input_ids],
                 "sampling_params": sampling,
                 "return_logprob": True,
                 "stream": False,
@@ -283,17 +242,17 @@ class SGLangEngine(MemorySaverClient, RolloutEngine):
                 raise
             except RolloutError as error:  # lost (retries spent, or refused): costs this prompt's group
                 await asyncio.shield(self._http.abort_quietly(payload["rid"]))
-                return rejected_completion(prompt, f"request {index} lost: {error}", {"rid": payload["rid"]})
+                return rejected_completion(input_ids, f"request {index} lost: {error}", {"rid": payload["rid"]}), epoch
             except BaseException:
                 given_up.set()
                 await asyncio.shield(self._http.abort_quietly(payload["rid"]))
                 raise
         if isinstance(response, list):  # a batch answer; we send one prompt per request
             response = response[0]
-        completion = completion_from_sglang(prompt, response, vocab_size=self.config.vocab_size, server=url)
+        completion = completion_from_sglang(input_ids, response, vocab_size=self.config.vocab_size, server=url)
         if served is not None:  # the base's served version stays SGLang's initial one: the adapter's is the policy's
-            completion.weight_version = served.version
-        return completion
+            completion.weight_version, completion.output_versions = served.version, None
+        return completion, epoch
 
     async def _request_on_a_server(self, index: int, payload, before_retry, server_key: int) -> Tuple[str, Any]:
         """(url, answer) of /generate request ``index``: moved to another server while servers are lost.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron_zcpo.rollout.sglang.api import ROUTER_DEFAULT_REQUEST_TIMEOUT_S
+from megatron_zcpo.rollout.sglang.partial import PAUSE_MODES
 
 WEIGHT_SYNC_METHODS = ("distributed", "disk", "tensor")
 API_KEY_ENV = "ZCPO_SGLANG_API_KEY"  # where rollout.sglang.client.api_key comes from when unset
@@ -63,6 +64,10 @@ class SGLangEngineConfig:
     ``vocab_size``, the trainer's vocabulary): a bad one is rejected (its group is dropped) and
     counted in ``rejected_samples``; when more than ``max_rejected_fraction`` of one
     :meth:`SGLangEngine.generate` call is rejected, it raises ``RolloutError`` with the messages.
+    ``pause_mode``: how the servers hold requests in flight across a weight push (asynchronous
+    rollouts, :mod:`megatron_zcpo.rollout.sglang.partial`): "retract" (SGLang 0.5.23: the server keeps
+    them and continues them with the new weights), "abort" (every release: they come back with their
+    tokens and the client continues them), "auto" (retract where every server runs 0.5.23 or newer).
     """
 
     server_urls: List[str]
@@ -94,6 +99,7 @@ class SGLangEngineConfig:
     router_timeout_s: float = float(ROUTER_DEFAULT_REQUEST_TIMEOUT_S)
     return_routed_experts: bool = False
     keep_weight_update_groups: bool = True
+    pause_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -103,6 +109,8 @@ class SGLangEngineConfig:
         """Raise ``ValueError`` naming the offending key."""
         if not self.server_urls:
             raise ValueError(f"{prefix}.server_urls is empty")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"{prefix}.pause_mode={self.pause_mode!r}: choose from {PAUSE_MODES}")
         if self.weight_sync not in WEIGHT_SYNC_METHODS:
             raise ValueError(f"{prefix}.weight_sync={self.weight_sync!r}: choose from {WEIGHT_SYNC_METHODS}")
         if self.weight_sync == "disk" and not self.weight_dir:

@@ -1,4 +1,4 @@
-"""The SGLang engine's memory-saver requests (colocated placement): release, resume, pause and continue.
+"""The SGLang engine's memory-saver requests (colocated placement): release and resume.
 
 Mixed into :class:`megatron_zcpo.rollout.sglang.client.SGLangEngine` (its ``_http``, ``config``,
 ``flush_cache``, ``_health`` and ``_check_open``); the protocol per release is in
@@ -27,9 +27,10 @@ RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"
 
 
 class MemorySaverClient:
-    """``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation`` and
-    ``/continue_generation`` on every server in rotation (a server that fails after its retries leaves it),
-    and best effort on the lost ones; ``paused``: this client paused generation."""
+    """``/release_memory_occupation`` and ``/resume_memory_occupation`` on every server in rotation (a
+    server that fails after its retries leaves it), and best effort on the lost ones; pause and continue
+    are :class:`~megatron_zcpo.rollout.sglang.partial.PausableGeneration`'s (``paused``: this client
+    paused generation)."""
 
     _memory_tags: Optional[Tuple[str, ...]]
     _released: Dict[str, Set[str]]  # url -> the tags it released (as far as it answered)
@@ -104,19 +105,6 @@ class MemorySaverClient:
             self._book(url, path, mine)
 
         await asyncio.gather(*(call(url) for url in list(self._http.pool.lost)))
-
-    def pause_generation(self) -> None:
-        """``/pause_generation`` on every server in rotation (before a weight update)."""
-        self._check_open()
-        # an empty body: 0.5.23 requires one (its mode defaults to "abort", as 0.5.3.post3 always does)
-        self._http.run(self._http.on_servers_in_rotation("POST", "/pause_generation", {}))
-        self.paused = True
-
-    def continue_generation(self) -> None:
-        """``/continue_generation`` on every server in rotation."""
-        self._check_open()
-        self._http.run(self._http.on_servers_in_rotation("POST", "/continue_generation", {}))
-        self.paused = False
 
     def check_returning_servers(self) -> List[str]:
         """In the generate phase (everything resumed, generation continued): the lost servers whose memory
