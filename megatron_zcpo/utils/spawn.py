@@ -15,7 +15,6 @@ import torch
 
 from megatron_zcpo.utils.runtime import free_port
 
-
 # Ranks are forked from a fork server that imported these once: spawning re-imported torch and
 # megatron-core in every rank (~4 s of CPU each, most of a small multi-rank test). Importing starts no
 # threads and touches no device, so forking afterwards is safe.
