@@ -1,5 +1,7 @@
 """Checkpoint faults: kill -9 mid-save never yields a wrong resume; unwritable/full directories are named; no pickles run."""
 
+import contextlib
+import glob
 import json
 import multiprocessing
 import os
@@ -91,6 +93,20 @@ def _assert_namespace_consistent(root):
         assert (root / (root / LATEST).read_text()).is_dir(), "latest points at a missing directory"
 
 
+def _kill_with_descendants(pid: int) -> None:
+    """SIGKILL ``pid`` and the processes it started (megatron's async-save workers, multiprocessing's
+    helpers): killed alone, those outlived the test as orphans."""
+    tree, index = [pid], 0
+    while index < len(tree):
+        for children in glob.glob(f"/proc/{tree[index]}/task/*/children"):
+            with contextlib.suppress(OSError), open(children) as listed:  # (that thread may have ended)
+                tree += [int(child) for child in listed.read().split()]
+        index += 1
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+
+
 def test_kill_9_during_saves_always_resumes_the_last_complete_checkpoint(tmp_path):
     """Rank processes save back to back; a random rank is SIGKILLed at a random moment (then the
     other, as a launcher would), several times over the same directory. Each restart verifies the
@@ -115,12 +131,12 @@ def test_kill_9_during_saves_always_resumes_the_last_complete_checkpoint(tmp_pat
             resumed_steps.append(first["resumed"])
             time.sleep(chooser.uniform(0.0, 3.0 * first["save_s"]))
             victim = chooser.randrange(2)
-            os.kill(procs[victim].pid, signal.SIGKILL)
+            _kill_with_descendants(procs[victim].pid)
             time.sleep(chooser.uniform(0.0, 0.2))
         finally:
             for proc in procs:
                 if proc.is_alive():
-                    os.kill(proc.pid, signal.SIGKILL)
+                    _kill_with_descendants(proc.pid)
                 proc.join()
         _assert_namespace_consistent(tmp_path / "ckpt")
     # Every restart got past a verified resume, and resumed no earlier than the one before.
