@@ -439,7 +439,7 @@ def generation_time(
         dp_attention=dp_attention,
     )
     batch = in_flight_batch(roofline.batch, sequences, servers, max_in_flight)
-    shape = dict(dp_attention=dp_attention, gpus_per_node=gpus_per_node)
+    shape: dict = dict(dp_attention=dp_attention, gpus_per_node=gpus_per_node)
     if decode_tokens_per_s_per_gpu is None:
         step = served_step_s(model, batch, prompt_tokens + response_tokens / 2, tensor_parallel, **shape)
         prefill = prefill_per_step_s(model, batch, prompt_tokens, response_tokens, tensor_parallel)
