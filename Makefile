@@ -44,7 +44,7 @@ sglang-venvs: install-dev system-packages
 # Exit code 5 means "no tests collected": not a failure of the suite. ZCPO_REQUIRE_SLURM: the
 # real-Slurm tests fail instead of skipping when Slurm is missing.
 test: install-dev system-packages sglang-venvs
-	ZCPO_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	ZCPO_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q --durations=40 tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3
 # is the default PYTHON; elsewhere: make gpu-check PYTHON=.venv/bin/python). Without a GPU it runs

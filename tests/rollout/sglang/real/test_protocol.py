@@ -109,7 +109,9 @@ def test_refusals_are_not_retried_and_server_errors_are(real_server, release, mo
 
 
 def test_pause_aborts_what_runs_and_holds_what_arrives_until_continue(real_server):
-    with real_server.engine() as engine:
+    """The "abort" pause (0.5.3.post3's only one; 0.5.23's "retract", the client's choice there, is held by
+    test_partial_rollouts.py)."""
+    with real_server.engine(pause_mode="abort") as engine:
         running = StreamingGenerate(real_server.url, real_server.api_key, [7, 7])
         running.start()
         running.wait_running()
