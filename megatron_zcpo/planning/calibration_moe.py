@@ -1,8 +1,9 @@
 """The mixture-of-experts rows of the calibration (issue 44; :mod:`megatron_zcpo.planning.calibration`
 predicts them and holds them within its band): NeMo-RL's DeepSeek-V3 and Qwen3-235B-A22B RL steps (v0.5 and
-v0.4) and its Qwen3-30B-A3B step, megatron-core's published Qwen3-235B pre-training step (the MoE
-training MFU is fitted on it) and SGLang's published DeepSeek-V3 decode step (a check of the decode
-model on an MoE server with EP and DP attention; FP8 weights read at 1 byte)."""
+v0.4) and its Qwen3-30B-A3B step, its published DeepSeek-V3 refit (the CUDA IPC push is fitted on it and
+the Llama-3.1-70B refit), megatron-core's published Qwen3-235B pre-training step (the MoE training MFU
+is fitted on it) and SGLang's published DeepSeek-V3 decode step (a check of the decode model on an MoE
+server with EP, DP attention and two-batch overlap; FP8 weights read at 1 byte)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from megatron_zcpo.planning.published import NEMO_RL_V04, PublishedRun, nemo_run
 # Mixture-of-experts rows (issue 44). NeMo-RL's DeepSeek-V3 and Qwen3-235B runs generate 512 samples
 # with sequences up to 1,536 / 8,192 tokens; their layouts' uneven pipeline stages (61 = 3 + 14 x 4 + 2,
 # 94 = 11 + 6 x 12 + 11) are assumed, and expert tensor parallelism 1 where EP x TP would exceed a stage.
+# Read from the recipes of both releases (examples/configs/recipes/llm/performance/, r0.4.0 and r0.5.0):
+# DeepSeek-V3 and Qwen3-235B train with `activation_checkpointing: true` (full recompute), and every
+# 1-step-off run's generation servers take `gpu_memory_utilization: 0.8`.
 _DSV3 = Layout(
     tensor_parallel=1,
     pipeline_parallel=16,
     data_parallel=16,
     expert_parallel=16,
-    recompute="none",
+    recompute="full",
     first_stage_layers=3,
     last_stage_layers=2,
 )
@@ -30,7 +34,7 @@ _Q235_ON = Layout(
     data_parallel=4,
     expert_parallel=16,
     expert_tensor_parallel=1,
-    recompute="none",
+    recompute="full",
     first_stage_layers=11,
     last_stage_layers=11,
 )
@@ -40,19 +44,13 @@ _Q235_OFF = Layout(
     data_parallel=4,
     expert_parallel=16,
     expert_tensor_parallel=1,
-    recompute="none",
+    recompute="full",
     first_stage_layers=11,
     last_stage_layers=11,
 )
 _DS = dict(samples=512, max_sequence=1536)
 _Q235 = dict(samples=512, max_sequence=8192)
-_OFF = dict(overlap=True, mem_fraction=0.85)
-DSV3_OFF_POLICY = (
-    "DeepSeek-V3 1-step off-policy: the step is 1.6-2x the prediction, which generation (33 s on 256 GPUs) "
-    "and training (6 s) do not explain; NeMo-RL publishes no breakdown, and its on-policy step is predicted "
-    "within 20% only through a modelled refit of 88 s (the CUDA IPC rate fitted on a 70B refit): training or "
-    "the refit is off for this model, and no published measurement says which"
-)
+_OFF = dict(overlap=True, mem_fraction=0.8)
 MOE_RUNS: List[PublishedRun] = [
     PublishedRun(
         "Qwen3-235B-A22B pre-training step, 256 GPUs",
@@ -78,7 +76,7 @@ MOE_RUNS: List[PublishedRun] = [
     PublishedRun(
         "DeepSeek-V3 decode step, 72 GPUs",
         "SGLang team, lmsys.org 2025-05-05 (large-scale EP: 22,282 output tokens/s per node of 8 H100, 256 "
-        "sequences per GPU, KV cache 2,000 tokens, FP8 weights, DP attention, EP72)",
+        "sequences per GPU, KV cache 2,000 tokens, FP8 weights, DP attention, EP72, two-batch overlap)",
         "DeepSeek-V3",
         "decode",
         256 / (22282 / 8),
@@ -87,6 +85,16 @@ MOE_RUNS: List[PublishedRun] = [
         samples=256 * 72,
         mean_sequence=2000,
         weight_bytes=1.0,
+        two_batch_overlap=True,
+    ),
+    PublishedRun(
+        "DeepSeek-V3 refit, NeMo-RL v0.3",
+        'NeMo-RL refit blog, 2025-08-12 ("Journey of Optimizing Weight Transfer in Large MoE Models by 10x", '
+        "Table 1: 47.2 s; training EP64 x PP8, generation TP64, colocated)",
+        "DeepSeek-V3",
+        "refit",
+        47.2,
+        fitted="the CUDA IPC rate and fixed part (with the Llama-3.1-70B refit)",
     ),
     nemo_run("DeepSeek-V3 GRPO on-policy, 256 GPUs", "DeepSeek-V3", 134.0, 12.7, 256, 32, _DSV3, 744, **_DS),
     nemo_run(
@@ -99,7 +107,6 @@ MOE_RUNS: List[PublishedRun] = [
         _DSV3,
         738,
         rollout_gpus=256,
-        known_out=DSV3_OFF_POLICY,
         **_DS,
         **_OFF,
     ),
@@ -163,7 +170,6 @@ MOE_RUNS: List[PublishedRun] = [
         744,
         rollout_gpus=256,
         source=NEMO_RL_V04,
-        known_out=DSV3_OFF_POLICY,
         **_DS,
         **_OFF,
     ),

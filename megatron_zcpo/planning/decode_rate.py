@@ -41,12 +41,15 @@ when the pool fills (not modelled). FP8 weights (``quantization``) are not model
 
 A step's generation (:func:`generation_time`) adds what throughput at mean lengths hides: the
 batch a server holds is bounded by the requests in flight on it (:func:`in_flight_batch`), and the
-step waits for its longest response, which decodes at a small batch at the 0.42 efficiency of
-the 4 requests/s TPOT above (:func:`small_batch_efficiency`).
+step waits for its longest response, which decodes within the batch for the bulk's steps and then
+at a small batch, at the 0.42 efficiency of the 4 requests/s TPOT above
+(:func:`small_batch_efficiency`). A server spanning nodes pays two cross-node collectives per layer
+and step (:func:`internode_allreduce_s`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -322,10 +325,21 @@ def small_batch_efficiency() -> float:
 
 
 # A server spanning nodes all-reduces the batch's hidden state twice per layer per decode step
-# over InfiniBand instead of NVLink: seconds of one such all-reduce (its latency: the decode batch's
-# hidden states are well under a megabyte), fitted on NeMo-RL's Qwen3-235B-A22B step (TP16, two
-# nodes per server; planning/calibration.py) and checked on its DeepSeek-V3 steps (TP32, four nodes).
-INTERNODE_ALLREDUCE_S = 1.87e-4
+# over InfiniBand instead of NVLink (under DP attention with expert parallelism, the dispatch and
+# combine of the experts cross the nodes as often). The decode batch's hidden states are well under
+# a megabyte, so such a collective costs its latency: NCCL runs small ones on its tree, whose depth
+# across the nodes is log2(nodes) (:func:`internode_allreduce_s`). ``INTERNODE_ALLREDUCE_S`` is one
+# level, two nodes: fitted on NeMo-RL's Qwen3-235B-A22B step (TP16, two nodes per server;
+# planning/calibration.py) and checked on its DeepSeek-V3 steps (TP32, four nodes, two levels) and
+# SGLang's DeepSeek-V3 decode (72 GPUs on nine nodes).
+INTERNODE_ALLREDUCE_S = 1.25e-4
+
+
+def internode_allreduce_s(tensor_parallel: int, gpus_per_node: int) -> float:
+    """Seconds of one decode-step collective of a server of ``tensor_parallel`` GPUs: 0 within a
+    node, else :data:`INTERNODE_ALLREDUCE_S` per level of a tree over the nodes it spans."""
+    nodes = -(-tensor_parallel // gpus_per_node)
+    return INTERNODE_ALLREDUCE_S * math.log2(nodes) if nodes > 1 else 0.0
 
 
 def served_step_s(
@@ -337,19 +351,21 @@ def served_step_s(
     dp_attention: int = 1,
     gpus_per_node: int = 8,
     weight_bytes: float = BF16_BYTES,
+    two_batch_overlap: bool = False,
 ) -> float:
     """Seconds of one decode step as a server runs it: the roofline's memory term at the bandwidth
     efficiency of SGLang's online TPOT (:func:`small_batch_efficiency`) or its compute term at the
     efficiency of its offline throughput (:func:`calibrated_efficiency`), whichever is longer, and a
-    server spanning nodes (``tensor_parallel`` above ``gpus_per_node``) adds two all-reduces per
-    layer over InfiniBand (:data:`INTERNODE_ALLREDUCE_S`)."""
+    server spanning nodes (``tensor_parallel`` above ``gpus_per_node``) adds two collectives per
+    layer over InfiniBand (:func:`internode_allreduce_s`); with SGLang's two-batch overlap
+    (``--enable-two-batch-overlap``: one half of the batch computes while the other's collectives
+    run) the step is the longer of the two instead of their sum."""
     memory_s, compute_s = decode_step_terms(
         model, batch, context_tokens, tensor_parallel, dp_attention=dp_attention, weight_bytes=weight_bytes
     )
     step = max(memory_s / small_batch_efficiency(), compute_s / calibrated_efficiency())
-    if tensor_parallel > gpus_per_node:
-        step += 2 * model.num_layers * INTERNODE_ALLREDUCE_S
-    return step
+    collectives = 2 * model.num_layers * internode_allreduce_s(tensor_parallel, gpus_per_node)
+    return max(step, collectives) if two_batch_overlap else step + collectives
 
 
 def prefill_per_step_s(
@@ -365,8 +381,9 @@ def prefill_per_step_s(
 class GenerationTime:
     """One step's generation on ``servers`` servers: ``batch`` sequences each decodes together
     (bounded by its KV pool and by the requests in flight on it), the ``bulk_s`` of all tokens at
-    that batch's throughput, the ``tail_s`` of the longest response at a small batch, and the
-    step's wait, ``seconds`` = max(bulk, tail); ``tokens_per_s_per_gpu``: generated tokens over it."""
+    that batch's throughput, the ``tail_s`` of the longest response decoded alone, and the step's
+    wait, ``seconds``: the bulk and what is left of the longest response once the bulk's steps are
+    done (:func:`generation_time`); ``tokens_per_s_per_gpu``: generated tokens over it."""
 
     batch: float
     bulk_s: float
@@ -402,12 +419,15 @@ def generation_time(
     """Seconds one step waits for ``sequences`` responses of mean ``response_tokens`` (longest
     ``max_response_tokens``) on ``gpus`` GPUs in TP-``tensor_parallel`` servers.
 
-    Bulk: the roofline of the module docstring at the in-flight batch (:func:`in_flight_batch`,
-    ``max_in_flight``: the client's cap on requests in flight over all servers), at
-    the calibrated efficiency, or the given ``decode_tokens_per_s_per_gpu``. Tail: the longest
-    response decodes ``max_response_tokens`` steps one after another; once the bulk is done its
-    server holds a few sequences, so a step costs the roofline of one sequence at its mean context
-    over :func:`small_batch_efficiency`. The step waits for the later of the two."""
+    ``batch``: the sequences a server decodes together (:func:`in_flight_batch`, ``max_in_flight``:
+    the client's cap on requests in flight over all servers). ``bulk_s``: all tokens at that batch's
+    throughput (the roofline of the module docstring at the calibrated efficiencies, or the given
+    ``decode_tokens_per_s_per_gpu``); ``tail_s``: the longest response, ``max_response_tokens``
+    steps one after another, each the roofline of one sequence at its mean context over
+    :func:`small_batch_efficiency`. ``seconds``, what the step waits for: the bulk, within whose
+    steps (its tokens per server over the batch: the mean response when every request fits) the
+    longest response decodes as one of the batch, and the rest of the longest response, decoded
+    alone once the bulk is done."""
     servers = max(1, gpus // tensor_parallel)
     roofline = decode_roofline(
         model,
@@ -419,7 +439,7 @@ def generation_time(
         dp_attention=dp_attention,
     )
     batch = in_flight_batch(roofline.batch, sequences, servers, max_in_flight)
-    shape = dict(dp_attention=dp_attention, gpus_per_node=gpus_per_node)
+    shape: dict = dict(dp_attention=dp_attention, gpus_per_node=gpus_per_node)
     if decode_tokens_per_s_per_gpu is None:
         step = served_step_s(model, batch, prompt_tokens + response_tokens / 2, tensor_parallel, **shape)
         prefill = prefill_per_step_s(model, batch, prompt_tokens, response_tokens, tensor_parallel)
@@ -428,7 +448,9 @@ def generation_time(
     tail = max_response_tokens * served_step_s(
         model, 1, prompt_tokens + max_response_tokens / 2, tensor_parallel, **shape
     )
-    seconds = max(bulk, tail)
+    # The longest response decodes within the bulk's batch for the bulk's steps, then alone.
+    bulk_steps = sequences * response_tokens / (servers * batch)
+    seconds = bulk + max(0.0, max_response_tokens - bulk_steps) * tail / max_response_tokens
     return GenerationTime(
         batch=batch,
         bulk_s=bulk,

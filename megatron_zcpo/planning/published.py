@@ -21,7 +21,8 @@ class PublishedRun:
     (a colocated push), "train" (a pre-training step: ``samples`` sequences of ``max_sequence``
     tokens on ``gpus`` GPUs with ``layout``'s expert parallelism) or "decode" (one decode step of a
     serving benchmark: ``samples`` sequences at ``mean_sequence`` tokens of context on a server of
-    ``generation_tp`` GPUs with ``dp_attention`` groups and ``weight_bytes`` per parameter). For
+    ``generation_tp`` GPUs with ``dp_attention`` groups and ``weight_bytes`` per parameter,
+    ``two_batch_overlap``: SGLang's overlap of the collectives with the other half batch). For
     steps: GPUs (``rollout_gpus`` 0: colocated), generation TP, training layout, samples, mean
     sequence and its cap; ``fitted``: the row a constant was fitted on; ``known_out``: why the
     prediction falls outside the band."""
@@ -45,6 +46,7 @@ class PublishedRun:
     published_tokens_per_s_per_gpu: Optional[float] = None
     dp_attention: int = 1
     weight_bytes: float = 2.0
+    two_batch_overlap: bool = False
 
 
 def nemo_run(

@@ -11,16 +11,18 @@ holds the model to it). Term by term:
   the roofline of :mod:`~megatron_zcpo.planning.decode_rate` at the batch a server holds (its KV pool,
   bounded by the requests in flight on it), at the efficiency calibrated on SGLang's published
   offline throughput; the step waits for its longest response, ``max_response_tokens`` decode
-  steps at a small batch, at the efficiency of SGLang's published online TPOT. A given per-GPU
-  rate (``Cluster.decode_tokens_per_s_per_gpu``, measured on your servers) replaces the bulk.
+  steps: those beyond the bulk's run at a small batch, at the efficiency of SGLang's published
+  online TPOT. A given per-GPU rate (``Cluster.decode_tokens_per_s_per_gpu``, measured on your
+  servers) replaces the bulk.
 * training: FLOPs / (training GPUs x peak FLOP/s x :data:`TRAINING_MFU`). Per token a forward costs
   2 x parameters (embedding excluded, output layer included; a mixture-of-experts model's *active*
   parameters) + causal attention 4 x layers x heads x head_dim x (sequence / 2); the experience
   pass (log-probs) is two forwards (policy and reference), the update a forward and a backward
   (3 forwards; a LoRA policy's frozen base computes no weight gradients: 2), full recompute one
   forward more. ``TRAINING_MFU`` = 0.35 is not fitted: with it
-  NeMo-RL's dense rows (Qwen3-32B, Llama-3.1-8B, v0.4 and v0.5) come out within 0.85-1.10x of their
-  published steps and its mixture-of-experts rows fast (0.52-0.84x, RESULTS explains). Under
+  NeMo-RL's dense rows (Qwen3-32B, Llama-3.1-8B, v0.4 and v0.5) come out within 0.84-1.10x of their
+  published steps; mixture-of-experts models train at ``MOE_TRAINING_MFU`` (benchmarks/RESULTS.md
+  lists their rows, and the Qwen3-30B-A3B ones this does not hold). Under
   expert parallelism each MoE layer adds its token all-to-alls on the busiest rank
   (:mod:`megatron_zcpo.planning.moe_costs`, ``expert_imbalance`` times the mean) in the two
   experience forwards and the update's passes, over NVLink within a node, InfiniBand across nodes
