@@ -231,12 +231,24 @@ def _streaming_probe(case_dir: Path) -> dict:
     return {"requested": requested, "max_alive": max(alive_at_request), "names": mapping.megatron_tensor_names(model)}
 
 
+def resave_as_a_trainer(gpt, model, target: Path) -> None:
+    """Save ``gpt`` (every rank) to ``target`` as a trainer saves: megatron-core's writer, {"model": ...}."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_zcpo.checkpoint.io import write_model_config
+
+    if torch.distributed.get_rank() == 0:
+        target.mkdir()
+        write_model_config(target, model)
+    torch.distributed.barrier()
+    dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(target))
+
+
 def _parallel_logits(rank, world, tp, pp, root, names, resave):
     """Load every checkpoint at (TP, PP); optionally re-save one with megatron-core's own writer."""
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config, write_model_config
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config
     from megatron_zcpo.convert.verify import megatron_logits
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
@@ -248,13 +260,8 @@ def _parallel_logits(rank, world, tp, pp, root, names, resave):
         gpt = build_gpt_model(model, transformer_config(model, tensor_parallel=tp, pipeline_parallel=pp))
         load_model_checkpoint(gpt, root / name / "megatron")
         logits[name] = megatron_logits(gpt, _tokens(model.vocab_size))
-        if name == resave:  # as a trainer saves: {"model": ...}, padded vocabulary of this TP
-            target = root / name / f"resaved_tp{tp}_pp{pp}"
-            if rank == 0:
-                target.mkdir()
-                write_model_config(target, model)
-            torch.distributed.barrier()
-            dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(target))
+        if name == resave:  # padded vocabulary of this TP
+            resave_as_a_trainer(gpt, model, root / name / f"resaved_tp{tp}_pp{pp}")
     keep = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     return logits if keep else None
 

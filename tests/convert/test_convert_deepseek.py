@@ -15,6 +15,7 @@ import torch
 from megatron_zcpo.convert import mapping
 from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint, read_hf_config
 from megatron_zcpo.testing import run_distributed
+from tests.convert.test_convert import resave_as_a_trainer
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 16
@@ -222,10 +223,9 @@ def _convert_all(rank, world, root, names, fp8_case):
 
 def _layout_logits_and_resave(rank, world, root, names, resave):
     """TP2 x PP2 (1 + 2 layers) x EP2 (ETP1): logits of every case; one re-saved by megatron-core."""
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config, write_model_config
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config
     from megatron_zcpo.convert.verify import megatron_logits
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
@@ -241,11 +241,7 @@ def _layout_logits_and_resave(rank, world, root, names, resave):
         logits[name] = megatron_logits(gpt, _tokens(model.vocab_size))
         if name == resave:
             target = root / name / "resaved"
-            if rank == 0:
-                target.mkdir()
-                write_model_config(target, model)
-            torch.distributed.barrier()
-            dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(target))
+            resave_as_a_trainer(gpt, model, target)
     keep = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     return logits if keep else None
 

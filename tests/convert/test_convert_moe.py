@@ -13,6 +13,7 @@ import torch
 from megatron_zcpo.convert import mapping
 from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint
 from megatron_zcpo.testing import run_distributed
+from tests.convert.test_convert import resave_as_a_trainer
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 16
@@ -116,10 +117,9 @@ def _convert_round_trip_and_logits(rank, world, root, names):
 
 def _expert_parallel_logits(rank, world, root, names, resave):
     """Load every checkpoint at EP2 (two ranks, one expert half each); re-save one with megatron-core's writer."""
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config, write_model_config
+    from megatron_zcpo.checkpoint.io import load_model_checkpoint, read_model_config
     from megatron_zcpo.convert.verify import megatron_logits
     from megatron_zcpo.megatron.initialize import setup_megatron
     from megatron_zcpo.megatron.model import build_gpt_model, transformer_config
@@ -134,11 +134,7 @@ def _expert_parallel_logits(rank, world, root, names, resave):
         logits[name] = megatron_logits(gpt, _tokens(model.vocab_size))
         if name == resave:
             target = root / name / "resaved_ep2"
-            if rank == 0:
-                target.mkdir()
-                write_model_config(target, model)
-            torch.distributed.barrier()
-            dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(target))
+            resave_as_a_trainer(gpt, model, target)
             experts = sorted(
                 {
                     n.split(".mlp.experts.local_experts.")[1].split(".")[0]
