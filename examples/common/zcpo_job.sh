@@ -26,7 +26,8 @@
 # phase: before training the running start-up step is ended (the conversion writes a directory of its
 # own, renamed only once complete), the servers are stopped and the job requeues itself; during
 # training they are passed on to the training step as USR1 (srun would answer a TERM by killing its
-# tasks), whose ranks stop after their current step with a checkpoint and exit 75; then the servers
+# tasks), whose ranks stop at their next safe point (within seconds during a step's rollout, which is
+# abandoned; after the step during its update) with a checkpoint and exit 75; then the servers
 # stop and the job requeues itself. The SGLang step survives Slurm's stop signals (the training's last
 # step needs it) and stops on SIGINT, which its srun (--disable-status) forwards. Every step names its
 # task count (a job submitted with --ntasks-per-node=8 would pass that on); the output file is opened
@@ -82,7 +83,7 @@ TRAINING=""        # set while the training step runs
 on_stop_signal() {
     [[ -n "${ZCPO_STOP_SIGNAL:-}" ]] || ZCPO_STOP_SIGNAL=$1
     if [[ -n "${TRAINING}" ]]; then
-        log "$1: training stops after its current step with a checkpoint, then the job requeues itself"
+        log "$1: training stops at its next safe point (a step's rollout is abandoned, an update finishes) with a checkpoint, then the job requeues itself"
         { echo "$(kill -l "$1")" > "${ZCPO_STOP_FILE}.partial" && mv -f "${ZCPO_STOP_FILE}.partial" "${ZCPO_STOP_FILE}"; } \
             || log "cannot write ${ZCPO_STOP_FILE}: training goes on until Slurm stops the job"
     else

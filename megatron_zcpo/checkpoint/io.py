@@ -281,7 +281,9 @@ def read_plain_state(path: str | os.PathLike) -> Dict[str, Any]:
         ) from error
 
 
-def _rng_state() -> Dict[str, Any]:
+def rng_state() -> Dict[str, Any]:
+    """This process's generator states (Python, torch, megatron-core's tracker, NumPy, CUDA), as a
+    checkpoint holds them: tensors and plain values."""
     from megatron.core import tensor_parallel
 
     version, mt_words, gauss = random.getstate()
@@ -308,7 +310,8 @@ def _rng_state() -> Dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Dict[str, Any]) -> None:
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore the generator states :func:`rng_state` returned."""
     from megatron.core import tensor_parallel
 
     python = state["python"]
@@ -436,7 +439,7 @@ def save_checkpoint(
     described: Dict[str, Dict[str, Any]] = {}
     try:
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "weights"))
-        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         if rank == 0:
             write_model_config(tmp / "weights", unwrap(model).zcpo_model_config)
             if lora_of(model) is not None:
@@ -504,7 +507,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> Dict[str, Any]
     optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if trainer_state.get("world_size") == dist.get_world_size() and rng_file.is_file():
-        _set_rng_state(read_checkpoint_file(path, rng_file.relative_to(path).as_posix()))
+        set_rng_state(read_checkpoint_file(path, rng_file.relative_to(path).as_posix()))
     return trainer_state
 
 

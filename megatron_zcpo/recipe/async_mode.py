@@ -47,13 +47,14 @@ class AsynchronousRollouts:
 
     def collect(self, step: int):
         """(samples, metrics) of step ``step`` on rank 0 ((None, {}) elsewhere): the oldest complete groups
-        the producer holds, as trainer samples, once a step's worth exists."""
+        the producer holds, as trainer samples, once a step's worth exists. A stop request (the rollout's
+        ``stop_requested``) while waiting for them raises ``RolloutInterrupted``, nothing taken."""
         from megatron_zcpo.recipe.rollout import rollout_metrics, samples_from_groups
         from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingResult
 
         if self.producer is None:
             return None, {}
-        taken = self.producer.take(self.trainer.step)
+        taken = self.producer.take(self.trainer.step, self.rollout.stop_requested)
         scorer = self.rollout.scorer
         metrics = {**taken.metrics, **scorer.check_failure_rate(f"step {step}'s groups")}
         scorer.start_tally()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from megatron_zcpo.training.batch import RolloutSample
 
@@ -29,6 +29,7 @@ class OverlappedRollouts:
             self.prefetch.restore(in_flight["step"], (samples, in_flight["metrics"]))
         self.pushed_version = trainer.step  # the run pushed these weights at start-up
         self.push_s = 0.0
+        self.dropped_step: Optional[int] = None  # the rollout in flight a stop request ended (rank 0)
 
     def collect(self, step: int):
         """(samples, metrics) of step ``step`` on rank 0 ((None, {}) elsewhere), with the time
@@ -67,19 +68,34 @@ class OverlappedRollouts:
         return {"time/engine_wait_for_weights": self.prefetch.engine_wait_s}
 
     def settle(self) -> None:
-        """Before evaluation: let the rollout in flight finish, then push the current weights."""
+        """Before evaluation: let the rollout in flight finish (or drop it, ended by a stop request),
+        then push the current weights."""
         if self.prefetch is not None:
-            self.prefetch.wait()
+            self._unless_dropped(self.prefetch.wait)
         self.push_current_weights()
 
     def state(self) -> Dict[str, Any]:
-        """The rollout in flight, for the checkpoint (rank 0; waits for it)."""
+        """The rollout in flight, for the checkpoint (rank 0; waits for it). A rollout a stop request ended
+        is dropped ({}): its prompts went back to the stream, and the resumed run generates them again
+        with the checkpoint's weights (one version newer than the dropped rollout's)."""
         from megatron_zcpo.rollout.overlap import in_flight_state
 
-        state = in_flight_state(self.prefetch) if self.prefetch is not None else {}
+        prefetch = self.prefetch
+        state = (self._unless_dropped(lambda: in_flight_state(prefetch)) or {}) if prefetch is not None else {}
         if state:  # plain values: checkpoints are read with torch.load(weights_only=True)
             state = {**state, "samples": [dataclasses.asdict(sample) for sample in state["samples"]]}
         return state
+
+    def _unless_dropped(self, wait: Callable[[], Any]) -> Any:
+        """``wait()``'s result, or None once the rollout in flight it waits for was interrupted (dropped)."""
+        from megatron_zcpo.rollout.engine import RolloutInterrupted
+
+        step = self.prefetch.pending_step if self.prefetch is not None else None
+        try:
+            return wait()
+        except RolloutInterrupted:  # (the prefetch forgot it: the next take generates that step anew)
+            self.dropped_step = step
+            return None
 
     def close(self) -> None:
         """Wait for a rollout in flight (its thread must not outlive the engine)."""

@@ -6,13 +6,16 @@ Global rank 0 drives the rollout engine, the reward workers and the prompt strea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from typing import Dict, List, Optional, Sequence
+import threading
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from megatron_zcpo.recipe.config import RunConfig
+from megatron_zcpo.rollout.engine import STOP_POLL_S, RolloutInterrupted
 from megatron_zcpo.training.batch import RolloutSample
 from megatron_zcpo.utils.devices import compute_device
 
@@ -287,8 +290,41 @@ def colocated_client(client: Dict, config: RunConfig) -> Dict:
     return client
 
 
+@contextlib.contextmanager
+def interrupted_on_stop(engine, stop_requested: Optional[Callable[[], int]]) -> Iterator[None]:
+    """While the body runs, a thread asks ``stop_requested()`` (a stop request: nonzero; e.g.
+    :meth:`~megatron_zcpo.training.preemption.PreemptionGuard.requested`) every ``STOP_POLL_S`` and at the
+    first request interrupts the engine's generation (:meth:`~megatron_zcpo.rollout.engine.RolloutEngine.interrupt_generation`:
+    the ``generate`` call in progress and every later one in the body raise ``RolloutInterrupted``).
+    On exit the engine generates normally again. ``stop_requested`` None: nothing is watched."""
+    if stop_requested is None:
+        yield
+        return
+    finished = threading.Event()
+
+    def watch() -> None:
+        while not finished.is_set():
+            if stop_requested():
+                engine.interrupt_generation()
+                return
+            finished.wait(STOP_POLL_S)
+
+    watcher = threading.Thread(target=watch, name="zcpo-stop-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        watcher.join()
+        engine.clear_interrupt()
+
+
 class Rollout:
-    """Rank 0's rollout side: engine, prompt stream, reward workers and sampling parameters."""
+    """Rank 0's rollout side: engine, prompt stream, reward workers and sampling parameters.
+
+    ``stop_requested`` (set by the recipe once its preemption guard is installed; None: not watched):
+    a stop request seen while :meth:`collect` runs abandons that rollout (:func:`interrupted_on_stop`).
+    """
 
     def __init__(self, config: RunConfig, model_config, tokenizer):
         from megatron_zcpo.data.dataset import build_prompt_dataset
@@ -308,6 +344,7 @@ class Rollout:
         self.dataset = build_prompt_dataset(config.data, tokenizer)
         self.scorer = RewardScorer(config.reward)
         self.engine = make_engine(config, model_config, tokenizer)
+        self.stop_requested: Optional[Callable[[], int]] = None
 
     def score(self, records, completions):
         """The reward batch of ``completions`` (groups of Completion) for ``records``."""
@@ -319,8 +356,19 @@ class Rollout:
         Round r of step ``step`` samples with seed ``round_seed(rollout.seed, step, r)``: a resumed
         run draws the same samples as an uninterrupted one. Raises
         :class:`~megatron_zcpo.rewards.scorer.RewardFailureRateError` when more of the rollout's
-        reward calls failed than ``reward.max_failed_fraction`` (before any sampling cap error).
+        reward calls failed than ``reward.max_failed_fraction`` (before any sampling cap error), and
+        ``RolloutInterrupted`` when a stop request (``stop_requested``) came before its last round was
+        generated: the prompt stream is then back where it was, so a rerun draws this rollout again.
         """
+        position = self.dataset.state_dict()
+        try:
+            with interrupted_on_stop(self.engine, self.stop_requested):
+                return self._collect(step)
+        except RolloutInterrupted:
+            self.dataset.load_state_dict(position)
+            raise
+
+    def _collect(self, step: int):
         from megatron_zcpo.rewards.scorer import RewardFailureRateError
         from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingError, round_seed, sample_groups
 

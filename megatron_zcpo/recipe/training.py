@@ -34,6 +34,7 @@ class RLRecipe:
         self.waits = None  # the Rank0Wait group: where the other ranks wait for rank 0 alone
         self.colocation = None  # rollout.placement=colocated: the phase machine (rollout/placement.py)
         self.push_bytes: Optional[int] = None  # bytes of the last weight push (rank 0)
+        self.guard: Any = None  # the PreemptionGuard train() runs under
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -193,6 +194,7 @@ class RLRecipe:
         from megatron_zcpo.recipe.run_dir import open_run
 
         self.start_step, self.loop_state = 0, {}
+        self.checkpointed_step: Optional[int] = None  # the step of the newest checkpoint (resumed or written)
         decision = None
         if self.rank == 0:
             try:
@@ -205,7 +207,7 @@ class RLRecipe:
         checkpoint, self.run_id = decision
         if checkpoint is not None:
             self.loop_state = self.trainer.load(checkpoint).get("loop", {})
-            self.start_step = self.trainer.step
+            self.start_step = self.checkpointed_step = self.trainer.step
             # The data position: the loop's, or an asynchronous run's (whose producer restores it itself
             # when the resumed run is asynchronous too).
             data = self.loop_state.get("data")
@@ -238,22 +240,31 @@ class RLRecipe:
     def train(self, guard=None) -> Dict[str, Any]:
         """Every remaining step, with the configured evaluations and checkpoints; returns the run's summary.
 
-        SIGTERM or SIGUSR1 (a preemption, Slurm's time-limit warning) on any rank ends the run
-        after the step in progress, on every rank, with a checkpoint: :class:`Preempted` is raised
-        (``zcpo train`` exits with ``PREEMPTED_EXIT_CODE``; ``checkpoint.resume=auto`` continues).
+        SIGTERM or SIGUSR1 (a preemption, Slurm's time-limit warning) on any rank ends the run, on
+        every rank, with a checkpoint: :class:`Preempted` is raised (``zcpo train`` exits with
+        ``PREEMPTED_EXIT_CODE``; ``checkpoint.resume=auto`` continues). A stop request rank 0 sees
+        during a step's rollout abandons that step (:meth:`_abandon`); one during its update (or seen
+        by another rank alone) ends the run after the step.
         """
+        from megatron_zcpo.checkpoint.io import rng_state
         from megatron_zcpo.training.preemption import Preempted, PreemptionGuard
 
         config, trainer = self.config, self.trainer
         with contextlib.ExitStack() as stack:
             guard = guard or stack.enter_context(PreemptionGuard())  # ``guard``: installed by the caller
+            self.guard = guard
+            if self.rollout is not None:  # rank 0 watches for a stop request while a rollout runs
+                self.rollout.stop_requested = guard.requested
             stop = guard.should_stop()
             if stop:  # came during set-up: nothing trained since the checkpoint resumed from (or the start)
                 raise Preempted(stop, self.start_step, saved=False)
             first_eval = self.evaluate(self.start_step) if config.eval.at_start and self.start_step == 0 else {}
             last_eval: Dict[str, float] = {}
             for step in range(self.start_step, config.train.steps):
-                self.train_step(step)
+                generators = rng_state()  # as the last completed step left them: what an abandoned step saves
+                abandoned_by = self.train_step(step)
+                if abandoned_by:
+                    self._abandon(abandoned_by, generators)
                 if config.eval.every and trainer.step % config.eval.every == 0 and trainer.step < config.train.steps:
                     last_eval = self.evaluate(trainer.step) or last_eval
                 saved = bool(config.checkpoint.every) and trainer.step % config.checkpoint.every == 0
@@ -264,7 +275,9 @@ class RLRecipe:
                     if not saved:
                         self.save(trainer.step)
                     if self.logger is not None:
-                        self.logger.print(f"{stop}: stopping after step {trainer.step} (checkpoint written)")
+                        self.logger.print(
+                            f"{stop}: stopping after step {trainer.step} (checkpoint written{self._dropped()})"
+                        )
                     raise Preempted(stop, trainer.step)
         if config.eval.at_end:
             last_eval = self.evaluate(trainer.step) or last_eval
@@ -272,28 +285,41 @@ class RLRecipe:
             self.save(trainer.step)
         return {"run_dir": str(self.run_dir), "first_eval": first_eval, "last_eval": last_eval, "steps": trainer.step}
 
-    def train_step(self, step: int) -> None:
+    def train_step(self, step: int) -> Optional[str]:
         """Rollout (rank 0) -> broadcast -> trainer step -> weight push; logs the step's metrics.
 
         With ``rollout.mode=overlap`` the step takes the rollout generated during the previous step,
         pushes the current weights and starts the next rollout before training; with ``async`` it
         takes the producer's oldest complete groups and pushes after training without draining.
+        Returns the name of the stop signal that abandoned the step during its rollout (every rank:
+        rank 0 decides and tells the others where they wait for it), None when the step was trained.
         """
+        import signal
+
         from megatron_zcpo.convert.verify import logprob_tolerance
         from megatron_zcpo.recipe.rollout import broadcast_samples
+        from megatron_zcpo.rollout.engine import RolloutInterrupted
 
         started = time.perf_counter()
         overlap, asynchronous = self.overlap, self.asynchronous
-        if asynchronous is not None:  # the oldest complete groups the producer holds
-            samples, rollout_stats = asynchronous.collect(step)
-        elif overlap is None:
-            samples, rollout_stats = self.rollout.collect(step) if self.rank == 0 else (None, {})
-        else:  # take step k's rollout, push, and generate step k+1's while step k trains
-            samples, rollout_stats = overlap.collect(step)
+        samples, rollout_stats, abandoned_by = None, {}, None
+        try:
+            if asynchronous is not None:  # the oldest complete groups the producer holds
+                samples, rollout_stats = asynchronous.collect(step)
+            elif overlap is None:
+                samples, rollout_stats = self.rollout.collect(step) if self.rank == 0 else (None, {})
+            else:  # take step k's rollout (then push and generate step k+1's while step k trains)
+                samples, rollout_stats = overlap.collect(step)
+        except RolloutInterrupted:  # rank 0: a stop request during this step's rollout (it is sticky)
+            abandoned_by = signal.Signals(self.guard.requested()).name
+        # the others waited here (rank0_wait.py), and learn whether the step goes on
+        count, abandoned_by = self.waits.broadcast((len(samples), None) if samples is not None else (0, abandoned_by))
+        if abandoned_by:
+            return abandoned_by
+        if overlap is not None:
             overlap.push_current_weights()
             rollout_stats.update(overlap.launch(step + 1))
         time_rollout = time.perf_counter() - started
-        count = self.waits.broadcast(len(samples) if self.rank == 0 else None)  # the others waited here
         if count == 0:
             raise RuntimeError(f"step {step}: dynamic sampling kept no group (see rollout.dynamic_sampling)")
         samples = broadcast_samples(samples)
@@ -306,7 +332,7 @@ class RLRecipe:
         elif overlap is None:
             self.push(self.trainer.step)
         if self.rank != 0:
-            return
+            return None
         metrics.update(rollout_stats)
         push_s = time.perf_counter() - started_push if overlap is None else overlap.push_s
         if self.push_bytes is not None:  # the last push's tensors (a LoRA adapter's alone: MBs, not GBs)
@@ -333,6 +359,33 @@ class RLRecipe:
                 f"to {gap:.2e} at step 0 (same weights: expected < {tolerance:g}, "
                 f"train.verify_tolerance)"
             )
+        return None
+
+    def _abandon(self, stop: str, generators: Dict[str, Any]) -> None:
+        """Every rank, the step's rollout abandoned after ``stop``: checkpoint the state the last completed
+        step left (weights untouched since; the prompt stream where this step began; the random
+        generators as ``generators`` holds them), unless a checkpoint of that step exists, and raise
+        :class:`Preempted`. A resumed run generates this step again, exactly (sync mode)."""
+        from megatron_zcpo.checkpoint.io import set_rng_state
+        from megatron_zcpo.training.preemption import Preempted
+
+        step = self.trainer.step
+        set_rng_state(generators)
+        trained = step > 0 or self.checkpointed_step is not None  # else a rerun starts afresh, as this run did
+        if trained and self.checkpointed_step != step:
+            self.save(step)
+        if self.logger is not None:
+            kept = f"checkpoint of step {step}" if trained else "nothing trained yet"
+            self.logger.print(
+                f"{stop}: abandoned step {step + 1} during its rollout (generation stopped, nothing of it "
+                f"trained; {kept}{self._dropped()}): the resumed run generates it again"
+            )
+        raise Preempted(stop, step, saved=trained, abandoned=True)
+
+    def _dropped(self) -> str:
+        """What the stop message says of a rollout in flight it dropped (rollout.mode=overlap, rank 0)."""
+        dropped = None if self.overlap is None else self.overlap.dropped_step
+        return "" if dropped is None else f"; step {dropped + 1}'s rollout in flight dropped"
 
     def evaluate(self, step: int) -> Dict[str, float]:
         """Held-out metrics at trainer step ``step`` (rank 0, when there are held-out prompts; {} otherwise).
@@ -382,6 +435,7 @@ class RLRecipe:
             {"loop": loop, "run_id": self.run_id},
             keep_last=self.config.checkpoint.keep_last,
         )
+        self.checkpointed_step = step
         if self.colocation is not None:  # the released weights are gone: the engine gets them again
             self.push(self.trainer.step)
 

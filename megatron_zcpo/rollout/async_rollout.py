@@ -43,7 +43,14 @@ import torch
 from megatron_zcpo.data.records import PromptRecord
 from megatron_zcpo.rewards.scorer import RewardBatch
 from megatron_zcpo.rollout.dynamic_sampling import DynamicSamplingConfig, DynamicSamplingError, tied_groups
-from megatron_zcpo.rollout.engine import Completion, RolloutEngine, RolloutError, SamplingParams
+from megatron_zcpo.rollout.engine import (
+    STOP_POLL_S,
+    Completion,
+    RolloutEngine,
+    RolloutError,
+    RolloutInterrupted,
+    SamplingParams,
+)
 
 ON_STALE = ("drop", "correct")
 COUNTERS = ("admitted", "taken", "dropped_tied", "dropped_invalid", "dropped_stale")
@@ -147,10 +154,12 @@ class AsyncRollout:
         self._thread = threading.Thread(target=self._produce, name="async-rollout", daemon=True)
         self._thread.start()
 
-    def take(self, trainer_version: int) -> TakenGroups:
+    def take(self, trainer_version: int, stop_requested: Optional[Callable[[], int]] = None) -> TakenGroups:
         """``prompts_per_step`` ready groups, oldest first, for the step trained at ``trainer_version``;
         waits for them. Raises the producer's error, or :class:`DynamicSamplingError` when more than
-        the cap of groups were dropped while waiting (``on_cap`` "error"; "partial": trains those ready)."""
+        the cap of groups were dropped while waiting (``on_cap`` "error"; "partial": trains those ready),
+        or ``RolloutInterrupted`` when ``stop_requested()`` (asked every ``STOP_POLL_S`` while waiting)
+        says stop: nothing is taken, and the producer goes on (its state is what a checkpoint records)."""
         started = time.perf_counter()
         with self._condition:
             while True:
@@ -166,7 +175,9 @@ class AsyncRollout:
                         "max_rounds x prompts_per_step); set rollout.dynamic_sampling.on_cap=partial "
                         "to train on fewer groups, or use data of a difficulty that splits the groups"
                     )
-                self._condition.wait(timeout=1.0)
+                if stop_requested is not None and stop_requested():
+                    raise RolloutInterrupted(f"a stop request while step {trainer_version + 1} waited for its groups")
+                self._condition.wait(timeout=STOP_POLL_S if stop_requested is not None else 1.0)
             self.ready.sort(key=lambda g: (g.oldest_version, g.serial))
             taken, self.ready = self.ready[: self.batch], self.ready[self.batch :]
             self.counts["taken"] += len(taken)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -12,6 +13,7 @@ from megatron_zcpo.rollout.engine import (
     Completion,
     RolloutEngine,
     RolloutError,
+    RolloutInterrupted,
     SamplingParams,
     validate_prompts,
 )
@@ -148,6 +150,7 @@ class EmbeddedEngine(RolloutEngine):
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._seed = seed
         self._async = None  # the AsyncBatcher of submit(), started on first use
+        self._interrupted = threading.Event()  # interrupt_generation(): generate() stops between decode steps
         # Tied embeddings appear under both names here; either name loads the shared tensor.
         self._targets: Dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
         self._loaded: Set[str] = set()
@@ -290,6 +293,7 @@ class EmbeddedEngine(RolloutEngine):
         if self.memory is not None:
             self.memory.require("generate")
         self._check_loaded()
+        self._raise_if_interrupted()
         params.validate(self.model_config.vocab_size)
         validate_prompts(prompts, n, self.model_config.vocab_size)
         context = self.model_config.max_position_embeddings
@@ -377,6 +381,7 @@ class EmbeddedEngine(RolloutEngine):
         stopped = torch.zeros(batch, dtype=torch.bool)
         finished = torch.zeros(batch, dtype=torch.bool)
         for _ in range(int(budgets.max())):
+            self._raise_if_interrupted()
             tokens, logprobs = sample_next_tokens(logits, params, generator)
             tokens, logprobs = tokens.cpu(), logprobs.cpu()
             tokens_out.append(tokens)
@@ -407,6 +412,18 @@ class EmbeddedEngine(RolloutEngine):
             )
             for i in range(batch)
         ]
+
+    def interrupt_generation(self) -> None:
+        """From any thread: :meth:`generate` raises :class:`RolloutInterrupted` before its next decode step
+        (a step of the whole batch: milliseconds on a small model), and at once until :meth:`clear_interrupt`."""
+        self._interrupted.set()
+
+    def clear_interrupt(self) -> None:
+        self._interrupted.clear()
+
+    def _raise_if_interrupted(self) -> None:
+        if self._interrupted.is_set():
+            raise RolloutInterrupted("the embedded engine's generation was interrupted (a stop request)")
 
     # -- asynchronous requests (rollout.mode=async) --------------------------------------------
 

@@ -128,6 +128,17 @@ class RolloutError(RuntimeError):
     """A rollout engine could not serve a request (after retries) or refused a weight update."""
 
 
+class RolloutInterrupted(Exception):
+    """A :meth:`RolloutEngine.generate` call ended by :meth:`RolloutEngine.interrupt_generation` (a stop
+    request during a step's rollout): it returns nothing, and its requests are ended on the engine. Not a
+    :class:`RolloutError`: nothing failed, and no handler of engine failures (a rejected sample, a retry)
+    may take it for one."""
+
+
+# How often a rollout in progress looks for a stop request (the recipe's interruptible step).
+STOP_POLL_S = 0.1
+
+
 class RolloutEngine(abc.ABC):
     """What the trainer needs from an inference engine.
 
@@ -181,6 +192,18 @@ class RolloutEngine(abc.ABC):
     def continue_generation(self) -> None:
         """Undo :meth:`pause_generation`: held requests continue from their tokens with the weights
         pushed meanwhile."""
+        return None
+
+    # The interruptible step (a stop signal during a step's rollout): generation ends promptly.
+
+    def interrupt_generation(self) -> None:
+        """From any thread: the :meth:`generate` call in progress ends soon and raises
+        :class:`RolloutInterrupted`, and so does every later call until :meth:`clear_interrupt`.
+        Engines that cannot be interrupted (this default) finish their call."""
+        return None
+
+    def clear_interrupt(self) -> None:
+        """Undo :meth:`interrupt_generation`: :meth:`generate` runs to the end again."""
         return None
 
     # Asynchronous rollouts (rollout.mode=async: megatron_zcpo.rollout.async_rollout).

@@ -252,6 +252,13 @@ class MultiTurnEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self.engine.weight_version()
 
+    def interrupt_generation(self) -> None:
+        # the turn in progress raises; so does the next turn's, once the tool calls between them return
+        self.engine.interrupt_generation()
+
+    def clear_interrupt(self) -> None:
+        self.engine.clear_interrupt()
+
     def __getattr__(self, name: str):
         # The inner engine's own methods (SGLang's push_part, commit_weights, flush_cache, ...).
         if name == "engine":

@@ -71,23 +71,32 @@ def ignore_stop_signals() -> None:
 
 class Preempted(Exception):
     """The run stopped at a safe point because a rank received ``signal_name``; a checkpoint of
-    ``step`` exists (``saved``: written now; else the run stopped during set-up, before training)."""
+    ``step`` exists (``saved``: written now or earlier; else nothing was trained since the last
+    checkpoint or the start). ``abandoned``: the signal came during step ``step + 1``'s rollout, which
+    was abandoned (nothing of it trained; a resumed run generates it again); else during set-up or
+    after the step in progress."""
 
-    def __init__(self, signal_name: str, step: int, saved: bool = True):
-        where = "checkpoint written" if saved else "during set-up: nothing trained since the last checkpoint"
+    def __init__(self, signal_name: str, step: int, saved: bool = True, abandoned: bool = False):
+        if abandoned:
+            where = f"step {step + 1} abandoned during its rollout; " + (
+                f"checkpoint of step {step}" if saved else "nothing trained yet"
+            )
+        else:
+            where = "checkpoint written" if saved else "during set-up: nothing trained since the last checkpoint"
         super().__init__(
             f"stopped at step {step} after {signal_name} ({where}; exit code {PREEMPTED_EXIT_CODE}: requeue and resume)"
         )
-        self.signal_name, self.step = signal_name, step
+        self.signal_name, self.step, self.abandoned = signal_name, step, abandoned
 
 
 class PreemptionGuard:
     """Remembers a stop signal instead of dying on it; :meth:`should_stop` makes it every rank's decision.
 
     Install on every rank (``with PreemptionGuard() as guard:``), as early as possible: a handled
-    signal only records itself, so the step (and a checkpoint save) in progress completes. At each
+    signal only records itself, so the update (and a checkpoint save) in progress completes. At each
     safe point every rank calls :meth:`should_stop`, a one-element all-reduce (MAX): all ranks stop
-    after the same step, whichever rank got the signal. A stop relayed by the launcher through the
+    after the same step, whichever rank got the signal. The rollout's owner (global rank 0) also
+    watches :meth:`requested` during a step's rollout and abandons it (:mod:`megatron_zcpo.recipe.training`). A stop relayed by the launcher through the
     file named by ``$ZCPO_STOP_FILE`` counts as received (see :meth:`relay_to`). The previous
     handlers come back on exit.
     """

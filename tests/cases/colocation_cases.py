@@ -75,6 +75,9 @@ class _StopAfterFirstStep:
         self.calls += 1
         return "SIGUSR1" if self.calls == 2 else None
 
+    def requested(self):
+        return 0  # (no stop request during a rollout: the stop comes after the step)
+
 
 def preempted_run(rank, world, path):
     """``zcpo train``'s run of the config at ``path``, preempted after its first step; the step it stopped at."""

@@ -3,7 +3,6 @@ k versions stale and whose producer resumes from its checkpoint without repeatin
 run against SGLang doubles paused across every push."""
 
 import json
-import signal
 
 import pytest
 
@@ -98,13 +97,14 @@ def _three_runs(rank, world, embedded, sglang, model_dir):
     from megatron_zcpo.training.preemption import Preempted, PreemptionGuard
 
     class PreemptedInStep2(PreemptionGuard):
-        """A SIGUSR1 (Slurm's time-limit warning) arriving during step 2 (the third check: start, 1, 2)."""
+        """A SIGUSR1 (Slurm's time-limit warning) arriving during step 2's update (the third check: start,
+        1, 2; the rollout saw no stop request)."""
 
         checks = 0
 
-        def requested(self):
+        def should_stop(self):
             self.checks += 1
-            return int(signal.SIGUSR1) if self.checks == 3 else 0
+            return "SIGUSR1" if self.checks == 3 else None
 
     try:
         run_training(load_run_config(str(embedded)), PreemptedInStep2())

@@ -14,7 +14,7 @@ from megatron_zcpo.rollout.embedded import (
     left_pad,
     sample_next_tokens,
 )
-from megatron_zcpo.rollout.engine import RolloutError, SamplingParams
+from megatron_zcpo.rollout.engine import RolloutError, RolloutInterrupted, SamplingParams
 from megatron_zcpo.testing import run_distributed
 
 MODEL = ModelConfig(
@@ -159,6 +159,34 @@ def test_stop_tokens_and_length_limits(engine):
     assert len(capped.output_ids) == 96 - 90 and capped.finish_reason == "length"
     with pytest.raises(ValueError, match="prompt 0 has 96 tokens"):
         engine.generate(_random_prompts(1, low=96, high=97), params)
+
+
+def test_an_interrupt_stops_generation_before_the_next_decode_step_until_cleared(engine, monkeypatch):
+    """interrupt_generation() (the recipe's stop watcher, another thread) lands between two decode steps:
+    generate() raises before the next one, and at once until clear_interrupt(); then it samples exactly
+    what an uninterrupted call samples (the interrupted call left nothing behind)."""
+    prompts = _random_prompts(3, seed=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=17)  # no stop tokens: 40 decode steps
+    uninterrupted = engine.generate(prompts, params, n=2)
+    decode_step, steps = engine._decode_step, []
+
+    def interrupted_at_the_third(*args):
+        steps.append(len(steps))
+        if len(steps) == 3:
+            engine.interrupt_generation()
+        return decode_step(*args)
+
+    monkeypatch.setattr(engine, "_decode_step", interrupted_at_the_third)
+    with pytest.raises(RolloutInterrupted):
+        engine.generate(prompts, params, n=2)
+    assert len(steps) == 3  # the third step ran (it was under way); no fourth
+    with pytest.raises(RolloutInterrupted):  # refused at once while the interrupt stands
+        engine.generate(prompts, params, n=2)
+    assert len(steps) == 3
+    engine.clear_interrupt()
+    monkeypatch.setattr(engine, "_decode_step", decode_step)
+    again = engine.generate(prompts, params, n=2)
+    assert [c.output_ids for s in again for c in s] == [c.output_ids for s in uninterrupted for c in s]
 
 
 def test_batch_size_does_not_change_greedy_results(policy):

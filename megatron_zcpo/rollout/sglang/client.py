@@ -57,6 +57,7 @@ from megatron_zcpo.rollout.sglang.generate_io import (
     sglang_sampling_params,
 )
 from megatron_zcpo.rollout.sglang.http import RETRYABLE, SGLangHTTP, SGLangHTTPError
+from megatron_zcpo.rollout.sglang.interrupt import InterruptibleGeneration
 from megatron_zcpo.rollout.sglang.memory_saver import MemorySaverClient
 from megatron_zcpo.rollout.sglang.partial import PausableGeneration, continuation_sampling, join_segments
 from megatron_zcpo.rollout.sglang.server_pool import ServersLostError
@@ -66,7 +67,7 @@ from megatron_zcpo.rollout.sglang.update_weight.lora_adapter import LoraAdapterU
 logger = logging.getLogger(__name__)
 
 
-class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
+class SGLangEngine(InterruptibleGeneration, PausableGeneration, MemorySaverClient, RolloutEngine):
     """The trainer's handle on a set of SGLang servers (launched by :mod:`sglang_server`, or given).
 
     ``on_shutdown`` runs at :meth:`shutdown` (e.g. the launcher's termination of the servers).
@@ -85,6 +86,7 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
         self._released: Dict[str, set] = {}  # url -> memory-saver tags it released (colocated placement)
         self._returning: set = set()  # lost servers found generating in the generate phase
         self._init_pausable()
+        self._init_interruptible()
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -107,12 +109,13 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
         attempt), or is refused (4xx), becomes a rejected sample: its group is dropped, bounded by
         ``max_rejected_fraction``. When too few servers remain, or the call exceeds
         ``rollout_timeout_s``, the other requests are cancelled and aborted on the servers, and
-        ``RolloutError`` names the failure.
+        ``RolloutError`` names the failure. :meth:`interrupt_generation` ends the call the same way, with
+        :class:`~megatron_zcpo.rollout.engine.RolloutInterrupted` (:mod:`megatron_zcpo.rollout.sglang.interrupt`).
         """
         self._check_open()
         params.validate()
         validate_prompts(prompts, n)
-        groups = self._http.run(self._generate_with_deadline(prompts, params, n, affinity))
+        groups = self._http.run(self._unless_interrupted(self._generate_with_deadline(prompts, params, n, affinity)))
         rejected = rejected_messages(groups)
         self.rejected_samples += len(rejected)
         for message in rejected:
@@ -161,7 +164,10 @@ class SGLangEngine(PausableGeneration, MemorySaverClient, RolloutEngine):
         except BaseException:
             given_up.set()
             for task in tasks:
-                task.cancel()
+                # A task this call's own cancellation reached is already ending, its abort on the server in
+                # flight: a second cancel would abandon that abort (gather ends at the first cancelled task).
+                if not task.cancelling():
+                    task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]

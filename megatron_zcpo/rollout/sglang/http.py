@@ -96,6 +96,10 @@ class SGLangHTTP:
         """Start ``coroutine`` on the loop thread; returns its future."""
         return self._loop.submit(coroutine)
 
+    def call_soon(self, callback) -> None:
+        """Run ``callback()`` on the loop thread soon (from any thread)."""
+        self._loop.loop.call_soon_threadsafe(callback)
+
     def close(self) -> None:
         """Close the HTTP session and stop the loop thread."""
         if self._session is not None:

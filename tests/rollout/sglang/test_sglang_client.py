@@ -1,13 +1,15 @@
 """SGLang client against a local server speaking SGLang v0.5.3's schema: generate, faults, weight pushes."""
 
+import asyncio
 import os
+import threading
 import time
 
 import pytest
 import torch
 
 from megatron_zcpo.megatron.model import ModelConfig
-from megatron_zcpo.rollout.engine import Completion, RolloutEngine, RolloutError, SamplingParams
+from megatron_zcpo.rollout.engine import Completion, RolloutEngine, RolloutError, RolloutInterrupted, SamplingParams
 from megatron_zcpo.rollout.sglang.client import (
     SGLangEngine,
     SGLangEngineConfig,
@@ -163,6 +165,45 @@ def test_hanging_request_times_out_is_aborted_and_retried():
         assert 0.5 <= time.monotonic() - start < 5
         # the timed-out attempt was aborted on the server before the retry (with a fresh rid)
         assert len(server.aborted_rids) == 1 and completion.info["rid"] not in server.aborted_rids
+
+
+def test_an_interrupt_aborts_the_requests_in_flight_on_the_server_at_once(monkeypatch):
+    """interrupt_generation() from another thread (the recipe's stop watcher) ends a generate() whose
+    requests hang on the server: each running one is aborted there before the call raises
+    RolloutInterrupted (within a second; the process may exit right after), the queued one never sent;
+    calls are refused until clear_interrupt()."""
+    with (
+        MockSGLangServer(ScriptedEngine(), faults={"/generate": ["hang", "hang"]}) as server,
+        SGLangEngine(_config(server.url, max_concurrency=2)) as engine,
+    ):
+        interrupted_at, answered_aborts = [], []
+        abort = engine._http.abort_quietly
+
+        async def slow_abort(rid):  # an abort answered late: the call still waits for it
+            await asyncio.sleep(0.3)
+            await abort(rid)
+            answered_aborts.append(rid)
+
+        monkeypatch.setattr(engine._http, "abort_quietly", slow_abort)
+
+        def interrupt_once_both_run():
+            while sum(path == "/generate" for path, _ in list(server.events)) < 2:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            interrupted_at.append(time.monotonic())
+            engine.interrupt_generation()
+
+        threading.Thread(target=interrupt_once_both_run, daemon=True).start()
+        with pytest.raises(RolloutInterrupted):
+            engine.generate([[1], [2], [3]], SamplingParams(max_new_tokens=2))
+        assert time.monotonic() - interrupted_at[0] < 1.0
+        assert len(answered_aborts) == 2 and server.aborted_rids == set(answered_aborts)  # both running ones
+        assert [e for e in server.events if e[0] == "/generate"] == [("/generate", "hang")] * 2
+        with pytest.raises(RolloutInterrupted):
+            engine.generate([[4]], SamplingParams(max_new_tokens=2))
+        engine.clear_interrupt()
+        [[completion]] = engine.generate([[4]], SamplingParams(max_new_tokens=2))
+        assert completion.output_ids == _expected_output([4], 2)
 
 
 def test_failure_after_retries_aborts_the_whole_call():
