@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -74,7 +74,29 @@ def local_layer_spec(
         attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     spec.submodules.input_layernorm = SequenceParallelRMSNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    spec.submodules.sharded_state_dict_keys_map = te_checkpoint_keys(bool(num_experts), multi_latent_attention)
     return spec
+
+
+def te_checkpoint_keys(moe: bool, multi_latent_attention: bool) -> Dict[str, str]:
+    """The layer's ``sharded_state_dict_keys_map``: each norm that Transformer Engine's layer spec
+    fuses into the linear after it (megatron-core 0.16.1 ``get_gpt_layer_with_transformer_engine_spec``)
+    is checkpointed under that linear's ``layer_norm_`` key, so a checkpoint written on one spec loads
+    on the other (converted checkpoints are written on this one; GPU training saves on TE's).
+    Fused there: the input norm into ``linear_qkv`` (MLA keeps a separate input norm), MLA's latent
+    norms into ``linear_q_up_proj`` / ``linear_kv_up_proj``, and a dense layer's pre-MLP norm into
+    ``linear_fc1``; a mixture-of-experts layer keeps its own ``pre_mlp_layernorm`` (megatron's local
+    spec maps it to ``linear_fc1`` too, which TE's MoE layer does not have)."""
+    if multi_latent_attention:
+        keys = {
+            "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+            "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+        }
+    else:
+        keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not moe:
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return keys
 
 
 def moe_layer_flags(config) -> List[bool]:
