@@ -52,7 +52,7 @@ def in_one_process(rank, world, bias_rate):
     balancing = trainer_cases.make_trainer(
         1, 1, *weights, model=MODEL, train_overrides={"moe": MoETraining(expert_bias_update_rate=bias_rate)}
     )
-    balanced = _step(balancing)["params"]
+    balanced = _step(balancing)
     return {
         "weights": weights,
         "reference": reference,
@@ -62,25 +62,33 @@ def in_one_process(rank, world, bias_rate):
     }
 
 
-def four_ranks(rank, world, weights, root):
+def four_ranks(rank, world, weights, root, bias_rate):
     """On 4 ranks, one after another: a step at TP2 with sequence parallelism x PP2 (1 + 2 layers) x
-    EP2 (ETP1, the experts over the TP ranks); then at EP2 x DP4 (distributed optimizer) step 1 (its
+    EP2 (ETP1, the experts over the TP ranks), the correction bias frozen; then at EP2 x DP4
+    (distributed optimizer) with the bias moved by DeepSeek's aux-free rule at ``bias_rate`` (each
+    rank counts its own tokens' experts; megatron-core sums the counts over TP x DP x CP) step 1 (its
     result), a checkpoint, step 2 (its loss and weights), and a fresh trainer that resumes the
     checkpoint and runs step 2 again."""
     from megatron_zcpo.checkpoint.io import find_latest
+    from megatron_zcpo.training.config import MoETraining
 
     layout = _step(
         trainer_cases.make_trainer(
             2, 2, *weights, model=MODEL, ep=2, etp=1, sequence_parallel=True, first_stage_layers=1
         )
     )
-    trainer = trainer_cases.make_trainer(1, 1, *weights, model=MODEL, ep=2, distributed_optimizer=True)
+    balancing = {"moe": MoETraining(expert_bias_update_rate=bias_rate)}
+    trainer = trainer_cases.make_trainer(
+        1, 1, *weights, model=MODEL, ep=2, distributed_optimizer=True, train_overrides=balancing
+    )
     first = _step(trainer, seed=0)
     trainer.save(root, {"loop": {"next_seed": 1}}, keep_last=1)
     second = trainer.train_step(trainer_cases.rollout(seed=1))["update/loss"]
     uninterrupted = {"loss": second, "params": trainer.global_state_dict()}
     del trainer
-    resumed = trainer_cases.make_trainer(1, 1, *weights, model=MODEL, ep=2, distributed_optimizer=True)
+    resumed = trainer_cases.make_trainer(
+        1, 1, *weights, model=MODEL, ep=2, distributed_optimizer=True, train_overrides=balancing
+    )
     state = resumed.load(find_latest(root))
     loss = resumed.train_step(trainer_cases.rollout(seed=state["loop"]["next_seed"]))["update/loss"]
     return {

@@ -1,6 +1,7 @@
 """DeepSeek-V3 training through megatron-core's MLA and MoE layers (tiny, CPU): TP2+SP x PP2 (uneven) x EP2
-and DP4 x EP2 equal one process, exact resume at EP2, routing replay R2/R3 with the sigmoid router and its
-correction bias, the bias frozen by default and moved by DeepSeek's aux-free rule when asked."""
+(bias frozen) and DP4 x EP2 (bias moved by DeepSeek's aux-free rule) equal one process, exact resume at EP2
+with the moving bias, routing replay R2/R3 with the sigmoid router and its correction bias, the bias frozen
+by default and moved by the rule when asked."""
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def test_the_aux_free_rule_moves_each_bias_by_the_rate(single, weights):
     """Two optimizer steps (two mini-batches) at rate 0.01: every bias moved by a multiple of 0.01,
     at most 0.02, towards the mean load, not all by zero."""
     for name in BIASES:
-        moved = single["balanced"][name] - weights[0][name]
+        moved = single["balanced"]["params"][name] - weights[0][name]
         steps = moved / BIAS_RATE
         torch.testing.assert_close(steps, steps.round(), atol=1e-3, rtol=0)
         assert steps.abs().max() <= 2 + 1e-3 and steps.abs().max() >= 1 - 1e-3, name
@@ -53,7 +54,7 @@ def test_the_aux_free_rule_moves_each_bias_by_the_rate(single, weights):
 @pytest.fixture(scope="module")
 def four_ranks(weights, tmp_path_factory):
     """One spawn of 4 ranks for every multi-rank layout (deepseek_cases.four_ranks)."""
-    return run_distributed(deepseek_cases.four_ranks, 4, weights, str(tmp_path_factory.mktemp("ep2_resume")))
+    return run_distributed(deepseek_cases.four_ranks, 4, weights, str(tmp_path_factory.mktemp("ep2_resume")), BIAS_RATE)
 
 
 def test_tp2_sp_pp2_uneven_ep2_matches_one_process(single, four_ranks):
@@ -61,11 +62,17 @@ def test_tp2_sp_pp2_uneven_ep2_matches_one_process(single, four_ranks):
     _assert_same_step([r["layout"] for r in four_ranks], single["reference"])
 
 
-def test_ep2_dp4_matches_one_process_and_resumes_exactly(single, four_ranks):
-    """Four data-parallel replicas, each rank half the experts: the first step equals one process; the
-    second step after a checkpoint and a resume (a fresh trainer) equals the uninterrupted second step
-    (experts, their distributed-optimizer state, the correction bias)."""
-    _assert_same_step([r["first"] for r in four_ranks], single["reference"])
+def test_ep2_dp4_matches_one_process_and_resumes_exactly(single, weights, four_ranks):
+    """Four data-parallel replicas, each rank half the experts, the correction bias moved by the aux-free
+    rule after every optimizer step (two per training step): the first step (biases included) equals one
+    process's, so each move used every rank's token counts; the second step after a checkpoint and a
+    resume (a fresh trainer) equals the uninterrupted second step (experts, their distributed-optimizer
+    state, the moved biases: the only state the rule keeps, its token counts restart at every step)."""
+    _assert_same_step([r["first"] for r in four_ranks], single["balanced"])
+    for name in BIASES:  # the rule did move them, so the equalities above are about the moved values
+        assert not torch.equal(four_ranks[0]["first"]["params"][name], weights[0][name]), name
+        moved = four_ranks[0]["uninterrupted"]["params"][name] - four_ranks[0]["first"]["params"][name]
+        assert moved.abs().max() >= BIAS_RATE - 1e-6, name  # and moved again in step 2
     for result in four_ranks:
         resumed, uninterrupted = result["resumed"], result["uninterrupted"]
         assert resumed["step"] == 2
