@@ -154,6 +154,12 @@ MEGATRON_INTERNALS: Tuple[MegatronInternal, ...] = (
         keywords=("normalization", "qk_layernorm"),
     ),
     MegatronInternal(
+        "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules",
+        "megatron/local_spec.py (te_checkpoint_keys: the local layers' checkpoint keys of the norms TE fuses)",
+        attributes=("sharded_state_dict_keys_map",),
+        changed_in_0_19="not yet read against 0.19.2",
+    ),
+    MegatronInternal(
         "megatron.core.models.gpt.gpt_layer_specs:get_gpt_decoder_block_spec",
         "megatron/model.py (the GPU block spec of MoE models: TE grouped-GEMM experts, moe_layer_freq)",
         keywords=("config", "use_transformer_engine"),
