@@ -566,10 +566,14 @@ def megatron_to_hf_stream(
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """A stream of global Megatron tensors as ``(hf_name, tensor)``, converted one tensor at a
     time by :func:`megatron_to_hf_tensors`, optionally cast to ``dtype`` (checkpoint export and
-    the rollout weight push)."""
+    the rollout weight push); the routers' correction biases stay float32, as DeepSeek's bf16
+    checkpoints and SGLang's loader keep them."""
+    from megatron_zcpo.megatron.weights import EXPERT_BIAS_SUFFIX
+
     for name, tensor in named_tensors:
+        keep = dtype is None or name.endswith(EXPERT_BIAS_SUFFIX)
         for hf_name, hf_tensor in megatron_to_hf_tensors(name, tensor, model):
-            yield hf_name, hf_tensor if dtype is None else hf_tensor.to(dtype)
+            yield hf_name, hf_tensor if keep else hf_tensor.to(dtype)
 
 
 def hf_to_megatron_tensor(name: str, get_hf_tensor: Callable[[str], torch.Tensor], model: ModelConfig) -> torch.Tensor:

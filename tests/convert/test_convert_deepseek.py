@@ -400,3 +400,16 @@ def test_parameter_counts_match_transformers(workdir):
         assert model.num_parameters == sum(p.numel() for p in hf.parameters()), name
         inactive = (model.num_experts - model.num_experts_per_tok) * model.expert_parameters()
         assert model.num_parameters - model.num_active_parameters == sum(model.moe_layer_pattern) * inactive
+
+
+def test_a_cast_to_bf16_keeps_the_correction_bias_float32():
+    """``convert_megatron_to_hf --dtype bfloat16`` and a push cast to bf16: every tensor bf16 but the bias."""
+    model = mapping.model_config_from_hf(_tiny_config())
+    stream = [
+        ("decoder.layers.1.mlp.router.weight", torch.randn(8, 64)),
+        ("decoder.layers.1.mlp.router.expert_bias", torch.randn(8)),
+    ]
+    cast = dict(mapping.megatron_to_hf_stream(stream, model, torch.bfloat16))
+    assert cast["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert cast["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert torch.equal(cast["model.layers.1.mlp.gate.e_score_correction_bias"], stream[1][1])
