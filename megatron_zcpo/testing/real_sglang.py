@@ -18,6 +18,8 @@ cut out of ``utils/common.py``, :func:`open_blobs_with_wheel`, on fake GPUs). A 
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -28,7 +30,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional, Set, Tuple, Union
+from typing import Iterator, List, Optional, Set, Tuple, Union
 
 from megatron_zcpo.rollout.sglang.api import ROUTER_RELEASES
 
@@ -64,13 +66,26 @@ def _pip(args: List[str], what: str) -> None:
         raise PackageUnavailable(f"pip could not fetch {what}: {done.stderr.strip()[-500:]}")
 
 
+@contextlib.contextmanager
+def _filling(target: Path) -> Iterator[bool]:
+    """Hold ``target``'s lock (another process, e.g. a second pytest worker, may fill it at the same time);
+    yields whether it still needs filling, and marks it complete when the block ends without an error."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        needed = not (target / _DONE).exists()
+        yield needed
+        if needed:
+            (target / _DONE).touch()
+
+
 def pip_target(requirement: str, name: str) -> Path:
     """``pip install --target`` of ``requirement`` (with its dependencies) into the cache folder ``name``, once."""
     target = cache_dir() / name
-    if not (target / _DONE).exists():
-        target.mkdir(parents=True, exist_ok=True)
-        _pip(["install", "--upgrade", "--target", str(target), *requirement.split()], requirement)
-        (target / _DONE).touch()
+    with _filling(target) as needed:
+        if needed:
+            target.mkdir(parents=True, exist_ok=True)
+            _pip(["install", "--upgrade", "--target", str(target), *requirement.split()], requirement)
     return target
 
 
@@ -82,13 +97,13 @@ def router_package(version: str) -> Path:
 def sglang_source(version: str) -> Path:
     """The unpacked wheel of sglang ``version`` (no dependencies: read, not run)."""
     target = cache_dir() / f"sglang-{version}"
-    if not (target / _DONE).exists():
-        wheels = target / "wheel"
-        wheels.mkdir(parents=True, exist_ok=True)
-        _pip(["download", "--no-deps", "-d", str(wheels), f"sglang=={version}"], f"sglang=={version}")
-        with zipfile.ZipFile(next(wheels.glob("sglang-*.whl"))) as wheel:
-            wheel.extractall(target, [n for n in wheel.namelist() if n.startswith("sglang/")])
-        (target / _DONE).touch()
+    with _filling(target) as needed:
+        if needed:
+            wheels = target / "wheel"
+            wheels.mkdir(parents=True, exist_ok=True)
+            _pip(["download", "--no-deps", "-d", str(wheels), f"sglang=={version}"], f"sglang=={version}")
+            with zipfile.ZipFile(next(wheels.glob("sglang-*.whl"))) as wheel:
+                wheel.extractall(target, [n for n in wheel.namelist() if n.startswith("sglang/")])
     return target
 
 

@@ -1,4 +1,4 @@
-"""`zcpo train` through the real SGLang servers (0.5.3.post3 directly, 0.5.23 through the real sglang-router
+"""`zcpo train` through the real SGLang servers (each release directly and through the real sglang-router
 0.3.2), with overlap on; and colocated placement's phase machine against a real server's endpoints."""
 
 import json
@@ -14,9 +14,10 @@ from tests.cli.test_train import _train, write_config
 from tests.rollout.sglang.real.test_weights import other_weights
 
 
-def test_zcpo_train_two_steps_with_overlap(real_server, release, model_dir, tmp_path):
-    """0.5.3.post3: straight to the server, the disk push (its gloo group cannot form on the CPU venv's
-    torch, test_weights.py); 0.5.23: through sglang-router 0.3.2, the gloo push in flattened buckets."""
+@pytest.mark.parametrize("route", ["direct", "router"])
+def test_zcpo_train_two_steps_with_overlap(real_server, release, route, model_dir, tmp_path):
+    """Each release straight to its server and through sglang-router 0.3.2. 0.5.3.post3: the disk push (its
+    gloo group cannot form on the CPU venv's torch, test_weights.py); 0.5.23: the gloo push in flattened buckets."""
     client = {"api_key": real_server.api_key, "max_concurrency": 4, "request_timeout_s": 300, "router_timeout_s": 600}
     if release == PINNED_RELEASE:
         client.update(weight_sync="disk", weight_dir=str(tmp_path / "weights"))
@@ -32,7 +33,7 @@ def test_zcpo_train_two_steps_with_overlap(real_server, release, model_dir, tmp_
         eval={"at_start": False, "at_end": False},
         checkpoint={"every": 0},  # one save, at the end
     )
-    if release == PINNED_RELEASE:
+    if route == "direct":
         done = _train(path)
     else:
         try:
