@@ -291,7 +291,7 @@ def test_stages_push_one_after_another_to_two_servers(tmp_path):
         model_path=write_tiny_checkpoint(str(tmp_path / "hf"), TWO_LAYERS),
         nodes=["127.0.0.1"],
         gpus_per_node=2,
-        base_port=free_port(),
+        base_port=free_port(2),
         port_stride=1,
         router=False,
         log_dir=str(tmp_path / "logs"),

@@ -136,9 +136,9 @@ def test_launch_waits_for_health_serves_and_stops(tmp_path):
         nodes=["127.0.0.1"],
         gpus_per_node=2,
         tp_size=1,
-        base_port=free_port(),
+        base_port=free_port(2),
         port_stride=1,
-        router_port=free_port(),
+        router_port=free_port(2),  # and its metrics on the next
         log_dir=str(tmp_path / "logs"),
         server_module="megatron_zcpo.testing.mock_server",
         router_module="megatron_zcpo.testing.mock_router",
