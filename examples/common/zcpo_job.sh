@@ -83,7 +83,7 @@ TRAINING=""        # set while the training step runs
 on_stop_signal() {
     [[ -n "${ZCPO_STOP_SIGNAL:-}" ]] || ZCPO_STOP_SIGNAL=$1
     if [[ -n "${TRAINING}" ]]; then
-        log "$1: training stops at its next safe point (a step's rollout is abandoned, an update finishes) with a checkpoint, then the job requeues itself"
+        log "$1: training stops at its next safe point (a step's rollout is abandoned, an update stops before its next mini-batch) with a checkpoint, then the job requeues itself"
         { echo "$(kill -l "$1")" > "${ZCPO_STOP_FILE}.partial" && mv -f "${ZCPO_STOP_FILE}.partial" "${ZCPO_STOP_FILE}"; } \
             || log "cannot write ${ZCPO_STOP_FILE}: training goes on until Slurm stops the job"
     else

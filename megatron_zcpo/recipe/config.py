@@ -221,12 +221,18 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints (0: only at the end)
     keep_last: int = 2
     resume: str = "auto"  # auto (latest in dir, if any) | never | a checkpoint path
+    # Seconds a stop signal leaves the run to checkpoint and exit (the examples' `--signal=B:USR1@300`; for
+    # a preemption, the partition's GraceTime): a stop during an update whose finish and save would take
+    # longer exits at once without saving (the newest checkpoint then holds the run: see checkpoint.every).
+    stop_grace_s: float = 300.0
 
     def validate(self) -> None:
         if self.every < 0 or self.keep_last < 1:
             raise ValueError(
                 f"checkpoint.every must be >= 0 and checkpoint.keep_last >= 1, got {self.every}, {self.keep_last}"
             )
+        if not self.stop_grace_s >= 0:
+            raise ValueError(f"checkpoint.stop_grace_s must be >= 0 seconds, got {self.stop_grace_s}")
         if self.resume not in ("auto", "never") and not Path(self.resume).exists():
             raise ValueError(f"checkpoint.resume={self.resume!r}: must be 'auto', 'never' or an existing checkpoint")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from megatron_zcpo.recipe.config import RunConfig, dump_run_config
+from megatron_zcpo.recipe.stopping import AbandonedStep
 
 
 class RLRecipe:
@@ -35,6 +36,7 @@ class RLRecipe:
         self.colocation = None  # rollout.placement=colocated: the phase machine (rollout/placement.py)
         self.push_bytes: Optional[int] = None  # bytes of the last weight push (rank 0)
         self.guard: Any = None  # the PreemptionGuard train() runs under
+        self.last_save_s = 0.0  # how long the last checkpoint took (what a stop's estimate counts for a save)
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -243,10 +245,12 @@ class RLRecipe:
         SIGTERM or SIGUSR1 (a preemption, Slurm's time-limit warning) on any rank ends the run, on
         every rank, with a checkpoint: :class:`Preempted` is raised (``zcpo train`` exits with
         ``PREEMPTED_EXIT_CODE``; ``checkpoint.resume=auto`` continues). A stop request rank 0 sees
-        during a step's rollout abandons that step (:meth:`_abandon`); one during its update (or seen
-        by another rank alone) ends the run after the step.
+        during a step's rollout abandons that step (:meth:`_abandon`); one any rank sees during the
+        update is taken at the update's next safe point as :mod:`megatron_zcpo.recipe.stopping` says
+        (abandon, finish within ``checkpoint.stop_grace_s``, or exit unsaved); else after the step.
         """
         from megatron_zcpo.checkpoint.io import rng_state
+        from megatron_zcpo.recipe.stopping import UpdateStopCheck
         from megatron_zcpo.training.preemption import Preempted, PreemptionGuard
 
         config, trainer = self.config, self.trainer
@@ -255,6 +259,14 @@ class RLRecipe:
             self.guard = guard
             if self.rollout is not None:  # rank 0 watches for a stop request while a rollout runs
                 self.rollout.stop_requested = guard.requested
+            self.update_stops = UpdateStopCheck(
+                guard,
+                config.checkpoint.stop_grace_s,
+                synchronous=self.overlap is None and self.asynchronous is None,
+                unsaved=lambda: trainer.step - (self.checkpointed_step or 0),
+                last_save_s=lambda: self.last_save_s,
+                say=self.logger.print if self.logger is not None else lambda message: None,
+            )
             stop = guard.should_stop()
             if stop:  # came during set-up: nothing trained since the checkpoint resumed from (or the start)
                 raise Preempted(stop, self.start_step, saved=False)
@@ -262,9 +274,15 @@ class RLRecipe:
             last_eval: Dict[str, float] = {}
             for step in range(self.start_step, config.train.steps):
                 generators = rng_state()  # as the last completed step left them: what an abandoned step saves
-                abandoned_by = self.train_step(step)
-                if abandoned_by:
-                    self._abandon(abandoned_by, generators)
+                # (rank 0, sync: where an update abandoned before its first mini-batch puts the prompt stream back)
+                data = (
+                    self.rollout.dataset.state_dict()
+                    if self.rollout is not None and self.update_stops.synchronous
+                    else None
+                )
+                abandoned = self.train_step(step)
+                if abandoned is not None:
+                    self._abandon(abandoned, generators, data)
                 if config.eval.every and trainer.step % config.eval.every == 0 and trainer.step < config.train.steps:
                     last_eval = self.evaluate(trainer.step) or last_eval
                 saved = bool(config.checkpoint.every) and trainer.step % config.checkpoint.every == 0
@@ -285,20 +303,22 @@ class RLRecipe:
             self.save(trainer.step)
         return {"run_dir": str(self.run_dir), "first_eval": first_eval, "last_eval": last_eval, "steps": trainer.step}
 
-    def train_step(self, step: int) -> Optional[str]:
+    def train_step(self, step: int) -> Optional[AbandonedStep]:
         """Rollout (rank 0) -> broadcast -> trainer step -> weight push; logs the step's metrics.
 
         With ``rollout.mode=overlap`` the step takes the rollout generated during the previous step,
         pushes the current weights and starts the next rollout before training; with ``async`` it
         takes the producer's oldest complete groups and pushes after training without draining.
-        Returns the name of the stop signal that abandoned the step during its rollout (every rank:
-        rank 0 decides and tells the others where they wait for it), None when the step was trained.
+        Returns how a stop request ended the step (every rank: during the rollout rank 0 decides and
+        tells the others where they wait for it; during the update they decide together), None when
+        the step was trained.
         """
         import signal
 
         from megatron_zcpo.convert.verify import logprob_tolerance
         from megatron_zcpo.recipe.rollout import broadcast_samples
         from megatron_zcpo.rollout.engine import RolloutInterrupted
+        from megatron_zcpo.training.preemption import UpdateInterrupted
 
         started = time.perf_counter()
         overlap, asynchronous = self.overlap, self.asynchronous
@@ -315,7 +335,7 @@ class RLRecipe:
         # the others waited here (rank0_wait.py), and learn whether the step goes on
         count, abandoned_by = self.waits.broadcast((len(samples), None) if samples is not None else (0, abandoned_by))
         if abandoned_by:
-            return abandoned_by
+            return AbandonedStep(abandoned_by)
         if overlap is not None:
             overlap.push_current_weights()
             rollout_stats.update(overlap.launch(step + 1))
@@ -325,7 +345,10 @@ class RLRecipe:
         samples = broadcast_samples(samples)
         if self.colocation is not None:
             self.colocation.to_train()
-        metrics = self.trainer.train_step(samples)
+        try:
+            metrics = self.trainer.train_step(samples, stop_check=self.update_stops)
+        except UpdateInterrupted as stopped:
+            return AbandonedStep(stopped.signal_name, "update", stopped.progress)
         started_push = time.perf_counter()
         if asynchronous is not None:
             asynchronous.push(self.trainer.step)
@@ -361,26 +384,44 @@ class RLRecipe:
             )
         return None
 
-    def _abandon(self, stop: str, generators: Dict[str, Any]) -> None:
-        """Every rank, the step's rollout abandoned after ``stop``: checkpoint the state the last completed
-        step left (weights untouched since; the prompt stream where this step began; the random
-        generators as ``generators`` holds them), unless a checkpoint of that step exists, and raise
-        :class:`Preempted`. A resumed run generates this step again, exactly (sync mode)."""
+    def _abandon(self, abandoned: AbandonedStep, generators: Dict[str, Any], data: Optional[Dict[str, Any]]) -> None:
+        """Every rank, the step ended by a stop request as ``abandoned`` says; raises :class:`Preempted`.
+
+        Its weights untouched (the rollout, or the update before its first mini-batch): checkpoint the
+        state the last completed step left (the prompt stream where this step began, rank 0's ``data``;
+        the random generators as ``generators`` holds them), unless a checkpoint of that step exists; a
+        resumed run does this step again, exactly (sync mode). Trained in part: nothing is saved (the
+        newest checkpoint holds the run; :mod:`megatron_zcpo.recipe.stopping` chose this)."""
         from megatron_zcpo.checkpoint.io import set_rng_state
         from megatron_zcpo.training.preemption import Preempted
 
-        step = self.trainer.step
+        step, stop = self.trainer.step, abandoned.signal_name
+        if self.update_stops.unsaved() and abandoned.weights_changed:
+            where = self.update_stops.exit_unsaved_message(abandoned, step, self.checkpointed_step)
+            if self.logger is not None:
+                self.logger.print(f"{stop}: {where}{self._dropped()}")
+            checkpointed = self.checkpointed_step
+            raise Preempted(stop, checkpointed or 0, saved=checkpointed is not None, where=where)
         set_rng_state(generators)
+        if data is not None and abandoned.phase == "update":  # (the rollout put it back itself)
+            self.rollout.dataset.load_state_dict(data)
         trained = step > 0 or self.checkpointed_step is not None  # else a rerun starts afresh, as this run did
         if trained and self.checkpointed_step != step:
             self.save(step)
         if self.logger is not None:
             kept = f"checkpoint of step {step}" if trained else "nothing trained yet"
-            self.logger.print(
-                f"{stop}: abandoned step {step + 1} during its rollout (generation stopped, nothing of it "
-                f"trained; {kept}{self._dropped()}): the resumed run generates it again"
+            what = (
+                "generation stopped, nothing of it trained"
+                if abandoned.phase == "rollout"
+                else "before its first mini-batch"
+                if not abandoned.weights_changed
+                else f"after {abandoned.progress.done} of {abandoned.progress.total} mini-batches, none kept"
             )
-        raise Preempted(stop, step, saved=trained, abandoned=True)
+            self.logger.print(
+                f"{stop}: abandoned step {step + 1} during its {abandoned.phase} ({what}; {kept}{self._dropped()}):"
+                f" the resumed run {'generates' if abandoned.phase == 'rollout' else 'trains'} it again"
+            )
+        raise Preempted(stop, step, saved=trained, abandoned=True, phase=abandoned.phase)
 
     def _dropped(self) -> str:
         """What the stop message says of a rollout in flight it dropped (rollout.mode=overlap, rank 0)."""
@@ -419,6 +460,7 @@ class RLRecipe:
         """Checkpoint the trainer and the prompt stream at ``step`` (collective). Colocated, the trainer's
         state comes back for it (the engine releases its memory) and the weights are pushed again after."""
         self.waits.barrier()  # rank 0 may still be evaluating
+        started = time.monotonic()
         if self.colocation is not None:
             self.colocation.to_train()
         loop = {}
@@ -435,7 +477,7 @@ class RLRecipe:
             {"loop": loop, "run_id": self.run_id},
             keep_last=self.config.checkpoint.keep_last,
         )
-        self.checkpointed_step = step
+        self.checkpointed_step, self.last_save_s = step, time.monotonic() - started
         if self.colocation is not None:  # the released weights are gone: the engine gets them again
             self.push(self.trainer.step)
 

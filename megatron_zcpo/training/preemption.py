@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Dict, Optional, Sequence
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 # The exit status of a run stopped by a signal after its checkpoint: EX_TEMPFAIL ("try again"),
 # what the examples' sbatch scripts requeue on (examples/common/zcpo_job.sh).
@@ -16,6 +18,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # installed) would die of the signal, while the file waits for its next safe point.
 STOP_FILE_ENV = "ZCPO_STOP_FILE"
 _received_early: Optional[int] = None  # a stop signal recorded by record_stop_signals()
+_received_early_at = 0.0  # when (time.time())
 
 
 def record_stop_signals() -> None:
@@ -34,8 +37,9 @@ def record_stop_signals() -> None:
     """
 
     def remember(signum, frame) -> None:
-        global _received_early
-        _received_early = _received_early or signum
+        global _received_early, _received_early_at
+        if not _received_early:
+            _received_early, _received_early_at = signum, time.time()
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, remember)
@@ -72,21 +76,63 @@ def ignore_stop_signals() -> None:
 class Preempted(Exception):
     """The run stopped at a safe point because a rank received ``signal_name``; a checkpoint of
     ``step`` exists (``saved``: written now or earlier; else nothing was trained since the last
-    checkpoint or the start). ``abandoned``: the signal came during step ``step + 1``'s rollout, which
-    was abandoned (nothing of it trained; a resumed run generates it again); else during set-up or
-    after the step in progress."""
+    checkpoint or the start). ``abandoned``: the signal came during step ``step + 1``, which was
+    abandoned in ``phase`` ("rollout" or "update"; nothing of it kept: a resumed run does it again);
+    else during set-up or after the step in progress. ``where``: the message's own account of it."""
 
-    def __init__(self, signal_name: str, step: int, saved: bool = True, abandoned: bool = False):
-        if abandoned:
-            where = f"step {step + 1} abandoned during its rollout; " + (
+    def __init__(
+        self,
+        signal_name: str,
+        step: int,
+        saved: bool = True,
+        abandoned: bool = False,
+        phase: str = "rollout",
+        where: Optional[str] = None,
+    ):
+        if where is None and abandoned:
+            where = f"step {step + 1} abandoned during its {phase}; " + (
                 f"checkpoint of step {step}" if saved else "nothing trained yet"
             )
-        else:
+        elif where is None:
             where = "checkpoint written" if saved else "during set-up: nothing trained since the last checkpoint"
         super().__init__(
             f"stopped at step {step} after {signal_name} ({where}; exit code {PREEMPTED_EXIT_CODE}: requeue and resume)"
         )
-        self.signal_name, self.step, self.abandoned = signal_name, step, abandoned
+        self.signal_name, self.step, self.abandoned, self.phase = signal_name, step, abandoned, phase
+
+
+@dataclass(frozen=True)
+class UpdateProgress:
+    """Where a step's update stands at one of its safe points (before its experience pass, before
+    each mini-batch): ``done`` of ``total`` mini-batches trained (0: the weights are as the last
+    completed step left them), in ``seconds``."""
+
+    done: int
+    total: int
+    seconds: float = 0.0
+
+    def seconds_left(self) -> Optional[float]:
+        """The remaining mini-batches at the pace of the done ones; None before the first."""
+        return self.seconds / self.done * (self.total - self.done) if self.done else None
+
+
+# Collective: asked at an update's safe point, the name of the signal to stop there for, or None.
+StopCheck = Callable[[UpdateProgress], Optional[str]]
+
+
+class UpdateInterrupted(Exception):
+    """A stop request taken at a safe point of a step's update (``progress``): the trainer stopped there."""
+
+    def __init__(self, signal_name: str, progress: UpdateProgress):
+        super().__init__(f"{signal_name} after {progress.done} of {progress.total} mini-batches")
+        self.signal_name, self.progress = signal_name, progress
+
+
+def stop_if_asked(stop_check: Optional[StopCheck], progress: UpdateProgress) -> None:
+    """Raise :class:`UpdateInterrupted` when ``stop_check`` (collective; None: never) answers a signal's name."""
+    stop = stop_check(progress) if stop_check is not None else None
+    if stop:
+        raise UpdateInterrupted(stop, progress)
 
 
 class PreemptionGuard:
@@ -104,10 +150,13 @@ class PreemptionGuard:
     def __init__(self, signals: Sequence[int] = STOP_SIGNALS):
         self.signals = tuple(signals)
         self.received: Optional[int] = _received_early
+        self.received_at = _received_early_at  # when (time.time()), if received
         self._previous: Dict[int, object] = {}
         self._relay_file: Optional[str] = None
 
     def _handle(self, signum, frame) -> None:
+        if not self.received:
+            self.received_at = time.time()
         self.received = signum
         if self._relay_file is not None:
             write_stop_request(self._relay_file, signum)
@@ -122,7 +171,8 @@ class PreemptionGuard:
     def __enter__(self) -> PreemptionGuard:
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
-        self.received = self.received or _received_early  # recorded since __init__
+        if not self.received and _received_early:  # recorded since __init__
+            self.received, self.received_at = _received_early, _received_early_at
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -141,18 +191,33 @@ class PreemptionGuard:
                 return int(relayed.read().strip() or signal.SIGTERM)
         return 0
 
+    def seconds_since_request(self) -> float:
+        """Seconds since this process's stop request arrived (the signal, or the relay file's writing); 0 without one."""
+        if self.received:
+            return max(0.0, time.time() - self.received_at)
+        path = os.environ.get(STOP_FILE_ENV)
+        try:
+            return max(0.0, time.time() - os.path.getmtime(path)) if path else 0.0
+        except OSError:  # no request relayed
+            return 0.0
+
     def should_stop(self) -> Optional[str]:
         """Collective: the name of the signal any rank received (the highest number), or None."""
+        return self.stop_request()[0]
+
+    def stop_request(self, *values: float) -> Tuple[Optional[str], Tuple[float, ...]]:
+        """Collective: (:meth:`should_stop`'s answer, each of ``values`` at its largest over the ranks),
+        one all-reduce (MAX): the ranks decide on the same numbers (e.g. their estimates of the time left)."""
         import torch
         import torch.distributed as dist
 
         from megatron_zcpo.utils.devices import compute_device
 
-        flag = torch.tensor([float(self.requested())], device=compute_device())
+        flags = torch.tensor([float(self.requested()), *values], dtype=torch.float64, device=compute_device())
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        signum = int(flag.item())
-        return signal.Signals(signum).name if signum else None
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signum, *maxima = flags.tolist()
+        return (signal.Signals(int(signum)).name if signum else None), tuple(maxima)
 
 
 def write_stop_request(path: str, signum: int) -> None:

@@ -59,6 +59,7 @@ from megatron_zcpo.training.experience import (
     selfcheck,
 )
 from megatron_zcpo.training.metrics import MetricAccumulator
+from megatron_zcpo.training.preemption import StopCheck, UpdateProgress, stop_if_asked
 from megatron_zcpo.training.rollout_step import MinibatchAssignment, ResponseTokenStats, RolloutStep
 from megatron_zcpo.training.update import (
     LossInputs,
@@ -294,17 +295,22 @@ class PolicyTrainer:
         self.last_lr: Optional[float] = None  # the LR the last update applied
 
     # ----------------------------------------------------------------------------- one step
-    def train_step(self, samples: Sequence[RolloutSample]) -> Dict[str, float]:
+    def train_step(self, samples: Sequence[RolloutSample], stop_check: Optional[StopCheck] = None) -> Dict[str, float]:
         """Assign -> experience -> calibrate -> (diagnostics) -> update -> metrics on one rollout.
 
         Returns the step's global metrics (every rank). The rollout's frozen coefficients stay
         available as ``last_coefficients`` ([N] on the last pipeline stage, None elsewhere).
+        ``stop_check`` (collective; every rank passes one or none): asked at the update's safe points
+        (before the experience pass, before each mini-batch) with the :class:`UpdateProgress`; a signal
+        name it returns stops the step there with :class:`UpdateInterrupted` (before the first
+        mini-batch: the trainer's state is as the last completed step left it).
         """
         if not samples:
             raise ValueError("train_step needs at least one sample")
         metrics, timings = MetricAccumulator(), {}
+        step = self.start_step(samples)  # assign: mini-batches, this rank's share, its micro-batches
+        stop_if_asked(stop_check, UpdateProgress(0, len(step.assignment.minibatches)))
         with _timed(timings, "time/experience"):
-            step = self.start_step(samples)  # assign: mini-batches, this rank's share, its micro-batches
             if self.routing is not None:  # MoE: the engine's experts to replay or compare with
                 step.routing = self.routing.begin(samples, step.assignment.my_indices)
             step.experience = run_experience(
@@ -320,8 +326,9 @@ class PolicyTrainer:
             self.last_coefficients = step.coefficients
         update = self.policy_update()
         diagnostics, before_minibatch = self._diagnose(update, step, timings)
+        stop_if_asked(stop_check, UpdateProgress(0, len(step.assignment.minibatches)))
         with _timed(timings, "time/update"):
-            self._update(update, step, metrics, before_minibatch)
+            self._update(update, step, metrics, before_minibatch, stop_check)
         return self._step_metrics(step, metrics, checked, diagnostics, timings)
 
     def start_step(self, samples: Sequence[RolloutSample]) -> RolloutStep:
@@ -472,13 +479,19 @@ class PolicyTrainer:
         return self._update(self.policy_update(), step, metrics, before_minibatch)
 
     def _update(
-        self, update: PolicyUpdate, step: RolloutStep, metrics: MetricAccumulator, before_minibatch=None
+        self,
+        update: PolicyUpdate,
+        step: RolloutStep,
+        metrics: MetricAccumulator,
+        before_minibatch=None,
+        stop_check: Optional[StopCheck] = None,
     ) -> List[float]:
-        """:meth:`update` with ``update`` (the one the step's diagnostics saw)."""
+        """:meth:`update` with ``update`` (the one the step's diagnostics saw); ``stop_check``: asked
+        before each mini-batch after the first (see :meth:`train_step`)."""
         self.scheduler.step(1)
         self.last_lr = float(self.optimizer.param_groups[0]["lr"])
         self.skips.messages = []
-        grad_norms = run_update(update, step, metrics, self.skips, before_minibatch)
+        grad_norms = run_update(update, step, metrics, self.skips, before_minibatch, stop_check)
         self.step += 1
         return grad_norms
 

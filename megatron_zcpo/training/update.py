@@ -11,6 +11,7 @@ algorithm and its loss) and the :class:`~megatron_zcpo.training.rollout_step.Rol
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -21,6 +22,7 @@ from megatron_zcpo.training.batch import MicroBatch, MicroBatchLayout, RolloutSa
 from megatron_zcpo.training.config import ImportanceSamplingConfig
 from megatron_zcpo.training.experience import TokenStatsOptions, token_stats_on_shard
 from megatron_zcpo.training.metrics import MetricAccumulator
+from megatron_zcpo.training.preemption import StopCheck, UpdateInterrupted, UpdateProgress, stop_if_asked
 from megatron_zcpo.training.rollout_step import RolloutStep
 from megatron_zcpo.utils.devices import compute_device
 
@@ -279,13 +281,16 @@ def run_update(
     metrics: MetricAccumulator,
     skips: SkippedSteps,
     before_minibatch: Optional[Callable[[int], None]] = None,
+    stop_check: Optional[StopCheck] = None,
 ) -> List[float]:
     """One optimizer step per mini-batch with the step's frozen coefficients; fills ``metrics``.
 
     ``before_minibatch(index)``, when given, runs before each mini-batch's backward (the
     diagnostics that need the ratios moved by earlier updates of this rollout). A mini-batch
     with non-finite values is skipped on every rank and recorded in ``skips`` (see
-    :func:`skip_if_not_finite`). Returns the gradient norms, one per applied mini-batch.
+    :func:`skip_if_not_finite`). ``stop_check`` (collective) is asked before each mini-batch after
+    the first; a signal's name it answers raises :class:`UpdateInterrupted` there. Returns the
+    gradient norms, one per applied mini-batch.
     """
     use_reference = update.algorithm.needs_current_kl
     grad_norms = []
@@ -294,7 +299,17 @@ def run_update(
     loss_fn = _loss_with_report(update.loss)
     samples, assignment = step.samples, step.assignment
     unit = update.algorithm.normalizer_unit
+    started = time.perf_counter()
     for index, (minibatch, my_share) in enumerate(zip(assignment.minibatches, assignment.mine)):
+        if index:  # (before the first, the trainer asked)
+            try:
+                stop_if_asked(
+                    stop_check, UpdateProgress(index, len(assignment.minibatches), time.perf_counter() - started)
+                )
+            except UpdateInterrupted:
+                if use_reference:
+                    update.models.place_reference(on_device=False)
+                raise
         if before_minibatch is not None:
             before_minibatch(index)
         reports = forward_backward(

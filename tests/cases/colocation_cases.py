@@ -65,18 +65,19 @@ def plain_two_steps(rank, world, tp, bf16, distributed_optimizer, ep=1):
     return trainer.train_step(_rollout(1, ep))
 
 
-class _StopAfterFirstStep:
-    """A PreemptionGuard stand-in: no stop during set-up, SIGUSR1 once the first step is done."""
+def _stop_after_first_step():
+    """A PreemptionGuard whose step-boundary check reports SIGUSR1 once the first step is done (no stop
+    during set-up, the rollout or the update: no request is received)."""
+    from megatron_zcpo.training.preemption import PreemptionGuard
 
-    def __init__(self):
-        self.calls = 0
+    class StopAfterFirstStep(PreemptionGuard):
+        calls = 0
 
-    def should_stop(self):
-        self.calls += 1
-        return "SIGUSR1" if self.calls == 2 else None
+        def should_stop(self):
+            self.calls += 1
+            return "SIGUSR1" if self.calls == 2 else None
 
-    def requested(self):
-        return 0  # (no stop request during a rollout: the stop comes after the step)
+    return StopAfterFirstStep()
 
 
 def preempted_run(rank, world, path):
@@ -86,7 +87,7 @@ def preempted_run(rank, world, path):
     from megatron_zcpo.training.preemption import Preempted
 
     try:
-        run_training(load_run_config(str(path)), _StopAfterFirstStep())
+        run_training(load_run_config(str(path)), _stop_after_first_step())
     except Preempted as stop:
         return stop.step
     return None
