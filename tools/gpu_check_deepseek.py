@@ -4,8 +4,8 @@
 
 Two tiny random models built with transformers' own ``DeepseekV3ForCausalLM``, both with layer 0
 dense and DeepSeekMoE after it (shared experts, the sigmoid router with its correction bias):
-"q-latent" (``q_lora_rank``, YaRN with its softmax-scale correction, 8 experts in 4 groups of which
-2 are eligible, top-4, fp32 weights) and "no-q-latent" (one query projection, plain RoPE, 4 experts,
+"dsv3-yarn-groups" (``q_lora_rank``, YaRN with its softmax-scale correction, 8 experts in 4 groups of which
+2 are eligible, top-4, fp32 weights) and "moonlight-bf16" (one query projection, plain RoPE, 4 experts,
 top-2, two shared experts, bf16 weights). For each, one row per check:
 
 1. convert: our converter writes the checkpoint; its keys of the fused norms are those of megatron's
@@ -35,57 +35,17 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout: the package beside it
+    sys.path.insert(0, str(ROOT))
+
+from megatron_zcpo.testing.tiny_deepseek import ARCHITECTURES, make_hf_model
+
 EXIT_OK, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 3
 # fp32 weights on both sides; the GPU's GEMMs (TF32 where TE allows it) sum in another order: the
 # bound of tools/gpu_check.py's --verify (the CPU gives < 1e-4, tests/convert/test_convert_deepseek.py).
 LOGIT_TOLERANCE = 2e-2
 SKIPPED = "no GPU: skipped the Transformer Engine spec (fused-norm MLA, grouped-GEMM experts) and bf16 training"
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    max_position_embeddings=4096,
-    first_k_dense_replace=1,
-)
-YARN = dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1)
-CASES = {  # name -> (DeepseekV3Config fields, stored dtype)
-    "q-latent": (
-        dict(
-            vocab_size=300,
-            num_hidden_layers=3,
-            q_lora_rank=32,
-            n_routed_experts=8,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            n_shared_experts=1,
-            routed_scaling_factor=2.5,
-            rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0},
-        ),
-        torch.float32,
-    ),
-    "no-q-latent": (
-        dict(
-            vocab_size=260,
-            num_hidden_layers=2,
-            q_lora_rank=None,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            n_shared_experts=2,
-            routed_scaling_factor=2.446,
-            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        ),
-        torch.bfloat16,
-    ),
-}
+CASES = ARCHITECTURES  # name -> (DeepseekV3Config fields, stored dtype)
 # What megatron-core 0.16.1's TE spec builds (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
 # with multi_latent_attention, get_gpt_decoder_block_spec): module (in layer 0 or layer 1) -> class name.
 TE_MODULES = {
@@ -95,28 +55,6 @@ TE_MODULES = {
     "decoder.layers.0.mlp.linear_fc1": "TELayerNormColumnParallelLinear",
     "decoder.layers.1.mlp.experts": "TEGroupedMLP",
 }
-
-
-def make_hf_model(directory: Path, fields: dict, dtype: torch.dtype, seed: int) -> None:
-    """A random DeepseekV3ForCausalLM: every tensor random (norms near 1), well separated router scores."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY, **fields))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_((0.5 if name.endswith("mlp.gate.weight") else 0.05) * torch.randn_like(param))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.2 * torch.randn_like(buffer))
-    model.to(dtype)
-    for name, buffer in model.named_buffers():  # float32 in DeepSeek's bf16 checkpoints too
-        if name.endswith("e_score_correction_bias"):
-            buffer.data = buffer.data.float()
-    model.save_pretrained(directory)
 
 
 def hf_tensors(directory: Path) -> dict:
@@ -302,6 +240,5 @@ def main(argv=None) -> int:
     return EXIT_OK
 
 
-if __name__ == "__main__":  # dist_checkpointing's writer re-imports __main__ in a spawned process
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # (dist_checkpointing's writer re-imports __main__ in a spawned process)
     sys.exit(main())

@@ -2,7 +2,6 @@
 trips (also after megatron-core re-saves at TP2 x PP2 (uneven) x EP2), logits equal at TP1 and at that
 layout, blockwise-FP8 weights dequantised, multi-token-prediction layers dropped or kept by request."""
 
-import copy
 import json
 import os
 import subprocess
@@ -15,95 +14,14 @@ import torch
 from megatron_zcpo.convert import mapping
 from megatron_zcpo.convert.hf_checkpoint import SafetensorsCheckpoint, read_hf_config
 from megatron_zcpo.testing import run_distributed
+from megatron_zcpo.testing.tiny_deepseek import ARCHITECTURES, TINY, YARN, make_hf_model
 from tests.convert.test_convert import resave_as_a_trainer
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ = 16
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    max_position_embeddings=4096,
-    first_k_dense_replace=1,
-    num_mtp_layers=0,
-)
-YARN = {
-    "rope_type": "yarn",
-    "factor": 40.0,
-    "original_max_position_embeddings": 64,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-    "rope_theta": 10000.0,
-}
-# name -> (config overrides, saved dtype)
-CASES = {
-    # DeepSeek-V3 as released: query latent, YaRN with its softmax-scale correction, 4 groups of 2
-    # experts of which 2 are eligible (top-4 = 2 x topk_group), one shared expert, layer 0 dense
-    "dsv3-yarn-groups": (
-        dict(
-            vocab_size=300,
-            num_hidden_layers=3,
-            q_lora_rank=32,
-            n_routed_experts=8,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            n_shared_experts=1,
-            routed_scaling_factor=2.5,
-            rope_parameters=YARN,
-        ),
-        torch.float32,
-    ),
-    # Moonlight's shape: no query latent, plain RoPE, no groups, two shared experts, stored in bf16
-    "moonlight-bf16": (
-        dict(
-            vocab_size=260,
-            num_hidden_layers=2,
-            q_lora_rank=None,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            n_shared_experts=2,
-            routed_scaling_factor=2.446,
-            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        ),
-        torch.bfloat16,
-    ),
-}
+CASES = ARCHITECTURES
 FP8_CASE = "dsv3-fp8-mtp"  # dsv3-yarn-groups' architecture, quantised in 16 x 16 blocks, one MTP layer
 FP8_BLOCK = 16
-
-
-def _make_hf_model(directory: Path, overrides: dict, dtype: torch.dtype, seed: int):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY, **copy.deepcopy(overrides)))
-    with torch.no_grad():  # every tensor random: a swapped expert, head, norm or bias changes the logits
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif name.endswith("mlp.gate.weight"):  # well separated router scores: no near-ties in the top-k
-                param.copy_(0.5 * torch.randn_like(param))
-            else:
-                param.copy_(0.05 * torch.randn_like(param))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.2 * torch.randn_like(buffer))
-    model.to(dtype)
-    for name, buffer in model.named_buffers():  # float32 in DeepSeek's bf16 checkpoints too
-        if name.endswith("e_score_correction_bias"):
-            buffer.data = buffer.data.float()
-    model.save_pretrained(directory, max_shard_size="100KB")
 
 
 def quantize_block_fp8(weight: torch.Tensor, block: int):
@@ -138,7 +56,7 @@ def _make_fp8_mtp_model(directory: Path) -> dict:
     from safetensors.torch import save_file
 
     overrides, _ = CASES["dsv3-yarn-groups"]
-    _make_hf_model(directory / "plain", overrides, torch.bfloat16, seed=7)
+    make_hf_model(directory / "plain", overrides, torch.bfloat16, seed=7)
     with SafetensorsCheckpoint(directory / "plain") as plain:
         state = {name: plain.tensor(name) for name in plain.names()}
     last = overrides["num_hidden_layers"] - 1
@@ -177,7 +95,7 @@ def _make_fp8_mtp_model(directory: Path) -> dict:
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert_deepseek")
     for seed, (name, (overrides, dtype)) in enumerate(CASES.items()):
-        _make_hf_model(root / name / "hf", overrides, dtype, seed)
+        make_hf_model(root / name / "hf", overrides, dtype, seed)
     return root
 
 

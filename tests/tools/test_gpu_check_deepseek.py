@@ -38,4 +38,4 @@ def test_without_a_gpu_the_cpu_parts_pass_and_the_te_spec_is_skipped_with_exit_3
             assert "  ok  " in row, row
     assert "FAILED" not in result.stdout and "TE spec modules" not in result.stdout, result.stdout
     assert lines[-1] == tool.SKIPPED
-    assert (tmp_path / "q-latent" / "hf_back" / "config.json").is_file()
+    assert (tmp_path / "dsv3-yarn-groups" / "hf_back" / "config.json").is_file()
