@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout: the package beside it
     sys.path.insert(0, str(ROOT))
 
+from megatron_zcpo.testing.gpu_checks import report
 from megatron_zcpo.testing.tiny_deepseek import ARCHITECTURES, make_hf_model
 
-EXIT_OK, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 3
 # fp32 weights on both sides; the GPU's GEMMs (TF32 where TE allows it) sum in another order: the
 # bound of tools/gpu_check.py's --verify (the CPU gives < 1e-4, tests/convert/test_convert_deepseek.py).
 LOGIT_TOLERANCE = 2e-2
@@ -229,15 +229,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as scratch:
         rows = run(Path(args.out or scratch))
-    width = max(len(name) for name, _, _ in rows)
-    for name, ok, detail in rows:
-        print(f"{name:<{width}}  {'ok' if ok else 'FAILED':<6}  {detail}")
-    if not all(ok for _, ok, _ in rows):
-        return EXIT_FAILED
-    if not has_cuda():
-        print(SKIPPED)
-        return EXIT_NO_GPU
-    return EXIT_OK
+    return report(rows, has_cuda(), SKIPPED)
 
 
 if __name__ == "__main__":  # (dist_checkpointing's writer re-imports __main__ in a spawned process)

@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-EXIT_OK, EXIT_FAILED, EXIT_NO_GPU = 0, 1, 3
+if str(ROOT) not in sys.path:  # run as a script from a checkout: the package beside it
+    sys.path.insert(0, str(ROOT))
+
+from megatron_zcpo.testing.gpu_checks import report
+
 LOGIT_TOLERANCE = 2e-2  # fp32 weights; GPU GEMMs sum in another order (tools/gpu_check.py's --verify tolerance)
 ENGINE_MISMATCH_LIMIT = 0.05  # tokens routed differently by transformers and megatron-core at fp32
 
@@ -142,17 +146,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as scratch:
         rows = run(Path(args.out or scratch))
-    width = max(len(name) for name, _, _ in rows)
-    for name, ok, detail in rows:
-        print(f"{name:<{width}}  {'ok' if ok else 'FAILED':<6}  {detail}")
-    if not all(ok for _, ok, _ in rows):
-        return EXIT_FAILED
-    if not has_cuda():
-        print("no GPU: ran on the CPU")
-        return EXIT_NO_GPU
-    return EXIT_OK
+    return report(rows, has_cuda(), "no GPU: ran on the CPU")
 
 
-if __name__ == "__main__":  # dist_checkpointing's writer re-imports __main__ in a spawned process
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # (dist_checkpointing's writer re-imports __main__ in a spawned process)
     sys.exit(main())

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_zcpo.testing.gpu_checks import EXIT_NO_GPU
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,7 +27,7 @@ def test_without_a_gpu_the_cpu_parts_pass_and_the_te_spec_is_skipped_with_exit_3
         text=True,
         timeout=600,
     )
-    assert result.returncode == tool.EXIT_NO_GPU, result.stdout + result.stderr[-3000:]
+    assert result.returncode == EXIT_NO_GPU, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     for case in tool.CASES:
         for check in (
