@@ -45,7 +45,7 @@ sglang-venvs: install-dev system-packages
 # real-Slurm tests fail instead of skipping when Slurm is missing. Two pytest-xdist workers, each test
 # file (or group of files sharing servers, ports or the Slurm cluster: tests/conftest.py) in one worker.
 test: install-dev system-packages sglang-venvs
-	ZCPO_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=40 tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	ZCPO_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=40 tests; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 # GPU acceptance check (tools/gpu_check.py), inside the repository's image on one GPU (its python3
 # is the default PYTHON; elsewhere: make gpu-check PYTHON=.venv/bin/python). Without a GPU it runs

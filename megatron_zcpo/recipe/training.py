@@ -36,6 +36,7 @@ class RLRecipe:
         self.colocation = None  # rollout.placement=colocated: the phase machine (rollout/placement.py)
         self.push_bytes: Optional[int] = None  # bytes of the last weight push (rank 0)
         self.guard: Any = None  # the PreemptionGuard train() runs under
+        self.update_stops: Any = None  # its UpdateStopCheck (recipe/stopping.py), set by train()
         self.last_save_s = 0.0  # how long the last checkpoint took (what a stop's estimate counts for a save)
 
     # ----------------------------------------------------------------------------- setup
@@ -247,7 +248,8 @@ class RLRecipe:
         ``PREEMPTED_EXIT_CODE``; ``checkpoint.resume=auto`` continues). A stop request rank 0 sees
         during a step's rollout abandons that step (:meth:`_abandon`); one any rank sees during the
         update is taken at the update's next safe point as :mod:`megatron_zcpo.recipe.stopping` says
-        (abandon, finish within ``checkpoint.stop_grace_s``, or exit unsaved); else after the step.
+        (abandon, finish within ``checkpoint.stop_grace_s``, or exit unsaved); else after the step,
+        skipping an evaluation due then.
         """
         from megatron_zcpo.checkpoint.io import rng_state
         from megatron_zcpo.recipe.stopping import UpdateStopCheck
@@ -283,12 +285,15 @@ class RLRecipe:
                 abandoned = self.train_step(step)
                 if abandoned is not None:
                     self._abandon(abandoned, generators, data)
+                stop = guard.should_stop() if trainer.step < config.train.steps else None
                 if config.eval.every and trainer.step % config.eval.every == 0 and trainer.step < config.train.steps:
-                    last_eval = self.evaluate(trainer.step) or last_eval
+                    if not stop:  # (a stop leaves no time for it: the grace time is the save's)
+                        last_eval = self.evaluate(trainer.step) or last_eval
+                    elif self.logger is not None:
+                        self.logger.print(f"{stop}: evaluation at step {trainer.step} skipped")
                 saved = bool(config.checkpoint.every) and trainer.step % config.checkpoint.every == 0
                 if saved:
                     self.save(trainer.step)
-                stop = guard.should_stop() if trainer.step < config.train.steps else None
                 if stop:
                     if not saved:
                         self.save(trainer.step)

@@ -26,6 +26,14 @@ def preload_in_ranks(modules: Iterable[str]) -> None:
     _RANK_PRELOAD.extend(name for name in modules if name not in _RANK_PRELOAD)
 
 
+def rank_context():
+    """The multiprocessing context ranks start from: a fork server with :func:`preload_in_ranks`' modules
+    imported once (for raw rank processes a caller starts and stops itself)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_RANK_PRELOAD)
+    return ctx
+
+
 class DistributedRunFailure(AssertionError):
     """A rank raised, crashed or timed out; the message carries that rank's traceback."""
 
@@ -93,8 +101,7 @@ def run_distributed(
     """
     __tracebackhide__ = True  # pytest: show the rank's traceback, not this function's frames
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_RANK_PRELOAD)
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     parent = {"environ": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path)}

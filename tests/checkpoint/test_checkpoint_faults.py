@@ -3,7 +3,6 @@
 import contextlib
 import glob
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -23,6 +22,7 @@ from megatron_zcpo.checkpoint.io import (
 )
 from megatron_zcpo.testing import run_distributed
 from megatron_zcpo.utils.runtime import free_port
+from megatron_zcpo.utils.spawn import rank_context
 from tests.cases import checkpoint_fault_cases
 
 KILL_ROUNDS = 3
@@ -111,7 +111,7 @@ def test_kill_9_during_saves_always_resumes_the_last_complete_checkpoint(tmp_pat
     """Rank processes save back to back; a random rank is SIGKILLed at a random moment (then the
     other, as a launcher would), several times over the same directory. Each restart verifies the
     checkpoint it resumes from (every parameter equals its step, RNG draws as recorded)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()  # (forked from a server that imported torch and megatron-core once)
     chooser = random.Random(17)
     resumed_steps = []
     for round_index in range(KILL_ROUNDS):

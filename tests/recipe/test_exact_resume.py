@@ -67,27 +67,39 @@ def test_resumed_run_equals_the_uninterrupted_one_tp1(tmp_path, tiny_model):
     assert {r["run_id"] for r in records} == {(tmp_path / "b" / "run" / "run_id").read_text().strip()}  # one run
 
 
-def _reference_and_started_run(tmp_path, model, steps):
-    """(metrics of an uninterrupted run of ``steps``, config path of a second run, its process just
-    started; its steps after the first wait for a stop signal: :mod:`tests.recipe.reward_gate`)."""
-    changes = dict(
-        train={"steps": steps},
-        checkpoint={"every": 0},
-        eval=NO_EVAL,
-        reward={"function": "tests.recipe.reward_gate:gated_dapo_math_reward"},
-    )
-    _train(_config(tmp_path / "a", model, **changes))
-    path = _config(tmp_path / "b", model, **changes)
+GATED = dict(  # TP2, 3 steps, the steps after the first waiting for a stop signal (tests.recipe.reward_gate)
+    train={"steps": 3},
+    checkpoint={"every": 0},
+    eval=NO_EVAL,
+    reward={"function": "tests.recipe.reward_gate:gated_dapo_math_reward"},
+)
+
+
+@pytest.fixture(scope="module")
+def gated_reference(tmp_path_factory, tiny_model):
+    """The metrics of an uninterrupted run of the GATED config (ungated: no gate file), shared by the tests
+    that stop its twin."""
+    root = tmp_path_factory.mktemp("reference")
+    _train(_config(root / "a", tiny_model, **GATED))
+    return _step_metrics(root / "a" / "run")
+
+
+def _started_run(tmp_path, model):
+    """(config path of a GATED run, its process just started)."""
+    path = _config(tmp_path / "b", model, **GATED)
     command, env = _command(path)
     env[GATE_ENV] = str(tmp_path / "b" / "run" / "metrics.jsonl")
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
-    return _step_metrics(tmp_path / "a" / "run"), path, process
+    return path, process
 
 
-def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, tiny_model):
-    expected, path, process = _reference_and_started_run(tmp_path, tiny_model, 3)
+def test_sigusr1_stops_a_tp2_run_with_a_checkpoint_and_the_rerun_continues_exactly(
+    tmp_path, tiny_model, gated_reference
+):
+    expected = gated_reference
+    path, process = _started_run(tmp_path, tiny_model)
     metrics = tmp_path / "b" / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and '"rollout/reward_mean"' in metrics.read_text()):  # step 1 is trained
@@ -117,12 +129,12 @@ def _ranks_started(pid):
 
 
 @pytest.mark.parametrize("first_signal", ["launcher-start-up", "ranks-start-up"])
-def test_stop_signals_from_the_first_moment_never_kill_a_tp2_run(tmp_path, tiny_model, first_signal):
+def test_stop_signals_from_the_first_moment_never_kill_a_tp2_run(tmp_path, tiny_model, gated_reference, first_signal):
     # SIGUSR1 every 0.3 s from the launcher's first handled moment on (it stops before starting the
     # ranks), or from the moment its ranks exist (relayed through $ZCPO_STOP_FILE, never signalled to
     # them, so one still importing cannot die): the run exits with the requeue code, and the rerun
     # trains every step exactly as an uninterrupted run.
-    expected, path, process = _reference_and_started_run(tmp_path, tiny_model, 2)
+    path, process = _started_run(tmp_path, tiny_model)
     deadline = time.monotonic() + 600
     ready = _catches if first_signal == "launcher-start-up" else (lambda pid, _: _ranks_started(pid))
     while not ready(process.pid, signal.SIGUSR1):  # (the interpreter's own start-up has no Python handler)
@@ -136,4 +148,4 @@ def test_stop_signals_from_the_first_moment_never_kill_a_tp2_run(tmp_path, tiny_
     expected_stop = "before starting" if first_signal == "launcher-start-up" else "after SIGUSR1"
     assert expected_stop in stderr, stderr[-3000:]
     _train(path)
-    assert _step_metrics(tmp_path / "b" / "run") == expected
+    assert _step_metrics(tmp_path / "b" / "run") == gated_reference

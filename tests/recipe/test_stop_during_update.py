@@ -80,6 +80,7 @@ CASES = {
     # during step 2's first mini-batch, the checkpoint of step 1 written before: abandoned, nothing saved
     "checkpoint-holds-it": ({"every": 1}, {"update_call": 3}),
     # during step 2's first mini-batch, step 1 unsaved, the finish fits the default grace: finished and saved
+    # (its evaluation, due at step 2, skipped)
     "finished-in-grace": ({"every": 0}, {"update_call": 3}),
     # the same with no grace: exits unsaved, the rerun starts afresh
     "no-grace": ({"every": 0, "stop_grace_s": 0}, {"update_call": 3}),
@@ -89,11 +90,14 @@ CASES = {
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("stops")
-    common = dict(train={"steps": 3}, eval=NO_EVAL)
+    common = dict(train={"steps": 3})
     cases = []
     for name, (checkpoint, trigger) in [("reference", ({"every": 0}, None)), *CASES.items()]:
         (root / name).mkdir()
-        path = write_config(root / name, tiny_model, checkpoint={"keep_last": 3, **checkpoint}, **common)
+        evaluation = {**NO_EVAL, "every": 2} if name == "finished-in-grace" else NO_EVAL
+        path = write_config(
+            root / name, tiny_model, checkpoint={"keep_last": 3, **checkpoint}, eval=evaluation, **common
+        )
         cases.append((name, path, trigger))
     [results, _] = run_distributed(_stopped_and_resumed, 2, cases, str(root / "stop_request"), timeout=900)
     return root, results
@@ -125,6 +129,7 @@ def test_a_stop_whose_finish_fits_the_grace_finishes_the_step_and_saves_it(stopp
     step, abandoned, message = results["finished-in-grace"]
     assert (step, abandoned) == (2, False) and "checkpoint written" in message, message
     assert _latest(root, "finished-in-grace") == "step_00000003"  # (after the resumed run's last step)
+    assert not (root / "finished-in-grace" / "run" / "eval").exists()  # step 2's evaluation: no time for it
 
 
 def test_a_stop_whose_finish_outlasts_the_grace_exits_unsaved(stopped):
