@@ -64,6 +64,7 @@ GROUP_SECONDS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups from the markers
 def pytest_collection_modifyitems(config, items):
     """Give every test its xdist group (its file's, or the shared one its file belongs to) and put the
     groups in the order the workers should take them (:data:`GROUP_SECONDS`; a group's own order kept)."""
@@ -79,3 +80,15 @@ def pytest_collection_modifyitems(config, items):
             group = marker.args[0] if marker.args else marker.kwargs.get("name", "default")
         groups[item] = group
     items.sort(key=lambda item: -GROUP_SECONDS.get(groups[item], 0))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """On an xdist worker under ``--dist loadgroup``: refuse to run when the groups did not reach the test ids
+    (pytest 9.2 keeps a node's id where pytest-xdist 3.8 cannot suffix it; every test would then be its own
+    group, module fixtures built in both workers and the real servers started twice)."""
+    if getattr(session.config.option, "loadgroup", False) and any("@" not in item.nodeid for item in session.items):
+        raise pytest.UsageError(
+            f"pytest-xdist's groups were not applied (pytest {pytest.__version__}): install the pytest the "
+            "dev extra pins (setup.py)"
+        )
